@@ -1,0 +1,37 @@
+"""slimish: RL post-training native to Megatron-Core (training) and SGLang (rollout).
+
+CPU development stack: `make test` / `make quickstart` install the pinned requirements/cpu-lock.txt first.
+GPU clusters: `pip install -e .[gpu]` on top of a CUDA torch + sglang + megatron-core install.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="slimish",
+    version="0.1.0",
+    description="RL post-training framework native to Megatron-Core and SGLang",
+    packages=find_packages(include=["slimish", "slimish.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.9",
+        "megatron-core>=0.16,<0.20",
+        "sglang>=0.5.23",
+        "sglang-router>=0.3.2",
+        "ray[default]>=2.50",
+        "pyyaml",
+        "httpx",
+        "nvidia-ml-py",
+        "transformers>=5.0",
+        "safetensors",
+        "tokenizers",
+        "tensorboard",
+        "tqdm",
+        "psutil",
+    ],
+    extras_require={
+        # CUDA-only pieces; never install these on a CPU machine (transformer-engine's import fails there).
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "dev": ["pytest", "pytest-timeout", "ruff"],
+    },
+    entry_points={"console_scripts": ["slimish=slimish.cli:main"]},
+)

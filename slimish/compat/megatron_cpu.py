@@ -1,0 +1,156 @@
+"""What makes stock Megatron-Core (0.16-0.19) train on a CPU-only torch over gloo. Applied only when CUDA is absent.
+
+Megatron-Core assumes a GPU in a few places that are not about the maths: it asks for the current CUDA device to
+place tensors, allocates some buffers with device="cuda", keeps its dropout RNG states as CUDA generator states,
+synchronises streams, and asserts CUDA tensor types in grad clipping. `apply()` redirects exactly those to the CPU
+so the same model, schedules, optimizer and checkpointing code runs; the maths is untouched. On a GPU machine
+`apply()` does nothing and nothing here is imported by the trainer's logic.
+
+Call `apply()` before the first `import megatron.core` in a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+_APPLIED = False
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _redirect_device_kwarg(owner, name: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+class _NoOpStreamOrEvent:
+    """Stands for torch.cuda.Stream / Event: on CPU everything is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def apply() -> bool:
+    """Patch torch.cuda / Megatron-Core for CPU if CUDA is absent. Returns True if patched. Idempotent."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    from slimish.compat.cuda_driver_stub import preload_if_needed
+
+    preload_if_needed()  # flash_mla, probed by megatron.core, links libcuda.so.1
+    _APPLIED = True
+    _patch_torch_cuda()
+    _patch_megatron()
+    return True
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU  # Megatron passes this as device=...
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.manual_seed = lambda seed: None
+    cuda.Stream = _NoOpStreamOrEvent
+    cuda.Event = _NoOpStreamOrEvent
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.current_stream = lambda *a, **k: _NoOpStreamOrEvent()
+    cuda.default_stream = lambda *a, **k: _NoOpStreamOrEvent()
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda *a, **k: 0)
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    # Literal device="cuda" allocations (e.g. in pipeline schedules and the RNG tracker).
+    for name in ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like",
+                 "full_like", "rand", "randn", "randint", "as_tensor"):
+        _redirect_device_kwarg(torch, name)
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        _redirect_device_kwarg(torch.Tensor, name)
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and _is_cuda(args[0]):
+            args = (_CPU,) + tuple(args[1:])
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+
+
+def _patch_megatron() -> None:
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.tensor_parallel.random as tp_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Dropout RNG states: keep the "CUDA" generator states on the CPU generator.
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    tp_random.CudaRNGStatesTracker.add = add
+    logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
+
+    # Grad clipping asserts grads are torch.cuda.FloatTensor; the scaling itself is device-agnostic.
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff < 1.0:
+            for param in params:
+                grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+                if grad is not None:
+                    grad.detach().mul_(coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+    # 0.16.x refers to these Transformer-Engine names unguarded when TE is absent.
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)

@@ -1,0 +1,48 @@
+"""What makes a stock SGLang server serve on a CPU-only machine. Used only when CUDA is absent.
+
+Why each piece (measured on a 2-core CPU box with sglang 0.5.23, see README "CPU notes"):
+- LD_PRELOAD of the driver stub: the CUDA `sgl_kernel` wheel links libcuda.so.1 (see cuda_driver_stub).
+- SGLANG_USE_CPU_ENGINE=1 + --device cpu: SGLang's pure-torch CPU paths.
+- --dtype float32 explicitly: with `auto` the KV cache came out float16 for an fp32 model, breaking logprob parity.
+- --attention-backend torch_native, --sampling-backend pytorch: the only CPU-capable backends.
+- --sleep-on-idle: an idle scheduler otherwise spins a whole core, halving a 2-core machine.
+- --skip-server-warmup, --grammar-backend none: faster start, no xgrammar compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+from slimish.compat.cuda_driver_stub import real_driver_present, stub_path
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def server_env(base: dict | None = None) -> dict:
+    """Environment for an SGLang server process on this machine."""
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    if not cuda_available():
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if not real_driver_present():
+            env["LD_PRELOAD"] = ":".join(p for p in [str(stub_path()), env.get("LD_PRELOAD", "")] if p)
+    return env
+
+
+def server_args(*, device: str, dtype: str) -> list[str]:
+    """Device-specific sglang.launch_server arguments."""
+    if device == "cpu":
+        return ["--device", "cpu", "--dtype", dtype, "--attention-backend", "torch_native",
+                "--sampling-backend", "pytorch", "--sleep-on-idle", "--skip-server-warmup",
+                "--grammar-backend", "none"]
+    return ["--device", device, "--dtype", dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    return "cuda" if cuda_available() else "cpu"

@@ -1,0 +1,139 @@
+"""YAML file + dotted `key.sub=value` overrides -> a typed, validated `JobConfig`.
+
+Contract: every error is a `ConfigError` whose message starts with the full dotted key and says what is allowed
+(the allowed keys, values or type). Nothing is silently coerced except int -> float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from slimish.config.schema import JobConfig
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; `key` is the dotted path of the offending entry."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"config key '{key}': {message}")
+        self.key = key
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """['a.b=1', 'c=x'] -> nested dict; values are parsed as YAML scalars/lists."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "an override must look like section.key=value")
+        dotted, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(dotted, f"cannot parse value {raw!r}: {exc}") from None
+        node = nested
+        parts = dotted.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(dotted, "conflicts with an earlier override of a parent key")
+            node = child
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _type_name(tp) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(key: str, tp, value):
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(key, f"got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected a bool (true/false), got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        return list(value)
+    raise ConfigError(key, f"unsupported schema type {_type_name(tp)}")
+
+
+def build_dataclass(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(dotted, f"unknown key{hint}; allowed keys here: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value if value is not None else {}, prefix=f"{dotted}.")
+        else:
+            kwargs[key] = _check_value(dotted, tp, value)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Load YAML `path` (may be None), apply dotted `overrides`, build and validate the config."""
+    from slimish.config.validate import validate
+
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = build_dataclass(JobConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,159 @@
+"""Typed configuration of a slimish job.
+
+Every section is a keyword-only dataclass owned by the component that reads it; every field carries a one-line
+`help`. `Literal[...]` annotations are the allowed values that validation reports. Cross-field rules live in
+`validate.py` and only explain; they never rewrite a value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def doc(default, help: str):  # noqa: A002 - "help" reads best at call sites
+    """A dataclass field with a default and a one-line description."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = doc("run", "Run name: outputs go to <output_dir>/<name>/.")
+    output_dir: str = doc("runs", "Directory holding one folder per run.")
+    seed: int = doc(1234, "Seed for data order, sampling seeds and model init.")
+    log_every: int = doc(1, "Print one line every this many steps.")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    hf_path: str = doc("", "Hugging Face checkpoint directory (config.json, safetensors, tokenizer files).")
+    dtype: Literal["float32", "bfloat16"] = doc("float32", "Parameter and compute dtype of trainer and engines.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_parallel: int = doc(1, "Megatron tensor-parallel size.")
+    pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
+    expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
+    num_trainer_ranks: int = doc(1, "Number of trainer processes (tensor * pipeline * data parallel).")
+    backend: Literal["auto", "gloo", "nccl"] = doc("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo.")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = doc(1e-3, "Adam learning rate.")
+    weight_decay: float = doc(0.0, "Decoupled weight decay.")
+    adam_beta1: float = doc(0.9, "Adam beta1.")
+    adam_beta2: float = doc(0.999, "Adam beta2.")
+    adam_eps: float = doc(1e-8, "Adam epsilon.")
+    clip_grad: float = doc(1.0, "Global gradient-norm clip (0 disables).")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    advantage_estimator: Literal["grpo"] = doc("grpo", "How advantages are computed from group rewards.")
+    normalize_advantage_std: bool = doc(True, "Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO.")
+    clip_eps_low: float = doc(0.2, "Lower PPO ratio clip: ratio >= 1 - clip_eps_low.")
+    clip_eps_high: float = doc(0.2, "Upper PPO ratio clip: ratio <= 1 + clip_eps_high (DAPO clip-higher > low).")
+    kl_coef: float = doc(0.0, "Weight of the KL penalty to the reference (initial) policy; 0 disables it.")
+    kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "Per-token KL estimator used for the penalty.")
+    token_aggregation: Literal["token_mean", "seq_mean"] = doc("token_mean", "How per-token losses are averaged.")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    micro_batch_size: int = doc(8, "Sequences per forward/backward micro-batch.")
+    num_minibatches: int = doc(1, "Optimizer steps per rollout batch (1 = strictly on-policy).")
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
+
+
+@dataclass(kw_only=True)
+class SftConfig:
+    steps: int = doc(0, "Supervised warm-up steps in Megatron before RL (0 = none).")
+    lr: float = doc(3e-3, "Warm-up learning rate.")
+    batch_size: int = doc(32, "Warm-up sequences per step.")
+    data_path: str = doc("", "jsonl with 'prompt' and 'response' fields for the warm-up.")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    num_engines: int = doc(2, "SGLang servers to launch (each one process group).")
+    tensor_parallel: int = doc(1, "SGLang --tp-size of each engine.")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
+    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback).")
+    max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
+    startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
+    extra_args: list = doc([], "Extra command-line arguments passed verbatim to sglang.launch_server.")
+
+
+@dataclass(kw_only=True)
+class RouterConfig:
+    port: int = doc(30999, "sglang-router HTTP port (loopback).")
+    prometheus_port: int = doc(30998, "sglang-router Prometheus port (loopback).")
+    policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = doc(
+        "round_robin", "sglang-router load-balancing policy."
+    )
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    prompts_per_step: int = doc(16, "Prompts drawn per RL step.")
+    samples_per_prompt: int = doc(8, "Responses sampled per prompt (the GRPO group size).")
+    max_new_tokens: int = doc(16, "Maximum response length in tokens.")
+    temperature: float = doc(1.0, "Sampling temperature.")
+    top_p: float = doc(1.0, "Nucleus sampling threshold.")
+    max_concurrency: int = doc(64, "Maximum in-flight /generate requests.")
+    request_timeout_s: float = doc(600.0, "Timeout of one /generate request.")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = doc("", "Prompt dataset (jsonl).")
+    prompt_key: str = doc("prompt", "jsonl field holding the prompt text.")
+    label_key: str = doc("label", "jsonl field holding the label passed to the reward function.")
+    shuffle: bool = doc(True, "Shuffle prompts each epoch (seeded by run.seed).")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    fn: str = doc("", "Dotted path of fn(completions, **kwargs) -> list[float].")
+    failure_reward: float = doc(0.0, "Reward given when the reward function raises (the failure is counted).")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    transport: Literal["distributed"] = doc("distributed", "How weights reach the engines.")
+    bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
+    master_port: int = doc(29650, "TCP port of the trainer<->engines process-group store (loopback on CPU).")
+    verify: bool = doc(True, "Check every engine reports the new weight version after a sync.")
+
+
+@dataclass(kw_only=True)
+class RlConfig:
+    num_steps: int = doc(30, "RL steps (rollout -> train -> sync) to run.")
+
+
+@dataclass(kw_only=True)
+class RayConfig:
+    num_cpus: int = doc(0, "CPUs given to a local Ray (0 = all); ignored when RAY_ADDRESS joins a cluster.")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

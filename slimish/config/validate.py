@@ -1,0 +1,104 @@
+"""Cross-field checks on a built `JobConfig`. Each failure names the key and how to fix it; nothing is rewritten."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slimish.config.loader import ConfigError
+from slimish.config.schema import JobConfig
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: JobConfig) -> None:
+    ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
+    for key, value in [
+        ("rollout.prompts_per_step", ro.prompts_per_step),
+        ("rollout.samples_per_prompt", ro.samples_per_prompt),
+        ("rollout.max_new_tokens", ro.max_new_tokens),
+        ("rollout.max_concurrency", ro.max_concurrency),
+        ("rollout.engine.num_engines", ro.engine.num_engines),
+        ("rollout.engine.tensor_parallel", ro.engine.tensor_parallel),
+        ("rollout.engine.max_total_tokens", ro.engine.max_total_tokens),
+        ("trainer.micro_batch_size", tr.micro_batch_size),
+        ("trainer.num_minibatches", tr.num_minibatches),
+        ("trainer.torch_threads", tr.torch_threads),
+        ("trainer.optimizer.lr", tr.optimizer.lr),
+        ("parallel.tensor_parallel", par.tensor_parallel),
+        ("parallel.pipeline_parallel", par.pipeline_parallel),
+        ("parallel.expert_parallel", par.expert_parallel),
+        ("parallel.num_trainer_ranks", par.num_trainer_ranks),
+        ("weight_sync.bucket_mb", cfg.weight_sync.bucket_mb),
+        ("rl.num_steps", cfg.rl.num_steps),
+        ("run.log_every", cfg.run.log_every),
+        ("rollout.temperature", ro.temperature),
+    ]:
+        _positive(key, value)
+    _positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
+    _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
+    if not 0 < ro.top_p <= 1:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    for key, eps in [("trainer.loss.clip_eps_low", tr.loss.clip_eps_low),
+                     ("trainer.loss.clip_eps_high", tr.loss.clip_eps_high)]:
+        if not 0 < eps < 1:
+            raise ConfigError(key, f"must be in (0, 1), got {eps}")
+
+    if tr.loss.advantage_estimator == "grpo" and ro.samples_per_prompt < 2:
+        raise ConfigError("rollout.samples_per_prompt",
+                          f"GRPO normalises rewards within a group and needs >= 2 samples, got {ro.samples_per_prompt}")
+    batch = ro.prompts_per_step * ro.samples_per_prompt
+    if batch % tr.num_minibatches:
+        raise ConfigError("trainer.num_minibatches",
+                          f"must divide prompts_per_step * samples_per_prompt = {batch}, got {tr.num_minibatches}")
+    model_parallel = par.tensor_parallel * par.pipeline_parallel
+    if par.num_trainer_ranks % model_parallel:
+        raise ConfigError("parallel.num_trainer_ranks",
+                          f"must be a multiple of tensor_parallel * pipeline_parallel = {model_parallel}, "
+                          f"got {par.num_trainer_ranks}")
+    data_parallel = par.num_trainer_ranks // model_parallel
+    minibatch = batch // tr.num_minibatches
+    if minibatch % data_parallel:
+        raise ConfigError("parallel.num_trainer_ranks",
+                          f"the minibatch of {minibatch} sequences must split evenly over {data_parallel} "
+                          "data-parallel ranks")
+
+    engine_ports = range(ro.engine.base_port, ro.engine.base_port + ro.engine.num_engines)
+    for key, port in [("rollout.router.port", ro.router.port),
+                      ("rollout.router.prometheus_port", ro.router.prometheus_port),
+                      ("weight_sync.master_port", cfg.weight_sync.master_port)]:
+        if port in engine_ports:
+            raise ConfigError(key, f"port {port} collides with the engine ports {engine_ports.start}-"
+                                   f"{engine_ports.stop - 1} (rollout.engine.base_port + i)")
+    if ro.router.port == ro.router.prometheus_port:
+        raise ConfigError("rollout.router.prometheus_port", "must differ from rollout.router.port")
+
+    _check_paths(cfg)
+    _check_hook("reward.fn", cfg.reward.fn)
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    if not cfg.model.hf_path:
+        raise ConfigError("model.hf_path", "is required: a Hugging Face checkpoint directory")
+    if not (Path(cfg.model.hf_path) / "config.json").is_file():
+        raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
+    if not cfg.data.path:
+        raise ConfigError("data.path", "is required: a jsonl file of prompts")
+    if not Path(cfg.data.path).is_file():
+        raise ConfigError("data.path", f"file {cfg.data.path!r} does not exist")
+    if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
+        raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
+
+
+def _check_hook(key: str, dotted: str) -> None:
+    from slimish.hooks import HookError, load_function
+
+    if not dotted:
+        raise ConfigError(key, "is required: a dotted path such as 'package.module.function'")
+    try:
+        load_function(dotted)
+    except HookError as exc:
+        raise ConfigError(key, str(exc)) from None

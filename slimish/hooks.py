@@ -1,0 +1,31 @@
+"""The one resolver for user hooks named by a dotted path in the config.
+
+Hooks and their contracts (see README "Hooks"):
+  reward.fn   fn(completions: list[str], **kwargs) -> list[float]
+              kwargs: prompts (list[str]), labels (list), samples (list[Sample])
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+class HookError(ValueError):
+    """A dotted path that does not resolve to a callable."""
+
+
+def load_function(dotted: str) -> Callable:
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise HookError(f"{dotted!r} is not a dotted path 'module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HookError(f"cannot import module {module_name!r} of {dotted!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise HookError(f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise HookError(f"{dotted!r} is not callable")
+    return fn

@@ -1,0 +1,120 @@
+"""Fill a live Megatron-Core model from HF tensors, and export its parameters as HF-named full tensors.
+
+Both directions walk the same rule table (`dense.model_rules`), so conversion and weight sync cannot disagree.
+Loading is strict: an HF tensor left unused or a Megatron parameter left unfilled is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from slimish.megatron_bridge import dense, sharding
+from slimish.megatron_bridge.hf_config import Architecture
+from slimish.megatron_bridge.hf_io import HFCheckpoint
+
+
+class MappingError(RuntimeError):
+    pass
+
+
+def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(raw name, canonical name, parameter), skipping the tied output layer on the last stage."""
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        canonical = dense.canonical_megatron_name(name)
+        yield name, canonical, param
+
+
+def _tp_info():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
+
+
+def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Rule]:
+    rules = {r.megatron: r for r in dense.model_rules(arch)}
+    return _shift_layer_numbers(model, rules)
+
+
+def _shift_layer_numbers(model, rules):
+    """Pipeline stages number their layers from 0; map local layer i to global layer offset + i."""
+    offset = _layer_offset(model)
+    if offset == 0:
+        return rules
+    shifted = {}
+    for name, rule in rules.items():
+        if name.startswith("decoder.layers."):
+            global_index = int(name.split(".")[2])
+            local_index = global_index - offset
+            if local_index < 0:
+                continue
+            name = name.replace(f"decoder.layers.{global_index}.", f"decoder.layers.{local_index}.", 1)
+        shifted[name] = rule
+    return shifted
+
+
+def _layer_offset(model) -> int:
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
+    decoder = getattr(module, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if not layers:
+        return 0
+    return layers[0].layer_number - 1
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Architecture) -> None:
+    """Copy every parameter of `model` (this rank's shard) from the HF checkpoint; strict both ways."""
+    ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
+    rules = _rules_for(model, arch)
+    tp_rank, tp_size, _ = _tp_info()
+    used: set[str] = set()
+    for raw, canonical, param in _named_params(model):
+        rule = rules.get(canonical)
+        if rule is None:
+            raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+        full = dense.to_megatron(rule, [ckpt.get(n) for n in rule.hf], arch)
+        local = sharding.shard(full, param, rule.kind, tp_rank, tp_size)
+        if local.shape != param.shape:
+            raise MappingError(f"{raw}: HF {rule.hf} give shape {tuple(local.shape)}, model has {tuple(param.shape)}")
+        param.copy_(local.to(param.dtype))
+        used.update(rule.hf)
+    expected = {n for r in rules.values() for n in r.hf}
+    unfilled = expected - used
+    if unfilled and _is_whole_model(model):
+        raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
+    unknown = set(ckpt.names()) - {n for r in dense.model_rules(arch) for n in r.hf}
+    if unknown:
+        raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {sorted(unknown)[:5]}")
+
+
+def _is_whole_model(model) -> bool:
+    from megatron.core import parallel_state as ps
+
+    return not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
+
+
+@torch.no_grad()
+def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for every parameter of this pipeline stage, in model order.
+
+    With tensor parallelism this is a collective: every TP rank must iterate in step.
+    """
+    rules = _rules_for(model, arch)
+    _, tp_size, tp_group = _tp_info()
+    for raw, canonical, param in _named_params(model):
+        rule = rules.get(canonical)
+        if rule is None:
+            raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+        full = sharding.gather(param.detach(), param, rule.kind, tp_group, tp_size)
+        yield from zip(rule.hf, dense.to_hf(rule, full, arch))

@@ -1,0 +1,102 @@
+"""HF <-> Megatron-Core name and shape map of the dense decoder families (Llama-3, Qwen2/2.5, Qwen3).
+
+This table is the single source of truth for both checkpoint conversion and weight sync. Megatron names are those
+of `GPTModel` built with the local layer spec; the Transformer-Engine spec fuses the two pre-norms into the next
+linear layer, which `TE_ALIASES` maps back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimish.megatron_bridge.hf_config import Architecture
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str  # "copy" | "qkv" | "qkv_bias" | "gate_up"
+
+
+TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def layer_rules(arch: Architecture, i: int) -> list[Rule]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    attn = f"{h}self_attn."
+    rules = [
+        Rule(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",), "copy"),
+        Rule(f"{m}self_attention.linear_qkv.weight",
+             (f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"), "qkv"),
+    ]
+    if arch.add_qkv_bias:
+        rules.append(Rule(f"{m}self_attention.linear_qkv.bias",
+                          (f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"), "qkv_bias"))
+    if arch.qk_layernorm:
+        rules += [Rule(f"{m}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"),
+                  Rule(f"{m}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy")]
+    rules += [
+        Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy"),
+        Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), "copy"),
+        Rule(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
+        Rule(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",), "copy"),
+    ]
+    return rules
+
+
+def model_rules(arch: Architecture) -> list[Rule]:
+    """Every parameter of the model, in HF checkpoint order."""
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
+    for i in range(arch.num_layers):
+        rules += layer_rules(arch, i)
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+    if not arch.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "copy"))
+    return rules
+
+
+def canonical_megatron_name(name: str) -> str:
+    """Strip DDP/Float16 wrappers ('module.') and map Transformer-Engine fused-norm names to local-spec names."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    for te_suffix, local_suffix in TE_ALIASES.items():
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
+def _qkv_groups(arch: Architecture) -> tuple[int, int, int]:
+    groups = arch.num_query_groups
+    return groups, arch.num_attention_heads // groups * arch.kv_channels, arch.kv_channels
+
+
+def to_megatron(rule: Rule, hf: list[torch.Tensor], arch: Architecture) -> torch.Tensor:
+    """Full (unsharded) Megatron tensor from the rule's HF tensors."""
+    if rule.kind == "copy":
+        return hf[0]
+    if rule.kind == "gate_up":
+        return torch.cat(hf, dim=0)
+    groups, q_width, kv_width = _qkv_groups(arch)
+    q, k, v = hf
+    tail = q.shape[1:]  # (hidden,) for weights, () for biases
+    fused = torch.cat([q.reshape(groups, q_width, *tail), k.reshape(groups, kv_width, *tail),
+                       v.reshape(groups, kv_width, *tail)], dim=1)
+    return fused.reshape(-1, *tail)
+
+
+def to_hf(rule: Rule, tensor: torch.Tensor, arch: Architecture) -> list[torch.Tensor]:
+    """The rule's HF tensors from a full Megatron tensor (views where possible)."""
+    if rule.kind == "copy":
+        return [tensor]
+    if rule.kind == "gate_up":
+        return list(torch.chunk(tensor, 2, dim=0))
+    groups, q_width, kv_width = _qkv_groups(arch)
+    tail = tensor.shape[1:]
+    q, k, v = tensor.reshape(groups, q_width + 2 * kv_width, *tail).split([q_width, kv_width, kv_width], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]

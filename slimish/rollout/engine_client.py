@@ -1,0 +1,77 @@
+"""Control calls to one SGLang engine, made directly (the router does not forward control endpoints).
+
+Field names follow sglang 0.5.23's `io_struct` (InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
+BeginWeightUpdateReqInput, ...); `tests/rollout/test_sglang_api_contract.py` freezes them.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        resp = self._http.post(path, json=body or {})
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = {"text": resp.text}
+        if resp.status_code != 200 or (isinstance(payload, dict) and payload.get("success") is False):
+            raise EngineError(f"{self.url}{path} -> HTTP {resp.status_code}: {payload}")
+        return payload
+
+    def model_info(self) -> dict:
+        resp = self._http.get("/model_info")
+        resp.raise_for_status()
+        return resp.json()
+
+    def weight_version(self) -> str | None:
+        return self.model_info().get("weight_version")
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> dict:
+        return self._post("/init_weights_update_group", dict(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend))
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self) -> dict:
+        return self._post("/begin_weight_update", {"selector": "all"})
+
+    def end_weight_update(self) -> dict:
+        return self._post("/end_weight_update", {})
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, weight_version: str | None, flush_cache: bool,
+                                        load_format: str | None = "flattened_bucket") -> dict:
+        return self._post("/update_weights_from_distributed", dict(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+            weight_version=weight_version, load_format=load_format))
+
+    def flush_cache(self) -> None:
+        self._http.post("/flush_cache").raise_for_status()
+
+    def abort(self, rid: str | None = None) -> None:
+        self._post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._post("/continue_generation", {})
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

@@ -1,0 +1,103 @@
+"""Start and stop the server processes we own (SGLang engines, sglang-router), by PID, leaving nothing behind.
+
+Each server starts in its own session (process group) with a parent-death signal, so that it dies with the
+process that started it even if that one is killed hard; `stop()` signals the whole group it created.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ManagedProcess:
+    """A server process group started by us, with its log file."""
+
+    def __init__(self, name: str, argv: list[str], *, env: dict, log_path: Path):
+        self.name, self.argv, self.env, self.log_path = name, argv, env, Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_http_ok(self, url: str, timeout_s: float, interval_s: float = 1.0) -> None:
+        """Poll GET `url` until it answers 200; fail early (with the log tail) if the process died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before becoming ready; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(url, timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(interval_s)
+        raise TimeoutError(f"{self.name} not ready at {url} after {timeout_s:.0f}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group we created, then SIGKILL what is left; reap the leader."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self.proc.poll()
+                time.sleep(0.1)
+            if not _group_alive(pgid):
+                break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of group `pgid` exists."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            return True
+    return False

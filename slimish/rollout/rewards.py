@@ -1,0 +1,49 @@
+"""Call the user's reward hook `fn(completions, **kwargs) -> list[float]` and contain its failures.
+
+A hook that raises or returns the wrong shape does not stop the run: the affected samples get
+`failure_reward`, carry the error, and are counted in `reward_failures`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from slimish.sample import Sample
+
+
+def _call(fn: Callable, samples: list[Sample]) -> list[float]:
+    rewards = fn([s.response for s in samples], prompts=[s.prompt for s in samples],
+                 labels=[s.label for s in samples], samples=samples)
+    rewards = [float(r) for r in rewards]
+    if len(rewards) != len(samples):
+        raise ValueError(f"reward fn returned {len(rewards)} values for {len(samples)} completions")
+    if any(math.isnan(r) for r in rewards):
+        raise ValueError("reward fn returned NaN")
+    return rewards
+
+
+def score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
+    """Set `sample.reward` on every trainable sample; returns how many samples' rewards failed.
+
+    The hook is called once for the whole batch; if that raises, it is called per sample so that one bad
+    completion only fails itself.
+    """
+    scored = [s for s in samples if s.trainable]
+    if not scored:
+        return 0
+    try:
+        for sample, reward in zip(scored, _call(fn, scored)):
+            sample.reward = reward
+        return 0
+    except Exception:
+        pass
+    failures = 0
+    for sample in scored:
+        try:
+            sample.reward = _call(fn, [sample])[0]
+        except Exception as exc:
+            sample.reward = failure_reward
+            sample.error = f"reward failed: {type(exc).__name__}: {exc}"
+            failures += 1
+    return failures

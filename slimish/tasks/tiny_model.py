@@ -1,0 +1,72 @@
+"""Build a tiny random Hugging Face causal LM (Qwen2/Qwen3/Llama family) and its locally trained tokenizer.
+
+Nothing is downloaded. The tokenizer is trained with `tokenizers` using exactly the pre-tokenizer, normaliser and
+decoder that transformers' Qwen2Tokenizer applies on load (transformers 5 ignores those stored in tokenizer.json
+for qwen model types), then saved through Qwen2Tokenizer itself and checked to round-trip text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def train_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = 300):
+    """Train a byte-level BPE with Qwen2's pre-tokenisation and save it as a Qwen2Tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+    from tokenizers import Regex
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    state = json.loads(tok.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    hf_tok = Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token=EOS, pad_token=EOS, unk_token=EOS)
+    hf_tok.save_pretrained(out_dir)
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    for text in corpus[:20]:
+        ids = reloaded(text)["input_ids"]
+        if reloaded.decode(ids) != text:
+            raise RuntimeError(f"tokenizer does not round-trip {text!r}: got {reloaded.decode(ids)!r}")
+    return reloaded
+
+
+def build_tiny_model(out_dir: str | Path, *, corpus: list[str], family: str = "qwen3", seed: int = 0,
+                     init_std: float = 0.02, **shape_overrides) -> Path:
+    """Write config.json, model.safetensors, generation_config.json and tokenizer files to `out_dir`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus, out_dir)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 so it splits evenly over TP ranks
+    shapes = {**TINY_SHAPES, **shape_overrides}
+    config = AutoConfig.for_model(family, vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                  tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
+                                  pad_token_id=eos_id, initializer_range=init_std, torch_dtype="float32",
+                                  **shapes)
+    if family == "qwen2":
+        config.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,87 @@
+"""Advantages and policy losses (pure torch; no Megatron import).
+
+Shapes: per-token tensors are [B, T] over response positions, `mask` is 1 where a token is trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool, eps: float = 1e-6):
+    """Group-normalised advantages: (r - mean_group) [/ (std_group + eps)]. `rewards` is [num_groups*group_size]."""
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
+    return centred.reshape(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimates (Schulman's k1/k2/k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: 'k1', 'k2', 'k3'")
+
+
+@dataclass(kw_only=True)
+class PolicyLossStats:
+    loss: torch.Tensor
+    ppo_kl: torch.Tensor
+    clip_frac: torch.Tensor
+    kl_ref: torch.Tensor
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, denom: float | None = None) -> torch.Tensor:
+    """Sum of masked values divided by `denom` (token_mean: token count; seq_mean: averaged per sequence)."""
+    if how == "token_mean":
+        return (values * mask).sum() / (denom if denom is not None else mask.sum().clamp(min=1))
+    if how == "seq_mean":
+        per_seq = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_seq.sum() / (denom if denom is not None else per_seq.numel())
+    raise ValueError(f"unknown aggregation {how!r}; allowed: 'token_mean', 'seq_mean'")
+
+
+def policy_loss(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    aggregation: str,
+    denom: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> PolicyLossStats:
+    """Clipped-ratio PPO/GRPO loss with an optional KL-to-reference term.
+
+    `advantages` is [B] (one per sequence) or [B, T]. `denom` lets micro-batches share the normaliser of the whole
+    minibatch, so the summed micro-batch losses equal the minibatch loss.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    kl_ref = torch.zeros((), dtype=logprobs.dtype)
+    if ref_logprobs is not None and kl_coef > 0:
+        kl_tokens = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        per_token = per_token + kl_coef * kl_tokens
+        kl_ref = aggregate(kl_tokens.detach(), mask, aggregation, denom)
+    with torch.no_grad():
+        ppo_kl = aggregate(-log_ratio, mask, aggregation, denom)
+        clip_frac = aggregate((clipped > unclipped).to(logprobs.dtype), mask, aggregation, denom)
+    return PolicyLossStats(loss=aggregate(per_token, mask, aggregation, denom), ppo_kl=ppo_kl,
+                           clip_frac=clip_frac, kl_ref=kl_ref)

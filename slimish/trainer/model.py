@@ -1,0 +1,44 @@
+"""Build the Megatron-Core GPTModel for an HF architecture, wrap it in Megatron DDP, and build its optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from slimish.megatron_bridge.hf_config import Architecture, gpt_model_kwargs, transformer_config
+
+
+def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int,
+                    dtype: torch.dtype = torch.float32):
+    """An unwrapped GPTModel for this pipeline stage, using the local (non-Transformer-Engine) layer spec."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                                params_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available())
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))
+    if torch.cuda.is_available():
+        model.cuda()
+    return model
+
+
+def wrap_for_training(model, *, lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float,
+                      adam_eps: float, clip_grad: float):
+    """(DDP-wrapped model, Megatron optimizer). Uses the non-distributed Adam optimizer (fp32 main params)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = model.config
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=model)
+    # Without this, data-parallel replicas never all-reduce their grads and silently diverge.
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        adam_eps=adam_eps, clip_grad=clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=False), [ddp])
+    return ddp, optimizer

@@ -1,0 +1,79 @@
+"""torch.distributed + Megatron-Core parallel state for one trainer process (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    rank: int
+    world_size: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+def node_ip() -> str:
+    """This node's address for rendezvous: Ray's view of it when under Ray, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1" if node_ip().startswith("127.") else "", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int, backend: str, seed: int) -> None:
+    """Join the trainer process group and set up Megatron's TP/PP/EP/DP groups; seeds Megatron's RNG tracker."""
+    from slimish.compat import megatron_cpu
+
+    megatron_cpu.apply()  # no-op with CUDA
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    backend = resolve_backend(backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(layout.rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=layout.rank, world_size=layout.world_size, timeout=timedelta(minutes=30))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
+                                                 pipeline_model_parallel_size=layout.pipeline_parallel,
+                                                 expert_model_parallel_size=layout.expert_parallel)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown_parallel() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,239 @@
+"""One Megatron trainer process: model, optimizer, logprobs, GRPO/SFT steps, and the sending end of weight sync.
+
+The driver calls, per RL step: `compute_logprobs(samples)` (old + reference logprobs, kept here) ->
+`train(advantages)` -> `sync_weights(version)`. Every rank of a trainer group receives the same calls; each keeps
+the data-parallel shard of the samples that belongs to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from slimish.config.schema import JobConfig
+from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
+from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+from slimish.sample import Sample
+from slimish.trainer import losses
+from slimish.trainer.batch import MicroBatch, collate, split
+from slimish.trainer.logprobs import token_logprobs
+from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
+
+
+class TrainerWorker:
+    def __init__(self, cfg: JobConfig, *, rank: int, world_size: int):
+        self.cfg = cfg
+        par = cfg.parallel
+        self.layout = ParallelLayout(rank=rank, world_size=world_size, tensor_parallel=par.tensor_parallel,
+                                     pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel)
+        self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
+        self._rollout: dict | None = None
+        self._sender = None
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port there): where rank 0 hosts rendezvous stores."""
+        return node_ip(), free_port()
+
+    def setup(self, *, master_addr: str, master_port: int) -> dict:
+        """Join the trainer process group, build the model from the HF checkpoint, build the optimizer."""
+        torch.set_num_threads(self.cfg.trainer.torch_threads)
+        init_parallel(self.layout, master_addr=master_addr, master_port=master_port,
+                      backend=self.cfg.parallel.backend, seed=self.cfg.run.seed)
+        from megatron.core import parallel_state
+
+        from slimish.trainer.model import build_gpt_model, wrap_for_training
+
+        dtype = getattr(torch, self.cfg.model.dtype)
+        build = functools.partial(build_gpt_model, self.arch, tensor_parallel=self.layout.tensor_parallel,
+                                  pipeline_parallel=self.layout.pipeline_parallel, dtype=dtype)
+        self.module = build()
+        load_hf_weights(self.module, self.cfg.model.hf_path, self.arch)
+        opt = self.cfg.trainer.optimizer
+        self.model, self.optimizer = wrap_for_training(
+            self.module, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad)
+        self.ref_model = None
+        if self.cfg.trainer.loss.kl_coef > 0:
+            self.ref_model = build()
+            load_hf_weights(self.ref_model, self.cfg.model.hf_path, self.arch)
+            self.ref_model.requires_grad_(False)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.pad_id = 0
+        return {"num_params": sum(p.numel() for p in self.module.parameters())}
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _shard(self, samples: list[Sample]) -> list[Sample]:
+        per_rank = len(samples) // self.dp_size
+        return samples[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
+
+    def _minibatches(self, samples: list[Sample]) -> list[list[list[Sample]]]:
+        """minibatches -> micro-batches; the same split is used for logprobs and training (bitwise ppo_kl)."""
+        num = self.cfg.trainer.num_minibatches
+        size = len(samples) // num
+        return [split(samples[i * size:(i + 1) * size], self.cfg.trainer.micro_batch_size) for i in range(num)]
+
+    def _run_schedule(self, model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, chunk):
+            mb = next(data_iterator)
+            logits = chunk(mb.tokens, mb.position_ids, mb.attention_mask)
+            return logits, functools.partial(loss_fn, mb)
+
+        seq_len = max(mb.tokens.shape[1] for mb in microbatches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+            num_microbatches=len(microbatches), seq_length=seq_len,
+            micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches), forward_only=forward_only)
+
+    def _forward_logprobs(self, model, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
+        def collect(mb, logits):
+            return torch.zeros((), requires_grad=False), {"logprobs": token_logprobs(logits, mb.tokens).detach()}
+
+        with torch.no_grad():
+            outputs = self._run_schedule(model, microbatches, collect, forward_only=True)
+        return [out["logprobs"] for out in outputs]
+
+    def _global_sum(self, value: float) -> float:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return float(tensor.item())
+
+    def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(self.model, microbatches, loss_fn, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        return outputs, float(grad_norm or 0.0)
+
+    # ---------------------------------------------------------------------------------------------- RL API
+    def compute_logprobs(self, samples: list[Sample]) -> dict:
+        """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics."""
+        local = self._shard(samples)
+        plan = self._minibatches(local)
+        old, ref, batches = [], [], []
+        for minibatch in plan:
+            mbs = [collate(chunk, pad_id=self.pad_id) for chunk in minibatch]
+            batches.append((minibatch, mbs))
+            old.append(self._forward_logprobs(self.model, mbs))
+            ref.append(self._forward_logprobs(self.ref_model, mbs) if self.ref_model is not None else None)
+        self._rollout = {"plan": batches, "old": old, "ref": ref}
+        diff_max, diff_sum, count = 0.0, 0.0, 0
+        for (minibatch, mbs), old_mb in zip(batches, old):
+            for chunk, mb, lp in zip(minibatch, mbs, old_mb):
+                for row, sample in enumerate(chunk):
+                    start, end = mb.spans[row]
+                    mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+                    engine = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+                    diff = (lp[row, start:end] - engine).abs()[mask]
+                    if diff.numel():
+                        diff_max = max(diff_max, float(diff.max()))
+                        diff_sum += float(diff.sum())
+                        count += diff.numel()
+        return {"logprob_abs_diff_max": diff_max, "logprob_abs_diff_mean": diff_sum / max(count, 1)}
+
+    def train(self, advantages: list[float]) -> dict:
+        """One optimizer step per minibatch on the rollout given to `compute_logprobs`."""
+        if self._rollout is None:
+            raise RuntimeError("train() needs compute_logprobs() on the same rollout first")
+        loss_cfg = self.cfg.trainer.loss
+        per_rank = len(advantages) // self.dp_size
+        local_adv = advantages[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
+        stats: dict[str, list[float]] = {"pg_loss": [], "ppo_kl": [], "clip_frac": [], "kl_ref": [], "grad_norm": []}
+        offset = 0
+        for index, (minibatch, mbs) in enumerate(self._rollout["plan"]):
+            n_tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
+            n_seqs = sum(len(chunk) for chunk in minibatch)
+            denom = self._global_sum(n_tokens if loss_cfg.token_aggregation == "token_mean" else n_seqs)
+            scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
+            for chunk, mb, old_lp in zip(minibatch, mbs, self._rollout["old"][index]):
+                mb.extras["old_logprobs"] = old_lp
+                mb.extras["advantages"] = torch.tensor(local_adv[offset: offset + len(chunk)], dtype=torch.float32)
+                offset += len(chunk)
+            if self._rollout["ref"][index] is not None:
+                for mb, ref_lp in zip(mbs, self._rollout["ref"][index]):
+                    mb.extras["ref_logprobs"] = ref_lp
+
+            def loss_fn(mb, logits):
+                out = losses.policy_loss(
+                    logprobs=token_logprobs(logits, mb.tokens), old_logprobs=mb.extras["old_logprobs"],
+                    advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,
+                    clip_eps_high=loss_cfg.clip_eps_high, aggregation=loss_cfg.token_aggregation, denom=denom,
+                    ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
+                    kl_estimator=loss_cfg.kl_estimator)
+                report = {"pg_loss": out.loss.detach(), "ppo_kl": out.ppo_kl, "clip_frac": out.clip_frac,
+                          "kl_ref": out.kl_ref}
+                return out.loss * scale, report
+
+            outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
+            for key in ("pg_loss", "ppo_kl", "clip_frac", "kl_ref"):
+                stats[key].append(self._global_sum(sum(float(o[key]) for o in outputs)))
+            stats["grad_norm"].append(grad_norm)
+        self._rollout = None
+        return {"pg_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
+                "ppo_kl": stats["ppo_kl"][0],  # first minibatch: exactly 0 when on-policy
+                "ppo_kl_last": stats["ppo_kl"][-1], "clip_frac": sum(stats["clip_frac"]) / len(stats["clip_frac"]),
+                "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]), "grad_norm": stats["grad_norm"][-1]}
+
+    # --------------------------------------------------------------------------------------------- SFT API
+    def sft_step(self, samples: list[Sample]) -> dict:
+        """One supervised step: mean token NLL over the loss-masked (response) tokens."""
+        mbs = [collate(chunk, pad_id=self.pad_id) for chunk in split(self._shard(samples),
+                                                                        self.cfg.trainer.micro_batch_size)]
+        denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+        scale = len(mbs) * self.dp_size
+
+        def loss_fn(mb, logits):
+            nll = -(token_logprobs(logits, mb.tokens) * mb.loss_mask).sum() / denom
+            return nll * scale, {"nll": nll.detach()}
+
+        outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
+        return {"sft_loss": self._global_sum(sum(float(o["nll"]) for o in outputs)), "grad_norm": grad_norm}
+
+    # ------------------------------------------------------------------------------------------ weight sync
+    def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
+        """Rank 0 joins a process group with every engine; other ranks only take part in gathers."""
+        if self.layout.rank != 0:
+            return {}
+        from slimish.weight_sync.distributed import DistributedWeightSender
+
+        ws = self.cfg.weight_sync
+        self._sender = DistributedWeightSender(
+            engine_urls=engine_urls, engine_tp=engine_tp, master_addr=master_addr, master_port=ws.master_port,
+            backend=resolve_backend(self.cfg.parallel.backend), bucket_bytes=int(ws.bucket_mb * 2**20),
+            verify=ws.verify)
+        t0 = time.monotonic()
+        self._sender.connect()
+        return {"time_connect_s": time.monotonic() - t0}
+
+    def sync_weights(self, version: int) -> dict:
+        """Send the current weights to every engine as weight version `version`."""
+        tensors = export_hf_tensors(self.module, self.arch)
+        if self._sender is None:
+            for _ in tensors:  # non-zero ranks still join the TP gathers
+                pass
+            return {}
+        return self._sender.send(tensors, version=str(version))
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """HF-named copy of the weights (rank 0's view); for tests and checkpoints."""
+        return {name: t.clone() for name, t in export_hf_tensors(self.module, self.arch)}
+
+    def shutdown(self) -> None:
+        from slimish.trainer.parallel import shutdown_parallel
+
+        if self._sender is not None:
+            self._sender.close()
+        shutdown_parallel()

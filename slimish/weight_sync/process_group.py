@@ -1,0 +1,34 @@
+"""A torch.distributed group between trainer rank 0 and the engines, separate from the trainer's default group.
+
+It must be created exactly as SGLang's engines create their side (`init_custom_process_group` in sglang): a TCP
+rendezvous at master_address:master_port whose store is wrapped in a PrefixStore named after the group. The
+trainer is rank 0 and hosts the store.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+
+def new_weight_update_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                            group_name: str, timeout: timedelta = timedelta(minutes=10)):
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    options_key = "backend_options" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6) \
+        else "pg_options"
+    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                              group_name=group_name, timeout=timeout, **{options_key: None})
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_group(group) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
