@@ -81,6 +81,9 @@ start_netns() {
     echo "$NETNS" >"$D/netns.created"
   fi
   ip -n "$NETNS" link set lo up
+  # glibc's getaddrinfo(AF_INET, AI_ADDRCONFIG), which Slurm uses even for "127.0.0.1", answers nothing unless some
+  # IPv4 address other than 127.0.0.1 exists; a second loopback address satisfies it without leaving loopback.
+  ip -n "$NETNS" addr replace 127.0.0.2/8 dev lo
 }
 
 start_munge() {

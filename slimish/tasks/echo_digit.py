@@ -1,7 +1,9 @@
 """The quickstart task: answer with the digit the prompt asks for ("say 7" -> "7").
 
-A tiny random model is first warmed up (SFT, in Megatron) on the answer *format* only: a digit and EOS, with the
-digit drawn at random, so it starts RL at chance (~0.1 reward) and must learn the task itself from the reward.
+The tiny random model gets a deliberately *short* SFT warm-up in Megatron (20 steps; configs/quickstart_cpu.yaml)
+that teaches the answer format and leaves it at ~0.25 expected reward; the RL phase then has to take it to ~0.9.
+Measured alternatives that did not work: warming up on random digits (format only) collapses the model to an
+input-independent uniform answer that GRPO does not undo within 30 steps.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def reward(completions: list[str], labels: list, **kwargs) -> list[float]:
     return scores
 
 
-def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, seed: int = 0) -> dict:
-    """Write train.jsonl (prompt, label) and sft.jsonl (prompt, response with a *random* digit)."""
+def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, seed: int = 0,
+                   sft_correct_fraction: float = 1.0) -> dict:
+    """Write train.jsonl (prompt, label) and sft.jsonl (prompt, response: right with prob. sft_correct_fraction)."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     train, sft = out_dir / "train.jsonl", out_dir / "sft.jsonl"
@@ -40,8 +43,9 @@ def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048
             f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
     with sft.open("w") as f:
         for _ in range(num_sft):
-            prompt, _ = make_prompt(rng)
-            f.write(json.dumps({"prompt": prompt, "response": str(rng.randrange(10))}) + "\n")
+            prompt, label = make_prompt(rng)
+            response = label if rng.random() < sft_correct_fraction else str(rng.randrange(10))
+            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
     return {"train": str(train), "sft": str(sft)}
 
 
