@@ -2,7 +2,7 @@
 # A throw-away Slurm cluster on this one machine (Debian/Ubuntu, as root), for trying sbatch scripts locally and
 # for CI. N simulated nodes n1..nN share the host; everything lives in one state directory.
 #
-#   launch/local_slurm.sh install          # apt-get slurmctld slurmd slurm-client munge (skipped if present)
+#   launch/local_slurm.sh install          # apt-get slurm-wlm pieces, munge, iproute2 (skipped if present)
 #   launch/local_slurm.sh start [N]        # private munged + slurmctld + N slurmd (default N=2)
 #   launch/local_slurm.sh run CMD [ARG..]  # run a Slurm client inside the cluster's network namespace
 #   launch/local_slurm.sh status           # the daemons we started, and sinfo
@@ -65,13 +65,17 @@ pid_alive() {
 
 do_install() {
   [[ $(id -u) == 0 ]] || die "install needs root (apt-get)"
-  if command -v slurmctld slurmd sbatch munged >/dev/null; then
+  local tool missing=""
+  for tool in slurmctld slurmd sbatch munged ip ps; do
+    command -v "$tool" >/dev/null || missing+=" $tool"
+  done
+  if [[ -z $missing ]]; then
     echo "slurm and munge already installed"
     return 0
   fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge iproute2 procps >/dev/null
 }
 
 start_netns() {
@@ -88,7 +92,8 @@ start_netns() {
 
 start_munge() {
   pid_alive "$D/munged.pid" && return 0
-  # munged insists that its key and socket directory belong to the user it runs as.
+  # munged runs as the munge user and insists that its key and socket directory belong to that user.
+  runuser -u munge -- test -x "$D" || die "the munge user cannot enter $D: choose a SLIMISH_SLURM_DIR it can reach"
   install -d -o munge -g munge -m 755 "$D/munge"
   if [[ ! -s $D/munge/munge.key ]]; then
     mungekey --create --keyfile="$D/munge/munge.key"

@@ -12,10 +12,11 @@
 #
 # Settings (environment; train.sbatch documents them too):
 #   SLIMISH_RAY_PORT_BASE    first port of this job (default 20000). Head-only ports: BASE+0 GCS, +1 Ray client,
-#                            +2 dashboard, +3 dashboard metrics, +4 autoscaler metrics. Node K (SLURM_NODEID) uses
-#                            BASE+10+10K .. +5 for raylet, object manager, metrics, agent gRPC/HTTP, runtime-env agent,
-#                            and worker ports 10000+1000*(K%10) .. +999. Per-node ports keep simulated nodes that
-#                            share one host apart; on a real cluster they are merely distinct.
+#                            +2 dashboard, +3 dashboard metrics, +4 autoscaler metrics. Node K (its index in the job's
+#                            node list) uses BASE+10+10K .. +5 for raylet, object manager, metrics, agent gRPC and HTTP,
+#                            runtime-env agent, and worker ports 10000+1000*(K%10) .. +999. Per-node ports keep
+#                            simulated nodes that share one host apart; on a real cluster they are merely distinct.
+#   RAY_AUTH_MODE, RAY_AUTH_TOKEN  set by train.sbatch (one token per job), inherited by every Ray process
 #   SLIMISH_NET_IFNAME       interface whose IPv4 address Ray uses (default: the address the hostname resolves to)
 #   SLIMISH_RAY_NUM_CPUS     CPUs Ray offers per node (default SLURM_CPUS_ON_NODE, else Ray's own count)
 #   SLIMISH_RAY_NUM_GPUS     GPUs Ray offers per node (default SLURM_GPUS_ON_NODE, else 0)
@@ -33,7 +34,6 @@
 set -euo pipefail
 
 BASE=${SLIMISH_RAY_PORT_BASE:-20000}
-NODEID=${SLURM_NODEID:-0}
 
 log() { echo "[ray_node $(date +%T)] $*"; }
 
@@ -51,6 +51,12 @@ node_ip() {
   echo "$ip"
 }
 
+# Index of node $1 in the job's node list. (SLURM_NODEID counts within the step: 0 on the first worker too.)
+node_index() {
+  scontrol show hostnames "${SLURM_JOB_NODELIST:-$1}" | awk -v n="$1" '$1 == n {print NR - 1; found = 1; exit}
+    END {if (!found) print 0}'
+}
+
 # PIDs of live processes in session $1.
 session_pids() {
   ps -e -o pid=,sid=,stat= | awk -v s="$1" '$2 == s && $3 !~ /^Z/ {print $1}'
@@ -62,14 +68,16 @@ start_node() {
   local role=$1 log_dir=$2
   local node=${SLURMD_NODENAME:-$(hostname -s)}
   local timeout=${SLIMISH_TEARDOWN_TIMEOUT:-20}
-  local ip port wport tmp cpus gpus rc=0 leftovers marker
+  local index ip port wport tmp cpus gpus rc=0 leftovers marker
   local -a args extra
   exec >>"$log_dir/ray-$node.log" 2>&1
 
+  index=$(node_index "$node")
   ip=$(node_ip)
-  port=$((BASE + 10 + 10 * NODEID))
-  wport=$((10000 + (NODEID % 10) * 1000))
-  tmp=${SLIMISH_RAY_TMPDIR:-/tmp}/slimish-ray-${SLURM_JOB_ID:-0}-$NODEID
+  port=$((BASE + 10 + 10 * index))
+  wport=$((10000 + (index % 10) * 1000))
+  # Unique even when two simulated clusters on one host hand out the same job id.
+  tmp=$(mktemp -d "${SLIMISH_RAY_TMPDIR:-/tmp}/slimish-ray-${SLURM_JOB_ID:-0}-$index-XXXX")
   cpus=${SLIMISH_RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
   gpus=${SLIMISH_RAY_NUM_GPUS:-${SLURM_GPUS_ON_NODE:-0}}
   args=(--node-ip-address="$ip" --node-name="$node" --num-gpus="$gpus"
@@ -99,7 +107,7 @@ start_node() {
   # Nothing needs draining at teardown: the driver is gone (or going) and its work with it.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 
-  marker="node=$node role=$role nodeid=$NODEID step=${SLURM_JOB_ID:-}.${SLURM_STEP_ID:-} host=$(hostname)"
+  marker="node=$node role=$role index=$index step=${SLURM_JOB_ID:-}.${SLURM_STEP_ID:-} host=$(hostname)"
   marker+=" ip=$ip cpus=${cpus:-auto} gpus=$gpus"
   echo "$(date +%FT%T) $marker" >>"$log_dir/nodes.log"
   log "starting: $marker"

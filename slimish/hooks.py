@@ -8,7 +8,7 @@ Hooks and their contracts (see README "Hooks"):
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 
 class HookError(ValueError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     COMPLETED = "completed"   # the engine stopped on EOS / a stop token
     TRUNCATED = "truncated"   # hit max_new_tokens
     ABORTED = "aborted"       # aborted by us (partial rollout / shutdown); may be resumed

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
+import types
 
 import torch
 
@@ -29,8 +31,8 @@ def _is_cuda(device) -> bool:
     return False
 
 
-def _redirect_device_kwarg(owner, name: str) -> None:
-    original = getattr(owner, name)
+def _redirect_device_kwarg(owner, name: str, source=None) -> None:
+    original = getattr(source if source is not None else owner, name)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -39,6 +41,29 @@ def _redirect_device_kwarg(owner, name: str) -> None:
         return original(*args, **kwargs)
 
     setattr(owner, name, wrapper)
+
+
+class _TorchForMegatron(types.ModuleType):
+    """What `torch` means inside megatron.* modules: real torch, except that the tensor factories map
+    device="cuda" to the CPU. Scoped to Megatron because wrapping the global factories breaks transformers 5's
+    meta-device model loading (its non-persistent buffers, e.g. rotary inv_freq, come out uninitialised)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like",
+              "full_like", "rand", "randn", "randint", "as_tensor")
+_TORCH_FOR_MEGATRON = _TorchForMegatron("torch")
+for _name in _FACTORIES:
+    _redirect_device_kwarg(_TORCH_FOR_MEGATRON, _name, source=torch)
+
+
+def _scope_factories_to_megatron() -> None:
+    """Point the `torch` global of every loaded megatron.* module at `_TORCH_FOR_MEGATRON`."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_FOR_MEGATRON
 
 
 class _NoOpStreamOrEvent:
@@ -94,10 +119,6 @@ def _patch_torch_cuda() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
-    # Literal device="cuda" allocations (e.g. in pipeline schedules and the RNG tracker).
-    for name in ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like",
-                 "full_like", "rand", "randn", "randint", "as_tensor"):
-        _redirect_device_kwarg(torch, name)
     for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
         _redirect_device_kwarg(torch.Tensor, name)
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -114,8 +135,17 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
+    # Import everything the trainer uses, then scope the device="cuda" factory redirect to those modules.
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
@@ -154,3 +184,4 @@ def _patch_megatron() -> None:
                  "fused_topk_with_score_function", "fused_unpermute"):
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
+    _scope_factories_to_megatron()

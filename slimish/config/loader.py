@@ -1,7 +1,8 @@
 """YAML file + dotted `key.sub=value` overrides -> a typed, validated `JobConfig`.
 
 Contract: every error is a `ConfigError` whose message starts with the full dotted key and says what is allowed
-(the allowed keys, values or type). Nothing is silently coerced except int -> float.
+(the allowed keys, values or type). Nothing is silently coerced except int -> float and float literals
+such as '1e-4' that YAML 1.1 reads as strings.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def _check_value(key: str, tp, value):
             raise ConfigError(key, f"expected an int, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a float, got {type(value).__name__} {value!r}")
         return float(value)

@@ -38,7 +38,7 @@ class ParallelConfig:
     pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
     expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
     num_trainer_ranks: int = doc(1, "Number of trainer processes (tensor * pipeline * data parallel).")
-    backend: Literal["auto", "gloo", "nccl"] = doc("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo.")
+    backend: Literal["auto", "gloo", "nccl"] = doc("auto", "torch.distributed backend; auto: nccl on GPU, else gloo.")
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,7 @@ Loading is strict: an HF tensor left unused or a Megatron parameter left unfille
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -7,9 +7,13 @@ A hook that raises or returns the wrong shape does not stop the run: the affecte
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from slimish.sample import Sample
+
+
+class RewardContractError(ValueError):
+    """The hook returned something other than one finite float per completion."""
 
 
 def _call(fn: Callable, samples: list[Sample]) -> list[float]:
@@ -17,9 +21,9 @@ def _call(fn: Callable, samples: list[Sample]) -> list[float]:
                  labels=[s.label for s in samples], samples=samples)
     rewards = [float(r) for r in rewards]
     if len(rewards) != len(samples):
-        raise ValueError(f"reward fn returned {len(rewards)} values for {len(samples)} completions")
+        raise RewardContractError(f"reward fn returned {len(rewards)} values for {len(samples)} completions")
     if any(math.isnan(r) for r in rewards):
-        raise ValueError("reward fn returned NaN")
+        raise RewardContractError("reward fn returned NaN")
     return rewards
 
 
@@ -27,7 +31,7 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
     """Set `sample.reward` on every trainable sample; returns how many samples' rewards failed.
 
     The hook is called once for the whole batch; if that raises, it is called per sample so that one bad
-    completion only fails itself.
+    completion only fails itself. A broken contract (wrong length, NaN) fails the whole batch.
     """
     scored = [s for s in samples if s.trainable]
     if not scored:
@@ -36,6 +40,8 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
         for sample, reward in zip(scored, _call(fn, scored)):
             sample.reward = reward
         return 0
+    except RewardContractError as exc:
+        return _fail(scored, exc, failure_reward)
     except Exception:
         pass
     failures = 0
@@ -43,7 +49,12 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
         try:
             sample.reward = _call(fn, [sample])[0]
         except Exception as exc:
-            sample.reward = failure_reward
-            sample.error = f"reward failed: {type(exc).__name__}: {exc}"
-            failures += 1
+            failures += _fail([sample], exc, failure_reward)
     return failures
+
+
+def _fail(samples: list[Sample], exc: Exception, failure_reward: float) -> int:
+    for sample in samples:
+        sample.reward = failure_reward
+        sample.error = f"reward failed: {type(exc).__name__}: {exc}"
+    return len(samples)

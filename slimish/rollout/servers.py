@@ -53,7 +53,7 @@ class RolloutServers:
         t0 = time.monotonic()
         eng = self.rollout.engine
         env = sglang_cpu.server_env()
-        for i, url in enumerate(self.engine_urls):
+        for i in range(len(self.engine_urls)):
             argv = engine_argv(model_path=self.model.hf_path, port=eng.base_port + i, device=self.device,
                                dtype=self.model.dtype, tp=eng.tensor_parallel,
                                max_total_tokens=eng.max_total_tokens, seed=self.seed + i, extra=eng.extra_args)

@@ -20,10 +20,9 @@ TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
 
 def train_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = 300):
     """Train a byte-level BPE with Qwen2's pre-tokenisation and save it as a Qwen2Tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
-    from tokenizers import Regex
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()

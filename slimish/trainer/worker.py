@@ -166,7 +166,7 @@ class TrainerWorker:
                 for mb, ref_lp in zip(mbs, self._rollout["ref"][index]):
                     mb.extras["ref_logprobs"] = ref_lp
 
-            def loss_fn(mb, logits):
+            def loss_fn(mb, logits, denom=denom, scale=scale):
                 out = losses.policy_loss(
                     logprobs=token_logprobs(logits, mb.tokens), old_logprobs=mb.extras["old_logprobs"],
                     advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,

@@ -12,8 +12,8 @@ Contract (the same on CPU/gloo and GPU/NCCL; only the backend string differs):
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import torch
 import torch.distributed as dist

@@ -1,0 +1,42 @@
+# The two commands a new user types:
+#   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
+#   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
+# Other targets: make venv | make test-fast | make lint | make bench
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.slimish-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv quickstart test test-fast lint bench clean
+
+venv: $(STAMP)
+
+# torch first (pinned), so that resolving the rest keeps it; then the whole lock; then slimish itself.
+$(STAMP): requirements/cpu-lock.txt setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $$(grep -E '^(torch|torchvision)==' requirements/cpu-lock.txt)
+	$(BIN)/pip install --quiet -r requirements/cpu-lock.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/python -c "import slimish.compat.megatron_cpu as m; m.apply(); import sglang, sglang_router, ray; print('stack ok')"
+	touch $(STAMP)
+
+quickstart: venv
+	$(BIN)/slimish make-tiny --out artifacts/tiny
+	$(BIN)/slimish train --config configs/quickstart_cpu.yaml
+
+lint: venv
+	$(BIN)/ruff check slimish tests bench
+
+test: lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/pytest -m "not e2e and not slurm" $(PYTEST_ARGS)
+
+bench: venv
+	$(BIN)/python bench/convert.py
+
+clean:
+	rm -rf $(VENV) artifacts runs .pytest_cache

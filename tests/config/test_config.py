@@ -1,0 +1,85 @@
+"""Config loading, dotted overrides, validation messages and the check-config CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from slimish.config import ConfigError, load_config, save_config
+from tests.conftest import REPO
+
+
+@pytest.fixture()
+def base(task_assets) -> list[str]:
+    return [f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+            f"sft.data_path={task_assets['sft']}", "reward.fn=slimish.tasks.echo_digit.reward"]
+
+
+def test_yaml_plus_overrides_are_typed(base, tmp_path):
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml",
+                      base + ["rollout.samples_per_prompt=4", "trainer.optimizer.lr=1e-4", "rollout.top_p=1"])
+    assert cfg.rollout.samples_per_prompt == 4
+    assert cfg.trainer.optimizer.lr == pytest.approx(1e-4)
+    assert isinstance(cfg.rollout.top_p, float)
+    save_config(cfg, tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml")
+    assert again == cfg
+
+
+BAD_CASES = [
+    # (override, key named in the error, a fragment of the explanation)
+    ("rollout.samplez_per_prompt=4", "rollout.samplez_per_prompt", "did you mean 'rollout.samples_per_prompt'"),
+    ("nosuchsection.x=1", "nosuchsection", "allowed keys here"),
+    ("rollout.samples_per_prompt=four", "rollout.samples_per_prompt", "expected an int"),
+    ("rollout.samples_per_prompt=2.5", "rollout.samples_per_prompt", "expected an int"),
+    ("trainer.optimizer.lr=fast", "trainer.optimizer.lr", "expected a float"),
+    ("data.shuffle=maybe", "data.shuffle", "expected a bool"),
+    ("model.dtype=float8", "model.dtype", "allowed values: 'float32', 'bfloat16'"),
+    ("trainer.loss.advantage_estimator=ppo_gae", "trainer.loss.advantage_estimator", "allowed values: 'grpo'"),
+    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt", "needs >= 2 samples"),
+    ("trainer.num_minibatches=3", "trainer.num_minibatches", "must divide"),
+    ("rollout.top_p=0", "rollout.top_p", "(0, 1]"),
+    ("trainer.loss.clip_eps_high=1.5", "trainer.loss.clip_eps_high", "(0, 1)"),
+    ("rollout.router.port=31001", "rollout.router.port", "collides with the engine ports"),
+    ("parallel.num_trainer_ranks=3", "parallel.num_trainer_ranks", "split evenly"),
+    ("parallel.tensor_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel"),
+    ("reward.fn=slimish.tasks.echo_digit.no_such_fn", "reward.fn", "has no attribute"),
+    ("reward.fn=no_such_module.fn", "reward.fn", "cannot import module"),
+    ("model.hf_path=/nonexistent", "model.hf_path", "has no config.json"),
+    ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb", "must be > 0"),
+    ("rollout.engine=3", "rollout.engine", "expected a mapping"),
+]
+
+
+@pytest.mark.parametrize("override,key,fragment", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_config_names_key_and_allowed(base, override, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + [override])
+    assert err.value.key == key
+    assert fragment in str(err.value)
+    assert str(err.value).startswith(f"config key '{key}'")
+
+
+def test_check_config_cli_exit_codes(base, tmp_path):
+    cmd = [sys.executable, "-m", "slimish.cli", "check-config", str(REPO / "configs/quickstart_cpu.yaml")]
+    ok = subprocess.run(cmd + base, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(cmd + base + ["rollout.max_new_tokens=-1"], capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "rollout.max_new_tokens" in bad.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rollout: [unclosed")
+    res = subprocess.run([sys.executable, "-m", "slimish.cli", "check-config", str(broken)], capture_output=True,
+                         text=True)
+    assert res.returncode != 0 and "not valid YAML" in res.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path, base):
+    """Every shipped config is valid apart from paths that only exist on a cluster."""
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict)
+    load_config(path, base)

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models built locally (nothing from a hub) and a one-process Megatron world."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """family -> directory of a tiny random HF model with a locally trained tokenizer."""
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: build_tiny_model(root / family, corpus=echo_digit.corpus(), family=family)
+            for family in ("qwen3", "qwen2", "llama")}
+
+
+@pytest.fixture(scope="session")
+def task_assets(tmp_path_factory, tiny_models) -> dict[str, str]:
+    from slimish.tasks import echo_digit
+
+    root = tmp_path_factory.mktemp("task")
+    paths = echo_digit.write_datasets(root)
+    return {"model": str(tiny_models["qwen3"]), **paths}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """torch.distributed (gloo, world size 1) + Megatron parallel state (TP=PP=1) for in-process tests."""
+    from slimish.trainer.parallel import ParallelLayout, init_parallel
+
+    init_parallel(ParallelLayout(rank=0, world_size=1), master_addr="127.0.0.1", master_port=free_port(),
+                  backend="gloo", seed=1234)
+    yield

@@ -1,0 +1,39 @@
+"""Find processes a test started that are still alive (engines, router, Ray, trainer workers).
+
+The test process makes itself a child subreaper, so every process the job started that outlives its parent is
+re-parented to the test process instead of PID 1: its descendants are then exactly what the job left behind,
+whatever else runs on the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import psutil
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    if ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def leftovers(*, wait_s: float = 30.0) -> list[str]:
+    """Live descendants of this process, after waiting up to `wait_s` for them to exit (zombies are reaped)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for child in psutil.Process(os.getpid()).children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    child.wait(timeout=0)
+                    continue
+                found.append(f"{child.pid}: {' '.join(child.cmdline())[:160]}")
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(1)

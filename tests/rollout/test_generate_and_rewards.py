@@ -1,0 +1,78 @@
+"""Engine reply -> Sample, and reward-hook failure containment (no server: the reply is one recorded from
+sglang 0.5.23 on CPU; the real path is covered by tests/e2e)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimish.rollout import rewards
+from slimish.rollout.generate import fill_from_reply, per_token_versions
+from slimish.sample import Sample, Status
+
+RECORDED_REPLY = {
+    "text": "7", "output_ids": [23, 0],
+    "meta_info": {"finish_reason": {"type": "stop", "matched": 0}, "prompt_tokens": 3, "weight_version": "4",
+                  "num_retractions": 0, "output_token_logprobs": [[-0.52, 23, None], [-0.01, 0, None]],
+                  "completion_tokens": 2, "weight_versions": [{"version": "3", "start": 0, "end": 1},
+                                                              {"version": "4", "start": 1, "end": 2}]},
+}
+
+
+def _sample(**kw) -> Sample:
+    return Sample(group_id=0, index=0, prompt="say 7", prompt_ids=[269, 221, 23], label="7", **kw)
+
+
+def test_reply_fills_tokens_logprobs_versions():
+    s = fill_from_reply(_sample(), RECORDED_REPLY)
+    assert s.response_ids == [23, 0] and s.rollout_logprobs == [-0.52, -0.01]
+    assert s.weight_versions == [3, 4] and s.loss_mask == [1, 1]
+    assert s.status is Status.COMPLETED and s.trainable
+    s.check()
+
+
+@pytest.mark.parametrize("finish,status", [("length", Status.TRUNCATED), ("abort", Status.ABORTED)])
+def test_finish_reasons(finish, status):
+    reply = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": finish}}}
+    assert fill_from_reply(_sample(), reply).status is status
+
+
+def test_mismatched_logprobs_are_rejected_and_leave_sample_untouched():
+    reply = {**RECORDED_REPLY, "output_ids": [23, 5]}
+    s = _sample()
+    with pytest.raises(ValueError):
+        fill_from_reply(s, reply)
+    assert s.response_ids == [] and s.rollout_logprobs == []
+
+
+def test_startup_version_default_is_zero():
+    assert per_token_versions({"weight_version": "default"}, 3) == [0, 0, 0]
+
+
+def _scored(texts):
+    return [_sample(response=t, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1])
+            for t in texts]
+
+
+def test_reward_hook_contract():
+    from slimish.tasks.echo_digit import reward
+
+    samples = _scored(["7", "3", " 7 and more", ""])
+    assert rewards.score(samples, reward, failure_reward=0.0) == 0
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_failing_reward_only_fails_the_bad_samples():
+    def flaky(completions, **kwargs):
+        if any("boom" in c for c in completions):
+            raise RuntimeError("reward service down")
+        return [1.0] * len(completions)
+
+    samples = _scored(["7", "boom", "7"])
+    assert rewards.score(samples, flaky, failure_reward=-1.0) == 1
+    assert [s.reward for s in samples] == [1.0, -1.0, 1.0]
+    assert "reward service down" in samples[1].error
+
+
+def test_wrong_length_reward_is_a_failure():
+    samples = _scored(["7", "7"])
+    assert rewards.score(samples, lambda c, **k: [1.0], failure_reward=0.0) == 2

@@ -1,0 +1,239 @@
+"""launch/train.sbatch and launch/convert.sbatch against a real Slurm: a 2-node cluster simulated on this host.
+
+    .venv/bin/pytest -m slurm tests/slurm      # as root; apt-installs slurm-wlm and munge if sbatch is missing
+
+launch/local_slurm.sh runs the cluster in a network namespace of its own whose only interface is loopback, so all
+traffic stays on 127.0.0.0/8 and every process a job starts lives in that namespace: "nothing left behind" means
+that once a job is over, the namespace holds no process but the Slurm daemons.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_SLURM = REPO / "launch" / "local_slurm.sh"
+QUICKSTART = "configs/quickstart_cpu.yaml"
+PROBE_DRIVER = "python tests/slurm/ray_probe_driver.py"
+
+
+def wait_until(predicate, *, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class LocalSlurm:
+    """Client of one launch/local_slurm.sh cluster with its own state directory and network namespace."""
+
+    def __init__(self, state_dir: Path, netns: str):
+        self.state_dir = state_dir
+        self.netns = netns
+        self.env = dict(os.environ, SLIMISH_SLURM_DIR=str(state_dir), SLIMISH_SLURM_NETNS=netns)
+
+    def script(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+        result = subprocess.run(
+            [str(LOCAL_SLURM), *args],
+            env={**self.env, **(env or {})},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"local_slurm.sh {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def sbatch(self, *args: str, env: dict[str, str] | None = None) -> str:
+        return self.script("run", "sbatch", "--parsable", *args, env=env).strip().split(";")[0]
+
+    def in_queue(self, job: str) -> bool:
+        return bool(self.script("run", "squeue", "-h", "-j", job, check=False).strip())
+
+    def state(self, job: str) -> tuple[str, str]:
+        """(JobState, ExitCode) as scontrol reports them, e.g. ("COMPLETED", "0:0")."""
+        text = self.script("run", "scontrol", "show", "job", job)
+        return re.search(r"JobState=(\S+)", text)[1], re.search(r"ExitCode=(\S+)", text)[1]
+
+    def wait_done(self, job: str, timeout: float) -> tuple[str, str]:
+        wait_until(lambda: not self.in_queue(job), timeout=timeout, what=f"job {job} to leave the queue")
+        return self.state(job)
+
+    def _daemon_pids(self) -> set[int]:
+        files = [self.state_dir / "slurmctld.pid", *self.state_dir.glob("slurmd-*.pid")]
+        return {int(f.read_text()) for f in files if f.exists()}
+
+    def job_processes(self) -> dict[int, str]:
+        """Live processes in the cluster's network namespace other than the Slurm daemons: pid -> command line."""
+        netns = os.stat(f"/run/netns/{self.netns}").st_ino
+        daemons = self._daemon_pids()
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in daemons:
+                continue
+            try:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino != netns:
+                    continue
+                if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return found
+
+    def listeners(self) -> list[str]:
+        """Local addresses of the TCP sockets listening in the cluster's network namespace."""
+        return [line.split()[3] for line in self.script("run", "ss", "-ltnH").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (slurmd, munged, network namespaces)")
+    subprocess.run([str(LOCAL_SLURM), "install"], check=True, timeout=900)
+    # Not under pytest's tmp_path: munged runs as the munge user, which must be able to enter the state directory.
+    state_dir = Path(tempfile.mkdtemp(prefix="slimish-slurm-test-", dir="/tmp"))
+    state_dir.chmod(0o755)
+    slurm = LocalSlurm(state_dir, netns=f"slimish-test-{os.getpid()}")
+    try:
+        slurm.script("start", "2")
+        yield slurm
+    finally:
+        slurm.script("stop", check=False)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets():
+    """The quickstart config's local assets, made the way `make quickstart` makes them."""
+    if not (REPO / "artifacts" / "tiny" / "model" / "config.json").exists():
+        slimish = Path(sys.executable).parent / "slimish"
+        subprocess.run([str(slimish), "make-tiny", "--out", "artifacts/tiny"], cwd=REPO, check=True, timeout=300)
+
+
+def submit_train(cluster: LocalSlurm, out_dir: Path, name: str, *overrides: str, env=None) -> str:
+    args = ["-N", "2", "-o", f"{out_dir}/slurm-%j.out", "launch/train.sbatch", QUICKSTART, *overrides]
+    return cluster.sbatch(*args, f"run.output_dir={out_dir}", f"run.name={name}", env=env)
+
+
+def job_output(out_dir: Path, job: str) -> str:
+    path = out_dir / f"slurm-{job}.out"
+    return path.read_text()[-6000:] if path.exists() else "(no job output)"
+
+
+def metric_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_both_nodes_bootstrapped(log_dir: Path):
+    """Each node's srun step started Ray and left its line; Ray then saw both nodes."""
+    roles = dict(re.findall(r"node=(\S+) role=(\S+)", (log_dir / "nodes.log").read_text()))
+    assert roles == {"n1": "head", "n2": "worker"}
+    bootstrap = (log_dir / "bootstrap.log").read_text()
+    assert "ray cluster: 2/2 nodes alive" in bootstrap
+    assert "ray node: node=n1 " in bootstrap and "ray node: node=n2 " in bootstrap
+
+
+def assert_nothing_left(cluster: LocalSlurm, run_dir: Path):
+    def leftovers() -> dict[int, str]:
+        found = cluster.job_processes()
+        # Belt and braces (e.g. a process that escaped the namespace): anything still naming the run directory.
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+                if str(run_dir) in cmdline:
+                    found[int(entry)] = cmdline
+        return found
+
+    # The job has left the queue; give exiting processes a moment before calling them leftovers.
+    try:
+        wait_until(lambda: not leftovers(), timeout=10, what="the job's processes to exit", interval=0.5)
+    except AssertionError:
+        pytest.fail("processes left behind by the job:\n" + "\n".join(f"{p} {c}" for p, c in leftovers().items()))
+
+
+def assert_loopback_only(addresses: list[str]):
+    for address in addresses:
+        host = address.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+        assert host != "*" and ipaddress.ip_address(host).is_loopback, f"listener outside loopback: {address}"
+
+
+@pytest.mark.timeout(300)
+def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tmp_path):
+    """The bootstrap alone, with a stand-in driver: fast, and independent of the trainer."""
+    job = submit_train(cluster, tmp_path, "probe", "rl.num_steps=2", env={"SLIMISH_DRIVER_CMD": PROBE_DRIVER})
+    assert cluster.wait_done(job, timeout=240) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
+
+    run_dir = tmp_path / "probe"
+    assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
+    assert [m["slurm_nodes"] for m in metric_steps(run_dir)] == [["n1", "n2"], ["n1", "n2"]]
+    assert_nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_two_node_training_job_completes(cluster, tiny_assets, tmp_path):
+    job = submit_train(cluster, tmp_path, "train", "rl.num_steps=2")
+    assert cluster.wait_done(job, timeout=540) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
+
+    run_dir = tmp_path / "train"
+    assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
+    steps = [m["step"] for m in metric_steps(run_dir)]
+    assert len(steps) == 2 and steps[1] == steps[0] + 1, steps
+    assert_nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_scancel_mid_run_leaves_nothing(cluster, tiny_assets, tmp_path):
+    job = submit_train(cluster, tmp_path, "cancel", "rl.num_steps=1000")
+    run_dir = tmp_path / "cancel"
+
+    # Mid-run: the first RL step is done, so engines, trainer and router are all up.
+    def first_step_or_end():
+        return metric_steps(run_dir) or not cluster.in_queue(job)
+
+    wait_until(first_step_or_end, timeout=420, what="the first RL step", interval=2)
+    assert cluster.in_queue(job), "the job ended before it could be cancelled:\n" + job_output(tmp_path, job)
+    assert_loopback_only(cluster.listeners())
+
+    cluster.script("run", "scancel", job)
+    state, _ = cluster.wait_done(job, timeout=120)
+    assert state == "CANCELLED", job_output(tmp_path, job)
+    assert "teardown done" in (run_dir / f"slurm-{job}" / "bootstrap.log").read_text(), job_output(tmp_path, job)
+    assert_nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_convert_job_completes(cluster, tiny_assets, tmp_path):
+    slimish = Path(sys.executable).parent / "slimish"
+    probe = subprocess.run([str(slimish), "convert", "hf-to-megatron", "--help"], capture_output=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip("`slimish convert hf-to-megatron` is not available")
+    out = tmp_path / "megatron"
+    job = cluster.sbatch(
+        "-o", f"{tmp_path}/slurm-%j.out", "launch/convert.sbatch", "--hf", "artifacts/tiny/model", "--out", str(out)
+    )
+    assert cluster.wait_done(job, timeout=240) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
+    assert any(out.iterdir())
+    assert_nothing_left(cluster, out)
