@@ -20,7 +20,7 @@ class MappingError(RuntimeError):
 
 
 def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(raw name, canonical name, parameter), skipping the tied output layer on the last stage."""
+    """(raw name, canonical name, parameter), each parameter once (a tied output layer shares the embedding's)."""
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:
@@ -39,37 +39,32 @@ def _tp_info():
             ps.get_tensor_model_parallel_group())
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Rule]:
-    rules = {r.megatron: r for r in dense.model_rules(arch)}
-    return _shift_layer_numbers(model, rules)
+    """This pipeline stage's rules keyed by local parameter name.
 
-
-def _shift_layer_numbers(model, rules):
-    """Pipeline stages number their layers from 0; map local layer i to global layer offset + i."""
-    offset = _layer_offset(model)
-    if offset == 0:
-        return rules
-    shifted = {}
-    for name, rule in rules.items():
+    Stages number their layers from 0; Megatron's `layer_number` (1-based, global) gives the global index, which
+    the HF names keep. So every stage loads and exports its own layers under the global HF numbering.
+    """
+    module = _unwrap(model)
+    layers = [layer.layer_number - 1 for layer in module.decoder.layers]
+    offset = layers[0] if layers else 0
+    if layers != list(range(offset, offset + len(layers))):
+        raise MappingError(f"non-contiguous decoder layers on this stage: {layers}")
+    rules = {}
+    for rule in dense.stage_rules(arch, layers=range(offset, offset + len(layers)), first=module.pre_process,
+                                  last=module.post_process):
+        name = rule.megatron
         if name.startswith("decoder.layers."):
-            global_index = int(name.split(".")[2])
-            local_index = global_index - offset
-            if local_index < 0:
-                continue
-            name = name.replace(f"decoder.layers.{global_index}.", f"decoder.layers.{local_index}.", 1)
-        shifted[name] = rule
-    return shifted
-
-
-def _layer_offset(model) -> int:
-    module = model
-    while hasattr(module, "module"):
-        module = module.module
-    decoder = getattr(module, "decoder", None)
-    layers = getattr(decoder, "layers", None)
-    if not layers:
-        return 0
-    return layers[0].layer_number - 1
+            index = int(name.split(".")[2])
+            name = name.replace(f"decoder.layers.{index}.", f"decoder.layers.{index - offset}.", 1)
+        rules[name] = rule
+    return rules
 
 
 @torch.no_grad()
@@ -89,24 +84,18 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
             raise MappingError(f"{raw}: HF {rule.hf} give shape {tuple(local.shape)}, model has {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
         used.update(rule.hf)
-    expected = {n for r in rules.values() for n in r.hf}
-    unfilled = expected - used
-    if unfilled and _is_whole_model(model):
+    unfilled = {n for r in rules.values() for n in r.hf} - used
+    if unfilled:
         raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
     unknown = set(ckpt.names()) - {n for r in dense.model_rules(arch) for n in r.hf}
     if unknown:
         raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {sorted(unknown)[:5]}")
 
 
-def _is_whole_model(model) -> bool:
-    from megatron.core import parallel_state as ps
-
-    return not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
-
-
 @torch.no_grad()
 def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) for every parameter of this pipeline stage, in model order.
+    """Yield (hf_name, full tensor) for every parameter this pipeline stage owns, in model order, with global layer
+    numbers: the union over stages is the whole checkpoint, each tensor exactly once.
 
     With tensor parallelism this is a collective: every TP rank must iterate in step.
     """
@@ -116,5 +105,7 @@ def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tu
         rule = rules.get(canonical)
         if rule is None:
             raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+        if rule.replica:
+            continue
         full = sharding.gather(param.detach(), param, rule.kind, tp_group, tp_size)
         yield from zip(rule.hf, dense.to_hf(rule, full, arch))

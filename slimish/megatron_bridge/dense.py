@@ -19,6 +19,8 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     kind: str  # "copy" | "qkv" | "qkv_bias" | "gate_up"
+    # A copy whose master lives on another pipeline stage (the tied output layer): loaded, never exported.
+    replica: bool = False
 
 
 TE_ALIASES = {
@@ -52,13 +54,47 @@ def layer_rules(arch: Architecture, i: int) -> list[Rule]:
 
 def model_rules(arch: Architecture) -> list[Rule]:
     """Every parameter of the model, in HF checkpoint order."""
-    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
-    for i in range(arch.num_layers):
+    return stage_rules(arch, layers=range(arch.num_layers), first=True, last=True)
+
+
+def stage_rules(arch: Architecture, *, layers: range, first: bool, last: bool) -> list[Rule]:
+    """The parameters of the pipeline stage holding global decoder `layers` (and the embedding / head when it is the
+    first / last stage), with global layer numbers, in HF checkpoint order."""
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")] if first else []
+    for i in layers:
         rules += layer_rules(arch, i)
-    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
-    if not arch.tie_word_embeddings:
-        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "copy"))
+    if last:
+        rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+        if not arch.tie_word_embeddings:
+            rules.append(Rule("output_layer.weight", ("lm_head.weight",), "copy"))
+        elif not first:
+            # Megatron keeps its own copy of the tied matrix on the last stage and all-reduces its grads with the
+            # first stage's embedding, so both stay equal; the first stage exports it.
+            rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "copy", replica=True))
     return rules
+
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def checkpoint_key(megatron_name: str) -> tuple[str, int | None]:
+    """(key in a Megatron-Core distributed checkpoint, global layer index or None) of a global Megatron name.
+
+    Megatron stacks every decoder layer's tensor under one key with a leading layer axis, and names the two
+    pre-norms as the Transformer-Engine spec does, so checkpoints load with either layer spec.
+    """
+    if not megatron_name.startswith(_LAYER_PREFIX):
+        return megatron_name, None
+    index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+    for te_suffix, local_suffix in TE_ALIASES.items():
+        if rest == local_suffix:
+            rest = te_suffix
+    return _LAYER_PREFIX + rest, int(index)
+
+
+# Per-layer `_extra_state` objects (None with the local spec) that Megatron's layer checkpoints carry.
+EXTRA_STATE_KEYS = tuple(f"{_LAYER_PREFIX}{m}._extra_state" for m in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
 
 
 def canonical_megatron_name(name: str) -> str:

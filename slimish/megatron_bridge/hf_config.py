@@ -126,6 +126,7 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         pipeline_model_parallel_size=pipeline_parallel,
         sequence_parallel=False,
         params_dtype=dtype,
+        pipeline_dtype=dtype,  # activations cross pipeline stages in the parameter dtype
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
         **overrides,

@@ -37,6 +37,9 @@ class RLJob:
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
         init_ray(self.cfg)
+        # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
+        # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"))
         engines = self.rollout_manager.start.remote()   # engines boot while the trainer builds its model
         self.trainer = TrainerGroup(self.cfg)

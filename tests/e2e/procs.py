@@ -37,3 +37,14 @@ def leftovers(*, wait_s: float = 30.0) -> list[str]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(1)
+
+
+def train_command(task_assets: dict, output_dir, *overrides: str) -> list[str]:
+    """`slimish train` on the quickstart config, pointed at the session's tiny assets and `output_dir`."""
+    import sys
+
+    from tests.conftest import REPO
+
+    return [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
+            f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+            f"sft.data_path={task_assets['sft']}", f"run.output_dir={output_dir}", *overrides]

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.e2e.procs import become_subreaper, leftovers
+from tests.e2e.procs import become_subreaper, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
 
@@ -23,10 +21,8 @@ REQUIRED = ["step", "reward_mean", "response_len_mean", "ppo_kl", "logprob_abs_d
 
 def test_two_real_rl_steps(task_assets, tmp_path):
     become_subreaper()
-    cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
-           f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
-           f"sft.data_path={task_assets['sft']}", "sft.steps=3", "rl.num_steps=2", f"run.output_dir={tmp_path}",
-           "run.name=e2e", "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1"]
+    cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=2", "run.name=e2e",
+                        "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     run_dir = tmp_path / "e2e"
