@@ -1,19 +1,65 @@
-"""Streaming access to a Hugging Face safetensors checkpoint: one tensor at a time, memory-mapped.
+"""Streaming access to Hugging Face safetensors checkpoints: read one tensor at a time, write shards tensor by tensor.
 
-A missing, truncated or corrupt shard raises `CheckpointError` naming the file.
+Reads parse the safetensors headers and copy each tensor's bytes with a positioned read into a fresh tensor.
+Nothing stays mapped, so resident memory is one tensor however large the checkpoint (pages of a memory-mapped file
+count as resident for as long as the mapping lives). A missing, truncated or corrupt shard raises `CheckpointError`
+naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+INDEX = "model.safetensors.index.json"
+_MAX_READ = 1 << 30  # Linux transfers at most ~2 GiB per read() call
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def _read_header(file: Path) -> dict[str, _Entry]:
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read safetensors shard {file}: {exc}") from None
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        if meta["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        if 8 + length + end > size:
+            raise CheckpointError(f"safetensors shard {file} is truncated ({size} bytes; {name!r} ends at "
+                                  f"{8 + length + end})")
+        entries[name] = _Entry(file, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + length + begin, end - begin)
+    return entries
 
 
 class HFCheckpoint:
@@ -21,38 +67,102 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
+        index = self.path / INDEX
         single = self.path / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.path / fname for name, fname in weight_map.items()}
+            files = sorted({self.path / f for f in json.loads(index.read_text())["weight_map"].values()})
         elif single.is_file():
-            self.files = {name: single for name in self._open(single).keys()}
+            files = [single]
         else:
-            raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
-        self._handles: dict[Path, object] = {}
-
-    def _open(self, file: Path):
-        if file not in getattr(self, "_handles", {}):
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for truncated headers
-                raise CheckpointError(f"cannot read safetensors shard {file}: {exc}") from None
-            if hasattr(self, "_handles"):
-                self._handles[file] = handle
-            return handle
-        return self._handles[file]
+            raise CheckpointError(f"{self.path}: no model.safetensors or {INDEX}")
+        self._entries: dict[str, _Entry] = {}
+        for file in files:
+            self._entries.update(_read_header(file))
 
     def names(self) -> list[str]:
-        return list(self.files)
+        return list(self._entries)
+
+    def _entry(self, name: str) -> _Entry:
+        if name not in self._entries:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        return self._entries[name]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta-device tensor with the stored shape and dtype (nothing is read)."""
+        entry = self._entry(name)
+        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+    def nbytes(self, name: str) -> int:
+        return self._entry(name).nbytes
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
-        file = self.files[name]
+        """A fresh tensor holding the stored data."""
+        entry = self._entry(name)
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
         try:
-            return self._open(file).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {name!r} from shard {file}: {exc}") from None
+            with open(entry.file, "rb", buffering=0) as f:
+                done = 0
+                while done < entry.nbytes:
+                    got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], entry.offset + done)
+                    if got == 0:
+                        raise OSError(f"unexpected end of file at byte {entry.offset + done}")
+                    done += got
+        except OSError as exc:
+            raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
+        return buffer.view(entry.dtype).reshape(entry.shape)
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_hf_shards(out_dir: str | Path, specs: list[tuple[str, torch.Tensor]],
+                    tensors: Iterable[tuple[str, torch.Tensor]], *, max_shard_bytes: int) -> list[Path]:
+    """Write `tensors` as safetensors shards of at most `max_shard_bytes` (a larger tensor gets its own shard), plus
+    the index when there is more than one shard. `specs` lists (name, meta tensor) in the order `tensors` yields
+    them: headers come first in the file, so every shape is fixed before any data is read.
+    """
+    out_dir = Path(out_dir)
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, meta in specs:
+        nbytes = meta.numel() * meta.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, meta))
+        size += nbytes
+    files = [out_dir / name for name in _shard_names(len(groups))]
+    stream = iter(tensors)
+    for file, group in zip(files, groups):
+        _write_shard(file, group, stream)
+    if next(stream, None) is not None:
+        raise CheckpointError("more tensors than specs")
+    if len(files) > 1:
+        weight_map = {name: file.name for file, group in zip(files, groups) for name, _ in group}
+        total = sum(meta.numel() * meta.element_size() for _, meta in specs)
+        (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2) + "\n")
+    return files
+
+
+def _write_shard(file: Path, group: list[tuple[str, torch.Tensor]], stream) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, meta in group:
+        nbytes = meta.numel() * meta.element_size()
+        header[name] = {"dtype": _NAMES[meta.dtype], "shape": list(meta.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for name, meta in group:
+            got_name, tensor = next(stream)
+            if got_name != name or tensor.shape != meta.shape or tensor.dtype != meta.dtype:
+                raise CheckpointError(f"{file}: expected {name} {tuple(meta.shape)} {meta.dtype}, got {got_name} "
+                                      f"{tuple(tensor.shape)} {tensor.dtype}")
+            f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))

@@ -11,12 +11,11 @@ import signal
 import time
 from pathlib import Path
 
-import ray
 import torch
 
 from slimish.config import JobConfig, save_config
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
-from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, rollout_actor
+from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, rollout_actor
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample
 from slimish.trainer.losses import grpo_advantages

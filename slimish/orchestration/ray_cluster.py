@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 
-import ray
+if not os.environ.get("RAY_ADDRESS"):
+    # Read by Ray at import time: with it, a local Ray advertises and binds 127.0.0.1 instead of the host's
+    # interface address. (A multi-node cluster is joined through RAY_ADDRESS and keeps Ray's defaults.)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from slimish.config.schema import JobConfig
+import ray  # noqa: E402
+
+from slimish.config.schema import JobConfig  # noqa: E402
 
 
 def init_ray(cfg: JobConfig) -> None:
@@ -19,8 +24,6 @@ def init_ray(cfg: JobConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": env})
         return
-    # Keeps every Ray listener on 127.0.0.1 (otherwise Ray binds 0.0.0.0 and advertises the host's interface).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=True, runtime_env={"env_vars": env})
 

@@ -69,3 +69,22 @@ def test_grpo_step_raises_logprob_of_positive_advantage(worker):
     change = after - before
     adv = torch.tensor(advantages)
     assert change[adv > 0].mean() > change[adv < 0].mean()
+
+
+def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
+    from slimish.trainer.worker import TrainerWorker
+
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
+        "trainer.loss.kl_coef=0.1"])
+    w = TrainerWorker(cfg, rank=0, world_size=1)
+    w.setup(master_addr="unused", master_port=0)
+    assert w.ref_model is not None
+    advantages = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
+    w.compute_logprobs(_samples())
+    first = w.train(advantages)
+    w.compute_logprobs(_samples())
+    second = w.train(advantages)
+    assert first["kl_ref"] == 0.0
+    assert second["kl_ref"] > 0.0
