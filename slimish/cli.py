@@ -3,6 +3,8 @@
   slimish train --config CONFIG [key.sub=value ...]     run an RL job
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
+  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N]
+  slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from slimish.megatron_bridge import convert
+    from slimish.megatron_bridge.hf_config import UnsupportedConfig
+
+    try:
+        if args.direction == "hf-to-megatron":
+            out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
+                                         pipeline_parallel=args.pp)
+        else:
+            convert.megatron_to_hf(megatron_dir=args.megatron, hf_config_dir=args.hf_config, out_dir=args.out,
+                                   max_shard_bytes=args.max_shard_mb << 20)
+            out = args.out
+    except (UnsupportedConfig, convert.LayoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimish", description="RL post-training on Megatron-Core + SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
+    p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron-Core (torch_dist)")
+    directions = p.add_subparsers(dest="direction", required=True)
+    d = directions.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core distributed checkpoint")
+    d.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    d.add_argument("--out", required=True, help="output directory for the distributed checkpoint")
+    d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size")
+    d.add_argument("--pp", type=int, default=1, help="check the model splits over this pipeline-parallel size")
+    d = directions.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors")
+    d.add_argument("--megatron", required=True, help="distributed checkpoint directory")
+    d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")
+    d.add_argument("--out", required=True, help="output HF directory")
+    d.add_argument("--max-shard-mb", type=int, default=2048, help="largest safetensors shard (MiB)")
+    p.set_defaults(fn=cmd_convert)
     return parser
 
 

@@ -9,7 +9,9 @@ asks for each chunk's data only when it writes it (`LazyTensor` below), so at mo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,10 +39,10 @@ class LazyTensor(torch.Tensor):
         self._chunks = {tuple(offsets): (tuple(sizes), data) for offsets, sizes, data in chunks}
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                      properties=TensorProperties(dtype=self.dtype), size=self.shape))
-                for offsets, (sizes, _) in self._chunks.items()]
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
+                for chunk, offsets in zip(self.__create_chunk_list__(), self._chunks)]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
@@ -54,6 +56,14 @@ class LazyTensor(torch.Tensor):
         raise NotImplementedError(f"{cls.__name__} only carries checkpoint chunks; {func} is not supported")
 
 
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it runs without torch.distributed, which is what no_dist=True asks for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(out_dir: str | Path, state: dict[str, LazyTensor | object]) -> None:
     """Write `state` (key -> LazyTensor, or a picklable object for Megatron's ShardedObjects) as a torch_dist
     checkpoint. Files are fsynced: the checkpoint is durable when this returns."""
@@ -62,7 +72,9 @@ def save(out_dir: str | Path, state: dict[str, LazyTensor | object]) -> None:
     # One writer thread: chunks are produced one at a time, which bounds memory (more threads would not overlap
     # the reads, which run in the producing functions, with writes any better on one disk).
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
-    dcp.save(state, storage_writer=writer, planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    with _single_process():
+        dcp.save(state, storage_writer=writer, planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
+                 no_dist=True)
     torch.save({}, out_dir / "common.pt")
     (out_dir / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
 
@@ -94,6 +106,7 @@ class DistCheckpoint:
         meta = self.meta(key)
         buffer = torch.empty(sizes, dtype=meta.dtype)
         state = {key: LazyTensor(size=tuple(meta.shape), dtype=meta.dtype, chunks=[(offsets, sizes, lambda: buffer)])}
-        dcp.load(state, storage_reader=self._reader, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False),
-                 no_dist=True)
+        with _single_process():
+            dcp.load(state, storage_reader=self._reader, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False),
+                     no_dist=True)
         return buffer

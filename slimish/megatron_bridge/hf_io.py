@@ -153,7 +153,8 @@ def _write_shard(file: Path, group: list[tuple[str, torch.Tensor]], stream) -> N
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, meta in group:
         nbytes = meta.numel() * meta.element_size()
-        header[name] = {"dtype": _NAMES[meta.dtype], "shape": list(meta.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _NAMES[meta.dtype], "shape": list(meta.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned

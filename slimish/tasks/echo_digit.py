@@ -1,7 +1,7 @@
 """The quickstart task: answer with the digit the prompt asks for ("say 7" -> "7").
 
 The tiny random model gets a deliberately *short* SFT warm-up in Megatron (20 steps; configs/quickstart_cpu.yaml)
-that teaches the answer format and leaves it at ~0.25 expected reward; the RL phase then has to take it to ~0.9.
+that teaches the answer format and leaves it at ~0.1-0.3 reward; the RL phase then has to take it to ~0.8.
 Measured alternatives that did not work: warming up on random digits (format only) collapses the model to an
 input-independent uniform answer that GRPO does not undo within 30 steps.
 """
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 VERBS = ["say", "echo", "repeat", "copy", "write", "print"]
-_FIRST_DIGIT = re.compile(r"\d")
 
 
 def make_prompt(rng: random.Random) -> tuple[str, str]:
@@ -23,12 +21,8 @@ def make_prompt(rng: random.Random) -> tuple[str, str]:
 
 
 def reward(completions: list[str], labels: list, **kwargs) -> list[float]:
-    """1.0 when the first digit of the completion equals the label, else 0.0."""
-    scores = []
-    for text, label in zip(completions, labels, strict=True):
-        match = _FIRST_DIGIT.search(text)
-        scores.append(1.0 if match is not None and match.group(0) == str(label) else 0.0)
-    return scores
+    """1.0 when the completion is exactly the label (then EOS), else 0.0: padding the answer earns nothing."""
+    return [1.0 if text.strip() == str(label) else 0.0 for text, label in zip(completions, labels, strict=True)]
 
 
 def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, seed: int = 0,

@@ -83,7 +83,9 @@ def test_truncated_shard_names_the_file(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("rope_scaling", {"type": "yarn", "factor": 4}),
-                                         ("use_sliding_window", True), ("model_type", "gpt2")])
+                                         ("use_sliding_window", True), ("model_type", "gpt2"),
+                                         ("attention_dropout", 0.1), ("attention_bias", True),
+                                         ("rope_parameters", {"rope_type": "yarn", "factor": 4.0})])
 def test_unsupported_config_names_the_field(tiny_models, field, value):
     cfg = read_hf_config(tiny_models["qwen3"])
     cfg[field] = value

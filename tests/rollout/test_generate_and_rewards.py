@@ -58,7 +58,7 @@ def test_reward_hook_contract():
 
     samples = _scored(["7", "3", " 7 and more", ""])
     assert rewards.score(samples, reward, failure_reward=0.0) == 0
-    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_failing_reward_only_fails_the_bad_samples():

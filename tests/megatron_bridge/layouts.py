@@ -1,0 +1,49 @@
+"""Run the bridge on a multi-process TP x PP world (bridge_rank.py) and check its results against HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from slimish.megatron_bridge.hf_io import HFCheckpoint
+from tests.multiproc import run_world
+
+RANK_SCRIPT = Path(__file__).with_name("bridge_rank.py")
+FAMILIES = ["qwen3", "qwen2", "llama"]
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+
+
+def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str]) -> dict[str, list[dict]]:
+    """Run bridge_rank.py on a TP x PP world over `models` (name -> "HF_DIR[:DIST_CKPT]"); results by name, rank."""
+    args = ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
+    for name, spec in models.items():
+        args += ["--model", f"{name}={spec}"]
+    run_world(RANK_SCRIPT, world_size=tp * pp, args=args)
+    return {name: [torch.load(out / name / f"rank{rank}.pt") for rank in range(tp * pp)] for name in models}
+
+
+def assert_logits_match_hf(results: list[dict], hf: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    last = [r for r in results if r["logits"] is not None]
+    assert last, "no rank produced logits"
+    with torch.no_grad():
+        expected = model(last[0]["tokens"]).logits
+    for result in last:
+        assert result["logits"].shape == expected.shape
+        assert (result["logits"] - expected).abs().max().item() <= 1e-5
+
+
+def assert_export_is_checkpoint(results: list[dict], hf: Path) -> None:
+    """The union over stages is the HF checkpoint, bit-exact, each tensor from exactly one stage."""
+    ckpt = HFCheckpoint(hf)
+    union: dict[str, torch.Tensor] = {}
+    for result in results:
+        overlap = union.keys() & result["exported"].keys()
+        assert not overlap, f"exported by two stages: {sorted(overlap)[:3]}"
+        union.update(result["exported"])
+    assert set(union) == set(ckpt.names())
+    for name, tensor in union.items():
+        assert torch.equal(tensor, ckpt.get(name)), name

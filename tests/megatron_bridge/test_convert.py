@@ -1,0 +1,81 @@
+"""`slimish convert`: HF -> Megatron distributed checkpoint -> HF is bit-exact, and the distributed checkpoint
+loads into Megatron-Core at TP2 (two gloo processes) with the same logits as HF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimish.cli import main
+from slimish.megatron_bridge.convert import megatron_to_hf
+from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint
+from tests.megatron_bridge.layouts import assert_logits_match_hf, run_layout
+
+FAMILIES = ["qwen3", "qwen2", "llama"]
+
+
+@pytest.fixture(scope="module")
+def dist_ckpts(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """family -> Megatron distributed checkpoint written by the CLI."""
+    root = tmp_path_factory.mktemp("dist")
+    for family in FAMILIES:
+        assert main(["convert", "hf-to-megatron", "--hf", str(tiny_models[family]), "--out", str(root / family),
+                     "--tp", "2", "--pp", "2"]) == 0
+    return {family: root / family for family in FAMILIES}
+
+
+def assert_same_checkpoint(got: Path, expected: Path) -> None:
+    a, b = HFCheckpoint(got), HFCheckpoint(expected)
+    assert sorted(a.names()) == sorted(b.names())
+    for name in b.names():
+        x, y = a.get(name), b.get(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_is_bit_exact(family, tiny_models, dist_ckpts, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["convert", "megatron-to-hf", "--megatron", str(dist_ckpts[family]),
+                 "--hf-config", str(tiny_models[family]), "--out", str(out)]) == 0
+    assert_same_checkpoint(out, tiny_models[family])
+    assert (out / "config.json").read_text() == (tiny_models[family] / "config.json").read_text()
+    assert (out / "tokenizer.json").is_file() and not (out / INDEX).exists()
+
+
+def test_sharded_output_has_an_index_and_loads_in_transformers(tiny_models, dist_ckpts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    files = megatron_to_hf(megatron_dir=dist_ckpts["qwen3"], hf_config_dir=tiny_models["qwen3"], out_dir=tmp_path,
+                           max_shard_bytes=100_000, progress=False)
+    assert len(files) > 1
+    weight_map = json.loads((tmp_path / INDEX).read_text())["weight_map"]
+    assert set(weight_map.values()) == {f.name for f in files}
+    assert_same_checkpoint(tmp_path, tiny_models["qwen3"])
+    AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+
+
+def test_dist_checkpoint_loads_at_tp2(tiny_models, dist_ckpts, tmp_path):
+    results = run_layout(tmp_path, tp=2, pp=1,
+                         models={f: f"{tiny_models[f]}:{dist_ckpts[f]}" for f in FAMILIES})
+    for family in FAMILIES:
+        assert_logits_match_hf(results[family], tiny_models[family])
+
+
+def test_layout_that_does_not_split_is_an_error(tiny_models, tmp_path, capsys):
+    code = main(["convert", "hf-to-megatron", "--hf", str(tiny_models["qwen3"]), "--out", str(tmp_path), "--tp", "3"])
+    assert code == 2 and "num_attention_heads" in capsys.readouterr().err
+
+
+def test_unsupported_config_field_is_named(tiny_models, tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_models["qwen3"].iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    assert main(["convert", "hf-to-megatron", "--hf", str(model), "--out", str(tmp_path / "out")]) == 2
+    assert "rope_scaling" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
