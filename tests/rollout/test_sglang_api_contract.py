@@ -1,0 +1,42 @@
+"""Freeze the SGLang request fields slimish sends, read from the installed sglang's own request structs.
+
+If an SGLang upgrade renames or drops one of these, this fails before any engine is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+USED = {
+    "GenerateReqInput": {"input_ids", "sampling_params", "return_logprob", "rid"},
+    "InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                       "backend"},
+    "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                             "weight_version", "load_format"},
+    "BeginWeightUpdateReqInput": {"selector"},
+    "EndWeightUpdateReqInput": set(),
+    "DestroyWeightsUpdateGroupReqInput": {"group_name"},
+    "PauseGenerationReqInput": {"mode"},
+}
+
+
+def _fields(cls) -> set[str]:
+    names = getattr(cls, "__struct_fields__", None)
+    return set(names) if names is not None else {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize("struct,used", sorted(USED.items()))
+def test_request_fields_exist(struct, used):
+    from sglang.srt.managers import io_struct
+
+    assert used <= _fields(getattr(io_struct, struct))
+
+
+def test_flattened_bucket_load_format_is_supported():
+    import inspect
+
+    from sglang.srt.model_executor.model_runner_components import weight_updater
+
+    assert '"flattened_bucket"' in inspect.getsource(weight_updater)
