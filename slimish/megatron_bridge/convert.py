@@ -12,6 +12,7 @@ Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -37,13 +38,33 @@ def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel:
             raise LayoutError(f"{what}={value} does not split over {parts} ranks")
 
 
-def _megatron_meta(rule: dense.Rule, ckpt: HFCheckpoint, arch: Architecture) -> torch.Tensor:
-    return dense.to_megatron(rule, [ckpt.meta(name) for name in rule.hf], arch)
+def _read_rows(rule: dense.Rule, ckpt: HFCheckpoint, *, shape: tuple[int, ...], rows: tuple[int, int]):
+    """Rows [start, stop) of the Megatron tensor of a rule that stacks its HF tensors in order, read straight from
+    the files into one buffer."""
+    start, stop = rows
+    out = torch.empty((stop - start, *shape[1:]), dtype=ckpt.dtype(rule.hf[0]))
+    base = 0
+    for name in rule.hf:
+        count = ckpt.shape(name)[0]
+        lo, hi = max(start, base), min(stop, base + count)
+        if lo < hi:
+            ckpt.get(name, rows=(lo - base, hi - base), out=out[lo - start:hi - start])
+        base += count
+    return out
+
+
+def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    row_bytes = max(1, itemsize * math.prod(shape[1:]))
+    step = max(1, chunk_bytes // row_bytes)
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)] or [(0, 0)]
 
 
 def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1,
-                   pipeline_parallel: int = 1, progress: bool = True) -> Path:
-    """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`."""
+                   pipeline_parallel: int = 1, chunk_bytes: int = 64 << 20, progress: bool = True) -> Path:
+    """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`.
+
+    Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
+    does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole)."""
     arch = architecture_from_hf(read_hf_config(hf_dir))
     check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     ckpt = HFCheckpoint(hf_dir)
@@ -54,10 +75,13 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     bar = tqdm(total=sum(ckpt.nbytes(n) for n in ckpt.names()), unit="B", unit_scale=True, desc="hf->megatron",
                disable=not progress)
 
-    def load(rule: dense.Rule, layered: bool):
+    def load(rule: dense.Rule, shape: tuple[int, ...], rows: tuple[int, int] | None, layered: bool):
         def data() -> torch.Tensor:
-            tensor = dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch)
-            bar.update(sum(ckpt.nbytes(name) for name in rule.hf))
+            if rows is None:
+                tensor = dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch)
+            else:
+                tensor = _read_rows(rule, ckpt, shape=shape, rows=rows)
+            bar.update(tensor.numel() * tensor.element_size())
             return tensor.unsqueeze(0) if layered else tensor
         return data
 
@@ -66,22 +90,27 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     shapes: dict[str, tuple[int, ...]] = {}
     for rule in rules:
         key, layer = dense.checkpoint_key(rule.megatron)
-        meta = _megatron_meta(rule, ckpt, arch)
+        full = dense.megatron_shape(rule, [ckpt.shape(name) for name in rule.hf])
+        dtype = ckpt.dtype(rule.hf[0])
+        if any(ckpt.dtype(name) != dtype for name in rule.hf):
+            raise ValueError(f"{rule.hf}: tensors fused into {rule.megatron} have different dtypes")
         layered = layer is not None
-        shape = (arch.num_layers, *meta.shape) if layered else tuple(meta.shape)
-        if shapes.setdefault(key, shape) != shape or dtypes.setdefault(key, meta.dtype) != meta.dtype:
-            raise ValueError(f"{key}: layers disagree on shape or dtype ({rule.hf[0]} is {tuple(meta.shape)} "
-                             f"{meta.dtype})")
-        offsets = (layer, *[0] * meta.dim()) if layered else (0,) * meta.dim()
-        sizes = (1, *meta.shape) if layered else tuple(meta.shape)
-        chunks.setdefault(key, []).append((offsets, sizes, load(rule, layered)))
-    state: dict[str, object] = {key: dist_ckpt_io.LazyTensor(size=shapes[key], dtype=dtypes[key], chunks=parts)
-                                for key, parts in chunks.items()}
-    for key in dense.EXTRA_STATE_KEYS:
-        for layer in range(arch.num_layers):
-            # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
-            state[f"{key}/shard_{layer}_{arch.num_layers}"] = [None]
-    dist_ckpt_io.save(out_dir, state)
+        shape = (arch.num_layers, *full) if layered else full
+        if shapes.setdefault(key, shape) != shape or dtypes.setdefault(key, dtype) != dtype:
+            raise ValueError(f"{key}: layers disagree on shape or dtype ({rule.hf[0]} is {full} {dtype})")
+        blocks = _row_blocks(full, dtype.itemsize, chunk_bytes) if dense.stacks_in_order(rule) and full else [None]
+        for rows in blocks:
+            start, stop = rows or (0, full[0] if full else 0)
+            offsets = (start, *[0] * (len(full) - 1)) if full else ()
+            sizes = (stop - start, *full[1:]) if full else ()
+            if layered:
+                offsets, sizes = (layer, *offsets), (1, *sizes)
+            chunks.setdefault(key, []).append((offsets, sizes, load(rule, full, rows, layered)))
+    # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
+    objects = {f"{key}/shard_{layer}_{arch.num_layers}": [None]
+               for key in dense.EXTRA_STATE_KEYS for layer in range(arch.num_layers)}
+    dist_ckpt_io.save(out_dir, tensors={key: (shapes[key], dtypes[key], parts) for key, parts in chunks.items()},
+                      objects=objects)
     bar.close()
     return Path(out_dir)
 

@@ -112,6 +112,17 @@ def _qkv_groups(arch: Architecture) -> tuple[int, int, int]:
     return groups, arch.num_attention_heads // groups * arch.kv_channels, arch.kv_channels
 
 
+def megatron_shape(rule: Rule, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Shape of the full Megatron tensor: every kind stacks its HF tensors' rows (qkv interleaves them by group)."""
+    return (sum(shape[0] for shape in hf_shapes), *hf_shapes[0][1:])
+
+
+def stacks_in_order(rule: Rule) -> bool:
+    """True when the Megatron tensor is the HF tensors concatenated along dim 0 in rule order, so a converter can
+    read them straight into one buffer."""
+    return rule.kind in ("copy", "gate_up")
+
+
 def to_megatron(rule: Rule, hf: list[torch.Tensor], arch: Architecture) -> torch.Tensor:
     """Full (unsharded) Megatron tensor from the rule's HF tensors."""
     if rule.kind == "copy":

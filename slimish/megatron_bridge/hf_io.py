@@ -8,6 +8,7 @@ naming the file.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from collections.abc import Iterable
@@ -87,30 +88,43 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         return self._entries[name]
 
-    def meta(self, name: str) -> torch.Tensor:
-        """A meta-device tensor with the stored shape and dtype (nothing is read)."""
-        entry = self._entry(name)
-        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).dtype
 
     def nbytes(self, name: str) -> int:
         return self._entry(name).nbytes
 
-    def get(self, name: str) -> torch.Tensor:
-        """A fresh tensor holding the stored data."""
+    def get(self, name: str, *, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored tensor, or its rows [start, stop) along dim 0, read into `out` (contiguous, matching shape and
+        dtype) or a fresh tensor."""
         entry = self._entry(name)
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
+        shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
+        if rows is not None:
+            start, stop = rows
+            if not 0 <= start <= stop <= shape[0]:
+                raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
+            row_bytes = nbytes // shape[0] if shape[0] else 0
+            shape, offset, nbytes = (stop - start, *shape[1:]), offset + start * row_bytes, (stop - start) * row_bytes
+        if out is None:
+            out = torch.empty(shape, dtype=entry.dtype)
+        elif tuple(out.shape) != shape or out.dtype != entry.dtype or not out.is_contiguous():
+            raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {shape} {entry.dtype}")
+        # A ctypes view of the tensor's memory: unlike .numpy(), it leaves the storage resizable (releasable).
+        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
         try:
             with open(entry.file, "rb", buffering=0) as f:
                 done = 0
-                while done < entry.nbytes:
-                    got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], entry.offset + done)
+                while done < nbytes:
+                    got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], offset + done)
                     if got == 0:
-                        raise OSError(f"unexpected end of file at byte {entry.offset + done}")
+                        raise OSError(f"unexpected end of file at byte {offset + done}")
                     done += got
         except OSError as exc:
             raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
-        return buffer.view(entry.dtype).reshape(entry.shape)
+        return out
 
 
 def _shard_names(count: int) -> list[str]:

@@ -4,9 +4,10 @@ Several models share one world because starting the processes (imports) costs mo
 
 Launched by tests.multiproc.run_world; by hand (one line per rank, same port):
   python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 \
-      --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT
+      --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT [--save-dist DIR]
 Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}, TP rank 0
 only)}. With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
+With --save-dist, Megatron-Core's own dist_checkpointing.save writes each loaded model to DIR/NAME.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -39,8 +41,7 @@ def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
     return outputs[0]["logits"] if outputs else None
 
 
-def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path) -> None:
-    import torch.distributed as dist
+def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path, save_to: Path | None) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
@@ -53,6 +54,8 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path) ->
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), dist_ckpt))
     else:
         load_hf_weights(model, hf, arch)
+    if save_to is not None:
+        dist_checkpointing.save(model.sharded_state_dict(), str(save_to))
     tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = forward(model, tokens)
     exported = {name: tensor.clone() for name, tensor in export_hf_tensors(model, arch)}
@@ -68,6 +71,7 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR or NAME=HF_DIR:DIST_CKPT_DIR")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--save-dist", help="also save each model with Megatron's dist_checkpointing to DIR/NAME")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -79,7 +83,12 @@ def main() -> None:
     for spec in args.model:
         name, paths = spec.split("=", 1)
         hf, _, dist_ckpt = paths.partition(":")
-        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, out=Path(args.out) / name)
+        save_to = Path(args.save_dist) / name if args.save_dist else None
+        if save_to is not None and dist.get_rank() == 0:
+            save_to.mkdir(parents=True)
+        dist.barrier()
+        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, out=Path(args.out) / name,
+                  save_to=save_to)
     shutdown_parallel()
 
 

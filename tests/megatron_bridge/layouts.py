@@ -14,9 +14,13 @@ FAMILIES = ["qwen3", "qwen2", "llama"]
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 
 
-def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str]) -> dict[str, list[dict]]:
-    """Run bridge_rank.py on a TP x PP world over `models` (name -> "HF_DIR[:DIST_CKPT]"); results by name, rank."""
+def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str],
+               save_dist: Path | None = None) -> dict[str, list[dict]]:
+    """Run bridge_rank.py on a TP x PP world over `models` (name -> "HF_DIR[:DIST_CKPT]"); results by name, rank.
+    With `save_dist`, Megatron-Core also saves each model to save_dist/NAME."""
     args = ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
+    if save_dist is not None:
+        args += ["--save-dist", str(save_dist)]
     for name, spec in models.items():
         args += ["--model", f"{name}={spec}"]
     run_world(RANK_SCRIPT, world_size=tp * pp, args=args)
