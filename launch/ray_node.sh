@@ -24,13 +24,20 @@
 #   SLIMISH_RAY_TMPDIR       parent of the per-node Ray temp dir (default /tmp; keep it short: socket paths)
 #   SLIMISH_RAY_START_ARGS   extra arguments for every `ray start`
 #   SLIMISH_KEEP_RAY_TMP     1 = keep the Ray temp dir (session logs) after the node stops
-#   SLIMISH_TEARDOWN_TIMEOUT seconds to wait for Ray to stop before SIGKILL (default 20)
+#   SLIMISH_TEARDOWN_TIMEOUT seconds to wait for Ray to stop before SIGKILL (default 15)
 #
-# Loopback (all nodes on one host, e.g. launch/local_slurm.sh): Ray treats --node-ip-address=127.0.0.1 as
-# "localhost" and swaps in the host's outward address (and then binds its gRPC servers to 0.0.0.0), unless it can
-# find no outward address at all. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps 127.0.0.1 but makes `ray start --address`
-# refuse to join. What works with plain `ray start`: run the nodes in a network namespace whose only interface is
-# loopback (local_slurm.sh does): Ray then keeps 127.0.0.1 and every listener binds 127.0.0.1.
+# Keeping a multi-node Ray on loopback (all nodes on one host, as with launch/local_slurm.sh); Ray 2.60, measured:
+#  - default: Ray treats --node-ip-address=127.0.0.1 (and --address=127.0.0.1:P) as "localhost" and swaps in the
+#    host's outward address; the GCS, raylet and agent gRPC servers then bind *, metrics 0.0.0.0.
+#  - RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: everything stays on 127.0.0.1, but `ray start --address` refuses to join.
+#  - --node-ip-address=127.0.0.2 is kept as is, but the gRPC servers bind * (Ray binds 127.0.0.1 only when the node
+#    address is exactly 127.0.0.1).
+#  - what works, with plain `ray start` on every node: run the nodes in a network namespace whose only interface is
+#    loopback (local_slurm.sh does). Ray finds no outward address, keeps 127.0.0.1, and every Ray listener binds
+#    127.0.0.1: `ray start --head --node-ip-address=127.0.0.1 --port=P ...` and
+#    `ray start --address=127.0.0.1:P --node-ip-address=127.0.0.1 ...`, each node on its own ports (see above).
+# Token auth must be explicit (train.sbatch sets it): otherwise the head turns it on only if ~/.ray/auth_token
+# exists, and a joining worker, which does not, is refused ("InvalidAuthToken").
 set -euo pipefail
 
 BASE=${SLIMISH_RAY_PORT_BASE:-20000}
@@ -67,7 +74,7 @@ alive() { kill -0 "$1" 2>/dev/null && [[ $(ps -o stat= -p "$1" 2>/dev/null) != Z
 start_node() {
   local role=$1 log_dir=$2
   local node=${SLURMD_NODENAME:-$(hostname -s)}
-  local timeout=${SLIMISH_TEARDOWN_TIMEOUT:-20}
+  local timeout=${SLIMISH_TEARDOWN_TIMEOUT:-15}
   local index ip port wport tmp cpus gpus rc=0 leftovers marker
   local -a args extra
   exec >>"$log_dir/ray-$node.log" 2>&1
@@ -122,10 +129,8 @@ start_node() {
   echo "$ray_pid" >"$log_dir/ray-$node.pid"
   wait "$ray_pid" || rc=$?
 
-  for _ in $(seq 1 $((timeout * 5))); do
-    alive "$ray_pid" || break
-    sleep 0.2
-  done
+  local deadline=$((SECONDS + timeout))
+  while alive "$ray_pid" && [[ $SECONDS -lt $deadline ]]; do sleep 0.2; done
   if alive "$ray_pid"; then
     log "ray start (pid $ray_pid) still running after ${timeout}s: SIGKILL"
     kill -KILL "$ray_pid" 2>/dev/null || true

@@ -54,6 +54,10 @@ def validate(cfg: JobConfig) -> None:
     if batch % tr.num_minibatches:
         raise ConfigError("trainer.num_minibatches",
                           f"must divide prompts_per_step * samples_per_prompt = {batch}, got {tr.num_minibatches}")
+    if par.pipeline_parallel != 1:
+        raise ConfigError("parallel.pipeline_parallel",
+                          f"got {par.pipeline_parallel}; RL training supports 1 for now (weight sync sends from "
+                          "trainer rank 0 only; conversion and loading already work at any PP)")
     model_parallel = par.tensor_parallel * par.pipeline_parallel
     if par.num_trainer_ranks % model_parallel:
         raise ConfigError("parallel.num_trainer_ranks",

@@ -119,7 +119,9 @@ class RLJob:
         """Stop engines, router, actors and Ray; safe to call on a half-started job."""
         if self.rollout_manager is not None:
             try:
-                ray.get(self.rollout_manager.shutdown.remote(), timeout=120)
+                # Bounded: under scancel the Ray nodes are being stopped at the same time. If this times out the
+                # engines still die with the actor (parent-death signal).
+                ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
             except Exception as exc:
                 print(f"warning: rollout shutdown: {exc}", flush=True)
             ray.kill(self.rollout_manager)

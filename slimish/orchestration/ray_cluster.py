@@ -49,7 +49,7 @@ class TrainerGroup:
     def kill(self) -> None:
         for actor in self.actors:
             try:
-                ray.get(actor.shutdown.remote(), timeout=30)
+                ray.get(actor.shutdown.remote(), timeout=5)
             except Exception:
                 pass
             ray.kill(actor)

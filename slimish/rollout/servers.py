@@ -93,8 +93,9 @@ class RolloutServers:
     def pids(self) -> list[int]:
         return [p.pid for p in [*self.engines, self.router] if p is not None and p.pid is not None]
 
-    def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for proc in self.engines:
-            proc.stop()
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop router and engines together (a cancelled Slurm job has ~30 s before SIGKILL)."""
+        procs = [p for p in [self.router, *self.engines] if p is not None]
+        if procs:
+            with ThreadPoolExecutor(len(procs)) as pool:
+                list(pool.map(lambda p: p.stop(grace_s), procs))

@@ -50,6 +50,7 @@ BAD_CASES = [
     ("reward.fn=no_such_module.fn", "reward.fn", "cannot import module"),
     ("model.hf_path=/nonexistent", "model.hf_path", "has no config.json"),
     ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb", "must be > 0"),
+    ("parallel.pipeline_parallel=2", "parallel.pipeline_parallel", "supports 1 for now"),
     ("rollout.engine=3", "rollout.engine", "expected a mapping"),
 ]
 
