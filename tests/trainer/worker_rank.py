@@ -1,0 +1,68 @@
+"""One rank of a multi-process TrainerWorker test: the same fixed rollout at a given layout.
+
+Launched by tests.multiproc.run_world:
+  python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T --hf DIR --data JSONL --out OUT
+Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step and the step's metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from slimish.config import load_config
+from slimish.sample import Sample
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fixed_samples() -> list[Sample]:
+    """8 samples in 2 groups; responses and advantages fixed so every layout sees the same step."""
+    return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3],
+                   response_ids=[23 + i % 2, 0], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0],
+                   loss_mask=[1, 1]) for i in range(8)]
+
+
+def response_logprobs(worker, samples) -> torch.Tensor:
+    worker.compute_logprobs(samples)
+    out = []
+    for chunks, mbs in worker._rollout["plan"]:
+        for chunk, mb, lp in zip(chunks, mbs, worker._rollout["old"][0]):
+            for row in range(len(chunk)):
+                start, end = mb.spans[row]
+                out.append(lp[row, start:end])
+    worker._rollout = None
+    return torch.stack(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("rank", "world-size", "port", "tp"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    for name in ("hf", "data", "out"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args()
+    from slimish.trainer.worker import TrainerWorker
+
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
+        "trainer.optimizer.lr=0.01", f"parallel.tensor_parallel={args.tp}",
+        f"parallel.num_trainer_ranks={args.world_size}"])
+    worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
+    worker.setup(master_addr="127.0.0.1", master_port=args.port)
+    samples = fixed_samples()
+    before = response_logprobs(worker, samples)
+    worker.compute_logprobs(samples)
+    metrics = worker.train([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
+    after = response_logprobs(worker, samples)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"before": before, "after": after, "metrics": metrics,
+                "dp_rank": worker.dp_rank, "dp_size": worker.dp_size}, out / f"rank{args.rank}.pt")
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()
