@@ -45,11 +45,32 @@ def _redirect_device_kwarg(owner, name: str, source=None) -> None:
 
 class _TorchForMegatron(types.ModuleType):
     """What `torch` means inside megatron.* modules: real torch, except that the tensor factories map
-    device="cuda" to the CPU. Scoped to Megatron because wrapping the global factories breaks transformers 5's
-    meta-device model loading (its non-persistent buffers, e.g. rotary inv_freq, come out uninitialised)."""
+    device="cuda" to the CPU (and `distributed` is `_DistributedForMegatron`). Scoped to Megatron because wrapping
+    the global factories breaks transformers 5's meta-device model loading (its non-persistent buffers, e.g. rotary
+    inv_freq, come out uninitialised)."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+    # The MoE alltoall dispatcher passes split sizes as tensors (numpy arrays after its device-to-host copy on a
+    # GPU); this torch's c10d binding accepts only sequences of ints.
+    if output_split_sizes is not None:
+        output_split_sizes = [int(size) for size in output_split_sizes]
+    if input_split_sizes is not None:
+        input_split_sizes = [int(size) for size in input_split_sizes]
+    return torch.distributed.all_to_all_single(output, input, output_split_sizes, input_split_sizes, *args,
+                                               **kwargs)
+
+
+class _DistributedForMegatron(types.ModuleType):
+    """What `torch.distributed` means inside megatron.* modules: the real one but for `_all_to_all_single`."""
+
+    all_to_all_single = staticmethod(_all_to_all_single)
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
 
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like",
@@ -57,6 +78,7 @@ _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like"
 _TORCH_FOR_MEGATRON = _TorchForMegatron("torch")
 for _name in _FACTORIES:
     _redirect_device_kwarg(_TORCH_FOR_MEGATRON, _name, source=torch)
+_TORCH_FOR_MEGATRON.distributed = _DistributedForMegatron("torch.distributed")
 
 
 def _scope_factories_to_megatron() -> None:
@@ -83,6 +105,10 @@ class _NoOpStreamOrEvent:
 
     def query(self):
         return True
+
+    def record_event(self, *args, **kwargs):
+        # The MoE alltoall dispatcher records an event on its device-to-host stream and later synchronises on it.
+        return _NoOpStreamOrEvent()
 
     def elapsed_time(self, other):
         return 0.0

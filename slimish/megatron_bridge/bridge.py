@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slimish.megatron_bridge import dense, sharding
+from slimish.megatron_bridge import dense, moe, sharding
 from slimish.megatron_bridge.hf_config import Architecture
 from slimish.megatron_bridge.hf_io import HFCheckpoint
 
@@ -30,13 +30,29 @@ def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.P
         yield name, canonical, param
 
 
-def _tp_info():
+def _tp_info(*, expert: bool):
+    """(rank, size, group) of the tensor-parallel group that shards the parameter; experts have their own."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return 0, 1, None
+    if expert:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
     return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
             ps.get_tensor_model_parallel_group())
+
+
+def _local_experts(arch: Architecture) -> tuple[int, int]:
+    """(first global expert, count) held by this expert-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    if arch.moe is None:
+        return 0, 0
+    size = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    rank = ps.get_expert_model_parallel_rank() if size > 1 else 0
+    count = arch.moe.num_experts // size
+    return rank * count, count
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,17 +65,21 @@ def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Ru
     """This pipeline stage's rules keyed by local parameter name.
 
     Stages number their layers from 0; Megatron's `layer_number` (1-based, global) gives the global index, which
-    the HF names keep. So every stage loads and exports its own layers under the global HF numbering.
+    the HF names keep. So every stage loads and exports its own layers under the global HF numbering. Likewise an
+    expert-parallel rank numbers its experts from 0 and keeps only the rules of the experts it holds.
     """
     module = _unwrap(model)
     layers = [layer.layer_number - 1 for layer in module.decoder.layers]
     offset = layers[0] if layers else 0
     if layers != list(range(offset, offset + len(layers))):
         raise MappingError(f"non-contiguous decoder layers on this stage: {layers}")
+    first_expert, num_experts = _local_experts(arch)
     rules = {}
     for rule in dense.stage_rules(arch, layers=range(offset, offset + len(layers)), first=module.pre_process,
                                   last=module.post_process):
-        name = rule.megatron
+        name = moe.localize_expert(rule.megatron, first=first_expert, count=num_experts)
+        if name is None:
+            continue
         if name.startswith("decoder.layers."):
             index = int(name.split(".")[2])
             name = name.replace(f"decoder.layers.{index}.", f"decoder.layers.{index - offset}.", 1)
@@ -72,12 +92,12 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
     """Copy every parameter of `model` (this rank's shard) from the HF checkpoint; strict both ways."""
     ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
     rules = _rules_for(model, arch)
-    tp_rank, tp_size, _ = _tp_info()
     used: set[str] = set()
     for raw, canonical, param in _named_params(model):
         rule = rules.get(canonical)
         if rule is None:
             raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+        tp_rank, tp_size, _ = _tp_info(expert=moe.is_expert(canonical))
         full = dense.to_megatron(rule, [ckpt.get(n) for n in rule.hf], arch)
         local = sharding.shard(full, param, rule.kind, tp_rank, tp_size)
         if local.shape != param.shape:
@@ -95,17 +115,18 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
 @torch.no_grad()
 def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter this pipeline stage owns, in model order, with global layer
-    numbers: the union over stages is the whole checkpoint, each tensor exactly once.
+    numbers: the union over stages is the whole checkpoint, each tensor exactly once. With expert parallelism each
+    rank yields only its own experts (global numbers) besides the parameters every expert-parallel rank holds.
 
     With tensor parallelism this is a collective: every TP rank must iterate in step.
     """
     rules = _rules_for(model, arch)
-    _, tp_size, tp_group = _tp_info()
     for raw, canonical, param in _named_params(model):
         rule = rules.get(canonical)
         if rule is None:
             raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
         if rule.replica:
             continue
+        _, tp_size, tp_group = _tp_info(expert=moe.is_expert(canonical))
         full = sharding.gather(param.detach(), param, rule.kind, tp_group, tp_size)
         yield from zip(rule.hf, dense.to_hf(rule, full, arch))

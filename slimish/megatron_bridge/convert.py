@@ -29,11 +29,14 @@ class LayoutError(ValueError):
 
 
 def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int) -> None:
-    for what, value, parts in [("num_attention_heads", arch.num_attention_heads, tensor_parallel),
-                               ("num_key_value_heads", arch.num_query_groups, tensor_parallel),
-                               ("intermediate_size", arch.ffn_hidden_size, tensor_parallel),
-                               ("vocab_size", arch.vocab_size, tensor_parallel),
-                               ("num_hidden_layers", arch.num_layers, pipeline_parallel)]:
+    splits = [("num_attention_heads", arch.num_attention_heads, tensor_parallel),
+              ("num_key_value_heads", arch.num_query_groups, tensor_parallel),
+              ("intermediate_size", arch.ffn_hidden_size, tensor_parallel),
+              ("vocab_size", arch.vocab_size, tensor_parallel),
+              ("num_hidden_layers", arch.num_layers, pipeline_parallel)]
+    if arch.moe is not None:
+        splits.append(("moe_intermediate_size", arch.moe.ffn_hidden_size, tensor_parallel))
+    for what, value, parts in splits:
         if parts < 1 or value % parts:
             raise LayoutError(f"{what}={value} does not split over {parts} ranks")
 
@@ -89,13 +92,13 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     dtypes: dict[str, torch.dtype] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for rule in rules:
-        key, layer = dense.checkpoint_key(rule.megatron)
+        key, layer, count = dense.checkpoint_key(rule.megatron, arch)
         full = dense.megatron_shape(rule, [ckpt.shape(name) for name in rule.hf])
         dtype = ckpt.dtype(rule.hf[0])
         if any(ckpt.dtype(name) != dtype for name in rule.hf):
             raise ValueError(f"{rule.hf}: tensors fused into {rule.megatron} have different dtypes")
         layered = layer is not None
-        shape = (arch.num_layers, *full) if layered else full
+        shape = (count, *full) if layered else full
         if shapes.setdefault(key, shape) != shape or dtypes.setdefault(key, dtype) != dtype:
             raise ValueError(f"{key}: layers disagree on shape or dtype ({rule.hf[0]} is {full} {dtype})")
         blocks = _row_blocks(full, dtype.itemsize, chunk_bytes) if dense.stacks_in_order(rule) and full else [None]
@@ -107,8 +110,7 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
                 offsets, sizes = (layer, *offsets), (1, *sizes)
             chunks.setdefault(key, []).append((offsets, sizes, load(rule, full, rows, layered)))
     # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
-    objects = {f"{key}/shard_{layer}_{arch.num_layers}": [None]
-               for key in dense.EXTRA_STATE_KEYS for layer in range(arch.num_layers)}
+    objects = {name: [None] for name in dense.extra_state_objects(arch)}
     dist_ckpt_io.save(out_dir, tensors={key: (shapes[key], dtypes[key], parts) for key, parts in chunks.items()},
                       objects=objects)
     bar.close()
@@ -125,11 +127,11 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
     out_dir.mkdir(parents=True, exist_ok=True)
     plan, specs = [], []
     for rule in dense.model_rules(arch):
-        key, layer = dense.checkpoint_key(rule.megatron)
+        key, layer, count = dense.checkpoint_key(rule.megatron, arch)
         meta = ckpt.meta(key)
         if layer is not None:
-            if meta.shape[0] != arch.num_layers:
-                raise ValueError(f"{key}: checkpoint has {meta.shape[0]} layers, config.json {arch.num_layers}")
+            if meta.shape[0] != count:
+                raise ValueError(f"{key}: checkpoint stacks {meta.shape[0]} tensors, config.json says {count}")
             meta = meta[0]
         plan.append((rule, key, layer, meta))
         specs += zip(rule.hf, dense.to_hf(rule, meta, arch))

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core name and shape map of the dense decoder families (Llama-3, Qwen2/2.5, Qwen3).
+"""HF <-> Megatron-Core name and shape map of the decoder families (Llama-3, Qwen2/2.5, Qwen3; the sparse MLP
+layers of Qwen3-MoE come from `moe`).
 
 This table is the single source of truth for both checkpoint conversion and weight sync. Megatron names are those
 of `GPTModel` built with the local layer spec; the Transformer-Engine spec fuses the two pre-norms into the next
@@ -7,21 +8,11 @@ linear layer, which `TE_ALIASES` maps back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from slimish.megatron_bridge import moe
 from slimish.megatron_bridge.hf_config import Architecture
-
-
-@dataclass(frozen=True)
-class Rule:
-    megatron: str
-    hf: tuple[str, ...]
-    kind: str  # "copy" | "qkv" | "qkv_bias" | "gate_up"
-    # A copy whose master lives on another pipeline stage (the tied output layer): loaded, never exported.
-    replica: bool = False
-
+from slimish.megatron_bridge.rule import Rule
 
 TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -46,10 +37,13 @@ def layer_rules(arch: Architecture, i: int) -> list[Rule]:
     rules += [
         Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy"),
         Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), "copy"),
+    ]
+    if arch.moe is not None and arch.moe.is_sparse(i):
+        return rules + moe.mlp_rules(arch, i)
+    return rules + [
         Rule(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
         Rule(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",), "copy"),
     ]
-    return rules
 
 
 def model_rules(arch: Architecture) -> list[Rule]:
@@ -77,24 +71,51 @@ def stage_rules(arch: Architecture, *, layers: range, first: bool, last: bool) -
 _LAYER_PREFIX = "decoder.layers."
 
 
-def checkpoint_key(megatron_name: str) -> tuple[str, int | None]:
-    """(key in a Megatron-Core distributed checkpoint, global layer index or None) of a global Megatron name.
-
-    Megatron stacks every decoder layer's tensor under one key with a leading layer axis, and names the two
-    pre-norms as the Transformer-Engine spec does, so checkpoints load with either layer spec.
-    """
-    if not megatron_name.startswith(_LAYER_PREFIX):
-        return megatron_name, None
-    index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+def _te_name(rest: str) -> str:
     for te_suffix, local_suffix in TE_ALIASES.items():
         if rest == local_suffix:
-            rest = te_suffix
-    return _LAYER_PREFIX + rest, int(index)
+            return te_suffix
+    return rest
 
 
-# Per-layer `_extra_state` objects (None with the local spec) that Megatron's layer checkpoints carry.
-EXTRA_STATE_KEYS = tuple(f"{_LAYER_PREFIX}{m}._extra_state" for m in (
-    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+def checkpoint_key(megatron_name: str, arch: Architecture) -> tuple[str, int | None, int]:
+    """(key in a Megatron-Core distributed checkpoint, index along the key's stacked leading axis or None, length of
+    that axis) of a global Megatron name.
+
+    Megatron names the two pre-norms as the Transformer-Engine spec does, so checkpoints load with either layer
+    spec. When every layer has the same structure it stacks each layer's tensor under one key with a leading layer
+    axis; for a mixture-of-experts model (built with a per-layer moe_layer_freq list) it keys each layer on its own
+    and stacks a layer's experts instead.
+    """
+    if not megatron_name.startswith(_LAYER_PREFIX):
+        return megatron_name, None, 0
+    index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+    if arch.moe is None:
+        return _LAYER_PREFIX + _te_name(rest), int(index), arch.num_layers
+    expert = moe.expert_checkpoint_key(megatron_name)
+    if expert is not None:
+        return *expert, arch.moe.num_experts
+    return f"{_LAYER_PREFIX}{index}.{_te_name(rest)}", None, 0
+
+
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state_objects(arch: Architecture) -> list[str]:
+    """Names of the `_extra_state` objects (None with the local spec) that Megatron's layer checkpoints carry, in
+    its ShardedObject naming: key/shard_{offset}_{count}."""
+    if arch.moe is None:
+        return [f"{_LAYER_PREFIX}{m}._extra_state/shard_{i}_{arch.num_layers}"
+                for m in _LINEARS for i in range(arch.num_layers)]
+    names = []
+    for i in range(arch.num_layers):
+        if arch.moe.is_sparse(i):
+            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in _LINEARS[:2]]
+            names += [f"{_LAYER_PREFIX}{i}.mlp.experts.experts.linear_fc{n}._extra_state/shard_{e}_"
+                      f"{arch.moe.num_experts}" for n in (1, 2) for e in range(arch.moe.num_experts)]
+        else:
+            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in _LINEARS]
+    return names
 
 
 def canonical_megatron_name(name: str) -> str:

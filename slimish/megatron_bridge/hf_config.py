@@ -20,6 +20,26 @@ class UnsupportedConfig(ValueError):
 
 
 DENSE_FAMILIES = {"llama", "qwen2", "qwen3"}
+MOE_FAMILIES = {"qwen3_moe"}
+QK_NORM_FAMILIES = {"qwen3", "qwen3_moe"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoE:
+    """The sparse MLP of a mixture-of-experts family."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    # One entry per decoder layer: 1 for a sparse (MoE) MLP, 0 for a dense one (Megatron's moe_layer_freq list).
+    layer_pattern: tuple[int, ...]
+    # HF renormalises the top-k softmax probabilities (norm_topk_prob), i.e. softmax over the top-k logits: that
+    # is Megatron's default order (top-k, then softmax). Without renormalisation HF weighs experts by their share
+    # of the softmax over all experts: Megatron's pre-softmax order.
+    pre_softmax: bool
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.layer_pattern[layer])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +58,7 @@ class Architecture:
     qk_layernorm: bool
     add_qkv_bias: bool
     tie_word_embeddings: bool
+    moe: MoE | None = None
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -58,10 +79,36 @@ def _rope_theta(cfg: dict) -> float:
     return float(theta)
 
 
+def _moe(cfg: dict) -> MoE:
+    """Qwen3-MoE's sparse MLP. Its router aux-loss coefficient (router_aux_loss_coef) is a training choice, not
+    architecture: the trainer runs without a load-balancing loss (see `transformer_config`)."""
+    # transformers 5 writes num_experts as num_local_experts (its attribute map); older configs use num_experts.
+    experts_field = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts = cfg.get(experts_field)
+    if not experts or experts < 1:
+        raise UnsupportedConfig(experts_field, experts, "a qwen3_moe model needs at least one expert")
+    topk = cfg["num_experts_per_tok"]
+    if not 1 <= topk <= experts:
+        raise UnsupportedConfig("num_experts_per_tok", topk, f"must be between 1 and num_experts={experts}")
+    step = cfg.get("decoder_sparse_step", 1)
+    if step < 1:
+        raise UnsupportedConfig("decoder_sparse_step", step, "must be >= 1")
+    dense_layers = set(cfg.get("mlp_only_layers") or [])
+    layers = cfg["num_hidden_layers"]
+    # Qwen3MoeDecoderLayer's rule: sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
+    pattern = tuple(int(i not in dense_layers and (i + 1) % step == 0) for i in range(layers))
+    if not any(pattern):
+        field, value = ("mlp_only_layers", sorted(dense_layers)) if dense_layers else ("decoder_sparse_step", step)
+        raise UnsupportedConfig(field, value, "no layer is sparse; use the dense family")
+    return MoE(num_experts=experts, topk=topk, ffn_hidden_size=cfg["moe_intermediate_size"], layer_pattern=pattern,
+               pre_softmax=not cfg.get("norm_topk_prob", False))
+
+
 def architecture_from_hf(cfg: dict) -> Architecture:
     family = cfg.get("model_type")
-    if family not in DENSE_FAMILIES:
-        raise UnsupportedConfig("model_type", family, f"supported families: {', '.join(sorted(DENSE_FAMILIES))}")
+    if family not in DENSE_FAMILIES | MOE_FAMILIES:
+        raise UnsupportedConfig("model_type", family,
+                                f"supported families: {', '.join(sorted(DENSE_FAMILIES | MOE_FAMILIES))}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfig("hidden_act", cfg["hidden_act"], "only SwiGLU (silu) MLPs are supported")
     if cfg.get("use_sliding_window"):
@@ -74,7 +121,7 @@ def architecture_from_hf(cfg: dict) -> Architecture:
     attention_bias = cfg.get("attention_bias", family == "qwen2")
     if family == "llama" and attention_bias:
         raise UnsupportedConfig("attention_bias", True, "Llama attention biases (q/k/v/o) are not supported")
-    if family == "qwen3" and attention_bias:
+    if family in QK_NORM_FAMILIES and attention_bias:
         raise UnsupportedConfig("attention_bias", True, "Qwen3 with attention biases is not supported")
     return Architecture(
         family=family,
@@ -88,14 +135,40 @@ def architecture_from_hf(cfg: dict) -> Architecture:
         max_position_embeddings=cfg["max_position_embeddings"],
         rotary_base=_rope_theta(cfg),
         norm_eps=cfg["rms_norm_eps"],
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in QK_NORM_FAMILIES,
         add_qkv_bias=family == "qwen2",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        moe=_moe(cfg) if family in MOE_FAMILIES else None,
+    )
+
+
+def _moe_config(moe: MoE | None, *, expert_parallel: int) -> dict:
+    """TransformerConfig fields of the sparse MLP (none for a dense model)."""
+    if moe is None:
+        if expert_parallel != 1:
+            raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model")
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=list(moe.layer_pattern),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=moe.pre_softmax,
+        # No load-balancing loss: the forward pass then equals HF's exactly, and RL fine-tuning of a trained router
+        # does not need one. Switch it on here (type "aux_loss" + a coefficient) if routing collapses.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        # The dispatcher made for expert parallelism; at EP=1 it only permutes locally.
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine / CUDA kernels
+        expert_model_parallel_size=expert_parallel,
     )
 
 
 def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       params_dtype=None, use_cpu_initialization: bool = False, **overrides):
+                       expert_parallel: int = 1, params_dtype=None, use_cpu_initialization: bool = False,
+                       **overrides):
     """The Megatron-Core TransformerConfig for `arch` (dropout off: RL logprobs must be deterministic)."""
     import torch
     from megatron.core.transformer import TransformerConfig
@@ -129,6 +202,7 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         pipeline_dtype=dtype,  # activations cross pipeline stages in the parameter dtype
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
+        **_moe_config(arch.moe, expert_parallel=expert_parallel),
         **overrides,
     )
 

@@ -7,16 +7,18 @@ import torch
 from slimish.megatron_bridge.hf_config import Architecture, gpt_model_kwargs, transformer_config
 
 
-def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int,
+def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
                     dtype: torch.dtype = torch.float32):
-    """An unwrapped GPTModel for this pipeline stage, using the local (non-Transformer-Engine) layer spec."""
+    """An unwrapped GPTModel for this pipeline stage, using the local (non-Transformer-Engine) layer specs; a
+    mixture-of-experts model gets sparse or dense MLPs per layer as config.json says."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                params_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available())
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+                                expert_parallel=expert_parallel, params_dtype=dtype,
+                                use_cpu_initialization=not torch.cuda.is_available())
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))

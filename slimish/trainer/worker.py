@@ -48,7 +48,8 @@ class TrainerWorker:
 
         dtype = getattr(torch, self.cfg.model.dtype)
         build = functools.partial(build_gpt_model, self.arch, tensor_parallel=self.layout.tensor_parallel,
-                                  pipeline_parallel=self.layout.pipeline_parallel, dtype=dtype)
+                                  pipeline_parallel=self.layout.pipeline_parallel,
+                                  expert_parallel=self.layout.expert_parallel, dtype=dtype)
         self.module = build()
         load_hf_weights(self.module, self.cfg.model.hf_path, self.arch)
         opt = self.cfg.trainer.optimizer

@@ -3,10 +3,11 @@ checkpoint (or a Megatron distributed checkpoint), run one forward through every
 Several models share one world because starting the processes (imports) costs more than the models.
 
 Launched by tests.multiproc.run_world; by hand (one line per rank, same port):
-  python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 \
+  python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 [--ep 1] \
       --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT [--save-dist DIR]
 Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}, TP rank 0
-only)}. With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
+only; with expert parallelism, the tensors outside the experts from expert-parallel rank 0 only)}.
+With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
 With --save-dist, Megatron-Core's own dist_checkpointing.save writes each loaded model to DIR/NAME.
 """
 
@@ -41,7 +42,8 @@ def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
     return outputs[0]["logits"] if outputs else None
 
 
-def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path, save_to: Path | None) -> None:
+def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out: Path,
+              save_to: Path | None) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
@@ -49,7 +51,7 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path, sa
     from slimish.trainer.model import build_gpt_model
 
     arch = architecture_from_hf(read_hf_config(hf))
-    model = build_gpt_model(arch, tensor_parallel=tp, pipeline_parallel=pp).eval()
+    model = build_gpt_model(arch, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep).eval()
     if dist_ckpt:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), dist_ckpt))
     else:
@@ -61,6 +63,9 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, out: Path, sa
     exported = {name: tensor.clone() for name, tensor in export_hf_tensors(model, arch)}
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         exported = {}
+    if parallel_state.get_expert_model_parallel_rank() != 0:
+        # Every expert-parallel rank holds (and exports) the same non-expert tensors; keep one copy.
+        exported = {name: tensor for name, tensor in exported.items() if ".mlp.experts." in name}
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"tokens": tokens, "logits": logits, "exported": exported}, out / f"rank{dist.get_rank()}.pt")
 
@@ -69,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--rank", "--world-size", "--port", "--tp", "--pp"):
         parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR or NAME=HF_DIR:DIST_CKPT_DIR")
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-dist", help="also save each model with Megatron's dist_checkpointing to DIR/NAME")
@@ -78,8 +84,8 @@ def main() -> None:
     from slimish.trainer.parallel import ParallelLayout, init_parallel, shutdown_parallel
 
     init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
-                                 pipeline_parallel=args.pp), master_addr="127.0.0.1", master_port=args.port,
-                  backend="gloo", seed=1234)
+                                 pipeline_parallel=args.pp, expert_parallel=args.ep),
+                  master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
     for spec in args.model:
         name, paths = spec.split("=", 1)
         hf, _, dist_ckpt = paths.partition(":")
@@ -87,7 +93,7 @@ def main() -> None:
         if save_to is not None and dist.get_rank() == 0:
             save_to.mkdir(parents=True)
         dist.barrier()
-        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, out=Path(args.out) / name,
+        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, ep=args.ep, out=Path(args.out) / name,
                   save_to=save_to)
     shutdown_parallel()
 

@@ -10,21 +10,20 @@ from slimish.megatron_bridge.hf_io import HFCheckpoint
 from tests.multiproc import run_world
 
 RANK_SCRIPT = Path(__file__).with_name("bridge_rank.py")
-FAMILIES = ["qwen3", "qwen2", "llama"]
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 
 
-def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str],
+def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str], ep: int = 1,
                save_dist: Path | None = None) -> dict[str, list[dict]]:
-    """Run bridge_rank.py on a TP x PP world over `models` (name -> "HF_DIR[:DIST_CKPT]"); results by name, rank.
-    With `save_dist`, Megatron-Core also saves each model to save_dist/NAME."""
-    args = ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
+    """Run bridge_rank.py on a TP x PP x EP world (data parallel = EP) over `models` (name -> "HF_DIR[:DIST_CKPT]");
+    results by name, rank. With `save_dist`, Megatron-Core also saves each model to save_dist/NAME."""
+    world = tp * pp * ep
+    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
     if save_dist is not None:
         args += ["--save-dist", str(save_dist)]
     for name, spec in models.items():
         args += ["--model", f"{name}={spec}"]
-    run_world(RANK_SCRIPT, world_size=tp * pp, args=args)
-    return {name: [torch.load(out / name / f"rank{rank}.pt") for rank in range(tp * pp)] for name in models}
+    run_world(RANK_SCRIPT, world_size=world, args=args)
+    return {name: [torch.load(out / name / f"rank{rank}.pt") for rank in range(world)] for name in models}
 
 
 def assert_logits_match_hf(results: list[dict], hf: Path) -> None:

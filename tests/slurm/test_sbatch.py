@@ -195,8 +195,9 @@ def assert_ray_listens_on_loopback_only(addresses: list[str]):
 
 
 @pytest.mark.timeout(300)
-def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tmp_path):
-    """The bootstrap alone, with a stand-in driver: fast, and independent of the trainer."""
+def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tiny_assets, tmp_path):
+    """The bootstrap alone, with a stand-in driver: fast, and independent of the trainer (train.sbatch still
+    validates the quickstart config, whose model must exist: hence `tiny_assets`)."""
     job = submit_train(cluster, tmp_path, "probe", "rl.num_steps=2", env={"SLIMISH_DRIVER_CMD": PROBE_DRIVER})
     assert cluster.wait_done(job, timeout=240) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
 
