@@ -9,39 +9,21 @@ from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.bridge import MappingError, export_hf_tensors, load_hf_weights
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import CheckpointError, HFCheckpoint
-from slimish.trainer.batch import causal_mask
+from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 
 
-def _megatron(path):
-    from slimish.trainer.model import build_gpt_model
-
-    arch = architecture_from_hf(read_hf_config(path))
-    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1)
-    load_hf_weights(model, path, arch)
-    return model.eval(), arch
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(family, tiny_models, megatron_world):
-    from transformers import AutoModelForCausalLM
-
-    path = tiny_models[family]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model, _ = _megatron(path)
-    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = hf(tokens).logits
-        got = model(tokens, torch.arange(40).expand(3, 40), causal_mask(3, 40))
-    assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() <= 1e-5
+    assert max_logits_diff_vs_hf(tiny_models[family]) <= 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip_is_bit_exact(family, tiny_models, megatron_world):
     path = tiny_models[family]
-    model, arch = _megatron(path)
+    model, arch = megatron_from_hf(path)
     ckpt = HFCheckpoint(path)
     exported = dict(export_hf_tensors(model, arch))
     assert set(exported) == set(ckpt.names()), "every HF tensor is exported exactly once"
@@ -67,7 +49,7 @@ def test_unmapped_hf_tensor_is_an_error(tiny_models, megatron_world, tmp_path):
 
 
 def test_every_megatron_param_has_a_rule(tiny_models, megatron_world):
-    model, arch = _megatron(tiny_models["qwen2"])
+    model, arch = megatron_from_hf(tiny_models["qwen2"])
     rules = {r.megatron for r in dense.model_rules(arch)}
     params = {dense.canonical_megatron_name(n) for n, _ in model.named_parameters()}
     assert params == rules

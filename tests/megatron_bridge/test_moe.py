@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from slimish.megatron_bridge import dense
-from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
+from slimish.megatron_bridge.bridge import export_hf_tensors
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
-from slimish.trainer.batch import causal_mask
 from tests.megatron_bridge.layouts import assert_export_is_checkpoint, assert_logits_match_hf, run_layout
+from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
 LAYOUTS = {"ep2": dict(tp=1, pp=1, ep=2), "tp2": dict(tp=2, pp=1, ep=1)}
@@ -43,14 +43,6 @@ def moe_models(tmp_path_factory) -> dict[str, Path]:
     return {"normed": normed, "plain": with_config(normed, root / "plain", norm_topk_prob=False)}
 
 
-def _megatron(path):
-    from slimish.trainer.model import build_gpt_model
-
-    arch = architecture_from_hf(read_hf_config(path))
-    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1)
-    load_hf_weights(model, path, arch)
-    return model.eval(), arch
-
 
 def test_architecture_comes_from_config(moe_models):
     moe = architecture_from_hf(read_hf_config(moe_models["normed"])).moe
@@ -77,22 +69,12 @@ def test_unsupported_moe_config_names_the_field(moe_models, field, value):
 
 @pytest.mark.parametrize("name", ["normed", "plain"])
 def test_logits_match_hf(name, moe_models, megatron_world):
-    from transformers import AutoModelForCausalLM
-
-    path = moe_models[name]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model, _ = _megatron(path)
-    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = hf(tokens).logits
-        got = model(tokens, torch.arange(40).expand(3, 40), causal_mask(3, 40))
-    assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() <= 1e-5
+    assert max_logits_diff_vs_hf(moe_models[name]) <= 1e-5
 
 
 def test_export_round_trip_is_bit_exact(moe_models, megatron_world):
     path = moe_models["normed"]
-    model, arch = _megatron(path)
+    model, arch = megatron_from_hf(path)
     params = {dense.canonical_megatron_name(n) for n, _ in model.named_parameters()}
     assert params == {r.megatron for r in dense.model_rules(arch)}
     ckpt = HFCheckpoint(path)
