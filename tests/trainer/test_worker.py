@@ -8,6 +8,7 @@ import torch
 from slimish.config import load_config
 from slimish.sample import Sample
 from tests.conftest import REPO
+from tests.trainer.worker_rank import response_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +30,8 @@ def _samples(n=8, response=(23, 0)):
 
 
 def _response_logprobs(worker, samples):
-    worker.compute_logprobs(samples)
-    (chunks, mbs), = worker._rollout["plan"]
-    out = []
-    for chunk, mb, lp in zip(chunks, mbs, worker._rollout["old"][0]):
-        for row in range(len(chunk)):
-            start, end = mb.spans[row]
-            out.append(lp[row, start:end].sum())
-    worker._rollout = None
-    return torch.stack(out)
+    """Per-sample sum of the trainer's response logprobs."""
+    return response_logprobs(worker, samples).sum(dim=1)
 
 
 def test_sft_reduces_loss(worker):

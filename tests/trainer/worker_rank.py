@@ -26,10 +26,11 @@ def fixed_samples() -> list[Sample]:
 
 
 def response_logprobs(worker, samples) -> torch.Tensor:
+    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths)."""
     worker.compute_logprobs(samples)
     out = []
-    for chunks, mbs in worker._rollout["plan"]:
-        for chunk, mb, lp in zip(chunks, mbs, worker._rollout["old"][0]):
+    for (chunks, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
+        for chunk, mb, lp in zip(chunks, mbs, old):
             for row in range(len(chunk)):
                 start, end = mb.spans[row]
                 out.append(lp[row, start:end])
