@@ -3,7 +3,7 @@
   slimish train --config CONFIG [key.sub=value ...]     run an RL job
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
-  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N]
+  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
 """
 
@@ -60,7 +60,7 @@ def cmd_convert(args) -> int:
     try:
         if args.direction == "hf-to-megatron":
             out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
-                                         pipeline_parallel=args.pp)
+                                         pipeline_parallel=args.pp, expert_parallel=args.ep)
         else:
             convert.megatron_to_hf(megatron_dir=args.megatron, hf_config_dir=args.hf_config, out_dir=args.out,
                                    max_shard_bytes=args.max_shard_mb << 20)
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("make-tiny", help="build the tiny CPU model + task data (nothing is downloaded)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
     p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron-Core (torch_dist)")
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="output directory for the distributed checkpoint")
     d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size")
     d.add_argument("--pp", type=int, default=1, help="check the model splits over this pipeline-parallel size")
+    d.add_argument("--ep", type=int, default=1, help="check the experts split over this expert-parallel size")
     d = directions.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors")
     d.add_argument("--megatron", required=True, help="distributed checkpoint directory")
     d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")

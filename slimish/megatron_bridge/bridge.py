@@ -6,6 +6,7 @@ Loading is strict: an HF tensor left unused or a Megatron parameter left unfille
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -19,10 +20,12 @@ class MappingError(RuntimeError):
     pass
 
 
-def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(raw name, canonical name, parameter), each parameter once (a tied output layer shares the embedding's)."""
+def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(raw name, canonical name, tensor) of every weight: each parameter once (a tied output layer shares the
+    embedding's), then the buffers that are weights too (`moe.WEIGHT_BUFFERS`: the router's correction bias)."""
     seen: set[int] = set()
-    for name, param in model.named_parameters():
+    buffers = ((n, b) for n, b in model.named_buffers() if n.endswith(moe.WEIGHT_BUFFERS))
+    for name, param in itertools.chain(model.named_parameters(), buffers):
         if id(param) in seen:
             continue
         seen.add(id(param))

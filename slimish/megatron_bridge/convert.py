@@ -1,12 +1,12 @@
 """Offline conversion between an HF safetensors checkpoint and a Megatron-Core distributed checkpoint (torch_dist).
 
-    hf_to_megatron(hf_dir=..., out_dir=..., tensor_parallel=1, pipeline_parallel=1)
+    hf_to_megatron(hf_dir=..., out_dir=..., tensor_parallel=1, pipeline_parallel=1, expert_parallel=1)
     megatron_to_hf(megatron_dir=..., hf_config_dir=..., out_dir=...)
 
 Both walk the bridge's rule table (`dense.model_rules`), the one the trainer loads and weight sync exports with,
 and stream: one (fused) tensor is in memory at a time, so memory stays flat as the model grows. The distributed
 checkpoint holds full (unsharded) tensors keyed as Megatron-Core's GPTModel names them, so the trainer loads it at
-any TP/PP layout; `tensor_parallel` / `pipeline_parallel` only check that the model splits evenly at that layout.
+any TP/PP/EP layout; the parallel sizes given only check that the model splits evenly at that layout.
 Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact.
 """
 
@@ -28,14 +28,21 @@ class LayoutError(ValueError):
     """The model does not split evenly at the requested parallel layout."""
 
 
-def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int,
+                 expert_parallel: int = 1) -> None:
     splits = [("num_attention_heads", arch.num_attention_heads, tensor_parallel),
               ("num_key_value_heads", arch.num_query_groups, tensor_parallel),
               ("intermediate_size", arch.ffn_hidden_size, tensor_parallel),
               ("vocab_size", arch.vocab_size, tensor_parallel),
               ("num_hidden_layers", arch.num_layers, pipeline_parallel)]
+    if arch.moe is None and expert_parallel != 1:
+        raise LayoutError(f"expert parallelism ({expert_parallel}) needs a mixture-of-experts model")
     if arch.moe is not None:
+        splits.append(("num_experts", arch.moe.num_experts, expert_parallel))
         splits.append(("moe_intermediate_size", arch.moe.ffn_hidden_size, tensor_parallel))
+        if arch.moe.shared_ffn_hidden_size:
+            splits.append(("moe_intermediate_size * n_shared_experts", arch.moe.shared_ffn_hidden_size,
+                           tensor_parallel))
     for what, value, parts in splits:
         if parts < 1 or value % parts:
             raise LayoutError(f"{what}={value} does not split over {parts} ranks")
@@ -63,13 +70,15 @@ def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list
 
 
 def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1,
-                   pipeline_parallel: int = 1, chunk_bytes: int = 64 << 20, progress: bool = True) -> Path:
+                   pipeline_parallel: int = 1, expert_parallel: int = 1, chunk_bytes: int = 64 << 20,
+                   progress: bool = True) -> Path:
     """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`.
 
     Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
     does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole)."""
     arch = architecture_from_hf(read_hf_config(hf_dir))
-    check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                 expert_parallel=expert_parallel)
     ckpt = HFCheckpoint(hf_dir)
     rules = dense.model_rules(arch)
     unmapped = set(ckpt.names()) - {name for rule in rules for name in rule.hf}

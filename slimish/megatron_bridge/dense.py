@@ -111,6 +111,8 @@ def extra_state_objects(arch: Architecture) -> list[str]:
     for i in range(arch.num_layers):
         if arch.moe.is_sparse(i):
             names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in _LINEARS[:2]]
+            if arch.moe.shared_ffn_hidden_size:
+                names += [f"{_LAYER_PREFIX}{i}.mlp.shared_experts.linear_fc{n}._extra_state/shard_0_1" for n in (1, 2)]
             names += [f"{_LAYER_PREFIX}{i}.mlp.experts.experts.linear_fc{n}._extra_state/shard_{e}_"
                       f"{arch.moe.num_experts}" for n in (1, 2) for e in range(arch.moe.num_experts)]
         else:

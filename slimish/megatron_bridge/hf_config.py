@@ -10,36 +10,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimish.megatron_bridge import moe_config
+from slimish.megatron_bridge.errors import UnsupportedConfig
+from slimish.megatron_bridge.moe_config import MoE
 
-class UnsupportedConfig(ValueError):
-    """config.json asks for something the bridge cannot reproduce in Megatron-Core."""
-
-    def __init__(self, field: str, value, why: str):
-        super().__init__(f"config.json field '{field}'={value!r}: {why}")
-        self.field = field
+__all__ = ["MoE", "UnsupportedConfig"]
 
 
 DENSE_FAMILIES = {"llama", "qwen2", "qwen3"}
-MOE_FAMILIES = {"qwen3_moe"}
+# family -> reader of its sparse MLP
+MOE_FAMILIES = {"qwen3_moe": moe_config.qwen3_moe, "glm4_moe": moe_config.deepseek_style}
 QK_NORM_FAMILIES = {"qwen3", "qwen3_moe"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoE:
-    """The sparse MLP of a mixture-of-experts family."""
-
-    num_experts: int
-    topk: int
-    ffn_hidden_size: int
-    # One entry per decoder layer: 1 for a sparse (MoE) MLP, 0 for a dense one (Megatron's moe_layer_freq list).
-    layer_pattern: tuple[int, ...]
-    # HF renormalises the top-k softmax probabilities (norm_topk_prob), i.e. softmax over the top-k logits: that
-    # is Megatron's default order (top-k, then softmax). Without renormalisation HF weighs experts by their share
-    # of the softmax over all experts: Megatron's pre-softmax order.
-    pre_softmax: bool
-
-    def is_sparse(self, layer: int) -> bool:
-        return bool(self.layer_pattern[layer])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +35,8 @@ class Architecture:
     vocab_size: int
     max_position_embeddings: int
     rotary_base: float
+    rotary_percent: float = 1.0
+    rope_llama3_factor: float | None = None
     norm_eps: float
     qk_layernorm: bool
     add_qkv_bias: bool
@@ -66,63 +49,87 @@ def read_hf_config(path: str | Path) -> dict:
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
 
 
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
+@dataclass(frozen=True, kw_only=True)
+class Rope:
+    base: float
+    percent: float = 1.0  # the share of each head's channels that rotate (GLM-4.5: partial_rotary_factor 0.5)
+    llama3_factor: float | None = None  # Llama-3.1 frequency scaling
+
+
+# Megatron's Llama-3.1 scaling has these fixed (Llama-3.1/3.2/3.3 all ship them).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_parameters(cfg: dict) -> tuple[dict, str]:
+    """(RoPE fields, the config.json field they come from). transformers 5 writes rope_parameters (rope_theta,
+    rope_type and the scaling fields together); older configs keep rope_theta and partial_rotary_factor at the top
+    level and the scaling in rope_scaling, which then wins."""
+    params = {k: cfg[k] for k in ("rope_theta", "partial_rotary_factor") if cfg.get(k) is not None}
+    params.update(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    if "type" in legacy:
+        legacy.setdefault("rope_type", legacy.pop("type"))
+    return {**params, **legacy}, "rope_scaling" if legacy else "rope_parameters"
+
+
+def _rope(cfg: dict) -> Rope:
+    params, source = _rope_parameters(cfg)
     rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise UnsupportedConfig("rope_parameters.rope_type", rope_type, "only default RoPE is supported yet")
-    if cfg.get("rope_scaling"):
-        raise UnsupportedConfig("rope_scaling", cfg["rope_scaling"], "RoPE scaling is not supported yet")
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if rope_type not in ("default", "llama3"):
+        raise UnsupportedConfig(f"{source}.rope_type", rope_type, "supported: default, llama3")
+    theta = params.get("rope_theta")
     if theta is None:
         raise UnsupportedConfig("rope_theta", None, "missing; cannot derive the rotary base")
-    return float(theta)
+    percent = float(params.get("partial_rotary_factor", 1.0))
+    if not 0.0 < percent <= 1.0:
+        raise UnsupportedConfig("partial_rotary_factor", percent, "must be in (0, 1]")
+    if rope_type == "default":
+        return Rope(base=float(theta), percent=percent)
+    for field, value in _LLAMA3_FIXED.items():
+        if float(params.get(field, value)) != value:
+            raise UnsupportedConfig(f"{source}.{field}", params[field],
+                                    f"Megatron-Core's Llama-3 RoPE scaling has {field}={value}")
+    return Rope(base=float(theta), percent=percent, llama3_factor=float(params["factor"]))
 
 
-def _moe(cfg: dict) -> MoE:
-    """Qwen3-MoE's sparse MLP. Its router aux-loss coefficient (router_aux_loss_coef) is a training choice, not
-    architecture: the trainer runs without a load-balancing loss (see `transformer_config`)."""
-    # transformers 5 writes num_experts as num_local_experts (its attribute map); older configs use num_experts.
-    experts_field = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    experts = cfg.get(experts_field)
-    if not experts or experts < 1:
-        raise UnsupportedConfig(experts_field, experts, "a qwen3_moe model needs at least one expert")
-    topk = cfg["num_experts_per_tok"]
-    if not 1 <= topk <= experts:
-        raise UnsupportedConfig("num_experts_per_tok", topk, f"must be between 1 and num_experts={experts}")
-    step = cfg.get("decoder_sparse_step", 1)
-    if step < 1:
-        raise UnsupportedConfig("decoder_sparse_step", step, "must be >= 1")
-    dense_layers = set(cfg.get("mlp_only_layers") or [])
-    layers = cfg["num_hidden_layers"]
-    # Qwen3MoeDecoderLayer's rule: sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
-    pattern = tuple(int(i not in dense_layers and (i + 1) % step == 0) for i in range(layers))
-    if not any(pattern):
-        field, value = ("mlp_only_layers", sorted(dense_layers)) if dense_layers else ("decoder_sparse_step", step)
-        raise UnsupportedConfig(field, value, "no layer is sparse; use the dense family")
-    return MoE(num_experts=experts, topk=topk, ffn_hidden_size=cfg["moe_intermediate_size"], layer_pattern=pattern,
-               pre_softmax=not cfg.get("norm_topk_prob", False))
+def _attention_bias_and_qk_norm(cfg: dict, family: str) -> tuple[bool, bool]:
+    """(q/k/v biases, per-head q/k RMSNorm). Megatron's biases are all-or-none per kind: q/k/v together
+    (add_qkv_bias), the output projection never."""
+    bias = bool(cfg.get("attention_bias", family == "qwen2"))
+    if family == "glm4_moe":
+        return bias, bool(cfg.get("use_qk_norm", False))  # GLM-4.5's attention_bias is q/k/v only
+    if family == "llama":
+        if bias:
+            raise UnsupportedConfig("attention_bias", True, "Llama attention biases (q/k/v/o) are not supported")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedConfig("mlp_bias", True, "MLP biases are not supported")
+    if family in QK_NORM_FAMILIES and bias:
+        raise UnsupportedConfig("attention_bias", True, "Qwen3 with attention biases is not supported")
+    return bias or family == "qwen2", family in QK_NORM_FAMILIES
 
 
-def architecture_from_hf(cfg: dict) -> Architecture:
-    family = cfg.get("model_type")
-    if family not in DENSE_FAMILIES | MOE_FAMILIES:
-        raise UnsupportedConfig("model_type", family,
-                                f"supported families: {', '.join(sorted(DENSE_FAMILIES | MOE_FAMILIES))}")
+def _check_common(cfg: dict) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfig("hidden_act", cfg["hidden_act"], "only SwiGLU (silu) MLPs are supported")
     if cfg.get("use_sliding_window"):
         raise UnsupportedConfig("use_sliding_window", True, "sliding-window attention is not supported")
     if cfg.get("attention_dropout", 0.0):
         raise UnsupportedConfig("attention_dropout", cfg["attention_dropout"], "RL trains without dropout")
-    if family == "llama" and cfg.get("mlp_bias"):
-        raise UnsupportedConfig("mlp_bias", True, "MLP biases are not supported")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise UnsupportedConfig("quantization_config", method, "quantized checkpoints (e.g. FP8 DeepSeek-V3 / "
+                                "GLM-4.5) must be dequantized to bf16 first")
+
+
+def architecture_from_hf(cfg: dict) -> Architecture:
+    family = cfg.get("model_type")
+    if family not in DENSE_FAMILIES | set(MOE_FAMILIES):
+        raise UnsupportedConfig("model_type", family,
+                                f"supported families: {', '.join(sorted(DENSE_FAMILIES | set(MOE_FAMILIES)))}")
+    _check_common(cfg)
     heads = cfg["num_attention_heads"]
-    attention_bias = cfg.get("attention_bias", family == "qwen2")
-    if family == "llama" and attention_bias:
-        raise UnsupportedConfig("attention_bias", True, "Llama attention biases (q/k/v/o) are not supported")
-    if family in QK_NORM_FAMILIES and attention_bias:
-        raise UnsupportedConfig("attention_bias", True, "Qwen3 with attention biases is not supported")
+    add_qkv_bias, qk_layernorm = _attention_bias_and_qk_norm(cfg, family)
+    rope = _rope(cfg)
     return Architecture(
         family=family,
         num_layers=cfg["num_hidden_layers"],
@@ -133,36 +140,14 @@ def architecture_from_hf(cfg: dict) -> Architecture:
         kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg["max_position_embeddings"],
-        rotary_base=_rope_theta(cfg),
+        rotary_base=rope.base,
+        rotary_percent=rope.percent,
+        rope_llama3_factor=rope.llama3_factor,
         norm_eps=cfg["rms_norm_eps"],
-        qk_layernorm=family in QK_NORM_FAMILIES,
-        add_qkv_bias=family == "qwen2",
+        qk_layernorm=qk_layernorm,
+        add_qkv_bias=add_qkv_bias,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        moe=_moe(cfg) if family in MOE_FAMILIES else None,
-    )
-
-
-def _moe_config(moe: MoE | None, *, expert_parallel: int) -> dict:
-    """TransformerConfig fields of the sparse MLP (none for a dense model)."""
-    if moe is None:
-        if expert_parallel != 1:
-            raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model")
-        return {}
-    return dict(
-        num_moe_experts=moe.num_experts,
-        moe_router_topk=moe.topk,
-        moe_ffn_hidden_size=moe.ffn_hidden_size,
-        moe_layer_freq=list(moe.layer_pattern),
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=moe.pre_softmax,
-        # No load-balancing loss: the forward pass then equals HF's exactly, and RL fine-tuning of a trained router
-        # does not need one. Switch it on here (type "aux_loss" + a coefficient) if routing collapses.
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        # The dispatcher made for expert parallelism; at EP=1 it only permutes locally.
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine / CUDA kernels
-        expert_model_parallel_size=expert_parallel,
+        moe=MOE_FAMILIES[family](cfg) if family in MOE_FAMILIES else None,
     )
 
 
@@ -202,7 +187,7 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         pipeline_dtype=dtype,  # activations cross pipeline stages in the parameter dtype
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
-        **_moe_config(arch.moe, expert_parallel=expert_parallel),
+        **moe_config.megatron_fields(arch.moe, expert_parallel=expert_parallel),
         **overrides,
     )
 
@@ -214,6 +199,8 @@ def gpt_model_kwargs(arch: Architecture) -> dict:
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
+        rope_scaling=arch.rope_llama3_factor is not None,
+        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
     )

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core name map of a sparse (mixture-of-experts) MLP layer (Qwen3-MoE).
+"""HF <-> Megatron-Core name map of a sparse (mixture-of-experts) MLP layer (Qwen3-MoE, GLM-4.5, DeepSeek-V3).
 
 Megatron names are those of the local spec with `moe_grouped_gemm=False` (a `SequentialMLP` of per-expert MLPs);
 HF names are the per-expert tensors transformers 5 writes to disk (it fuses them only in memory). Rules carry
@@ -13,13 +13,23 @@ import re
 from slimish.megatron_bridge.hf_config import Architecture
 from slimish.megatron_bridge.rule import Rule
 
+# Buffers that hold weights (loaded, exported and checkpointed like parameters).
+WEIGHT_BUFFERS = ("router.expert_bias",)
 _EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
 def mlp_rules(arch: Architecture, i: int) -> list[Rule]:
-    """Router and expert rules of decoder layer `i`, which must be sparse."""
+    """Router, shared-expert and expert rules of decoder layer `i`, which must be sparse. The router's correction
+    bias is a buffer in both worlds (HF: e_score_correction_bias, Megatron: expert_bias)."""
     m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
     rules = [Rule(f"{m}router.weight", (f"{h}gate.weight",), "copy")]
+    if arch.moe.expert_bias:
+        rules.append(Rule(f"{m}router.expert_bias", (f"{h}gate.e_score_correction_bias",), "copy"))
+    if arch.moe.shared_ffn_hidden_size:
+        shared_m, shared_h = f"{m}shared_experts.", f"{h}shared_experts."
+        rules += [Rule(f"{shared_m}linear_fc1.weight", (f"{shared_h}gate_proj.weight", f"{shared_h}up_proj.weight"),
+                       "gate_up"),
+                  Rule(f"{shared_m}linear_fc2.weight", (f"{shared_h}down_proj.weight",), "copy")]
     for e in range(arch.moe.num_experts):
         expert_m, expert_h = f"{m}experts.local_experts.{e}.", f"{h}experts.{e}."
         rules += [Rule(f"{expert_m}linear_fc1.weight", (f"{expert_h}gate_proj.weight", f"{expert_h}up_proj.weight"),

@@ -1,4 +1,5 @@
-"""Build a tiny random Hugging Face causal LM (Qwen2/Qwen3/Llama family) and its locally trained tokenizer.
+"""Build a tiny random Hugging Face causal LM (Qwen2/Qwen3/Llama, Qwen3-MoE, GLM-4.5 family) and its locally trained
+tokenizer.
 
 Nothing is downloaded. The tokenizer is trained with `tokenizers` using exactly the pre-tokenizer, normaliser and
 decoder that transformers' Qwen2Tokenizer applies on load (transformers 5 ignores those stored in tokenizer.json
@@ -16,6 +17,13 @@ EOS = "<|endoftext|>"
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+# Extra fields per family: a few small experts, one dense layer before the sparse ones where the family has that.
+FAMILY_SHAPES = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                     first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True,
+                     routed_scaling_factor=2.5),
+}
 
 
 def train_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = 300):
@@ -57,7 +65,7 @@ def build_tiny_model(out_dir: str | Path, *, corpus: list[str], family: str = "q
     tokenizer = train_tokenizer(corpus, out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 so it splits evenly over TP ranks
-    shapes = {**TINY_SHAPES, **shape_overrides}
+    shapes = {**TINY_SHAPES, **FAMILY_SHAPES.get(family, {}), **shape_overrides}
     config = AutoConfig.for_model(family, vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0,
                                   tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
                                   pad_token_id=eos_id, initializer_range=init_std, torch_dtype="float32",
@@ -66,6 +74,10 @@ def build_tiny_model(out_dir: str | Path, *, corpus: list[str], family: str = "q
         config.use_sliding_window = False
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init; make the routing test see it
+                buffer.normal_(0.0, 0.05)
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id).save_pretrained(out_dir)
     return out_dir

@@ -12,12 +12,47 @@ from slimish.megatron_bridge.hf_io import CheckpointError, HFCheckpoint
 from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
-
+# Llama-3.1's RoPE frequency scaling (rope_type llama3), as Llama-3.1-405B ships it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(family, tiny_models, megatron_world):
     assert max_logits_diff_vs_hf(tiny_models[family]) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("llama31"), corpus=echo_digit.corpus(), family="llama",
+                            rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384, init_std=0.1)
+
+
+def test_llama31_rope_scaling_matches_hf(llama31, tiny_models, megatron_world):
+    from transformers import AutoModelForCausalLM
+
+    arch = architecture_from_hf(read_hf_config(llama31))
+    assert arch.rope_llama3_factor == 8.0
+    assert max_logits_diff_vs_hf(llama31) <= 1e-5
+    # The scaling moves this model's logits by ~1e-2 (its lowest frequencies are scaled): the check above sees it.
+    tokens = torch.arange(40).unsqueeze(0)
+    with torch.no_grad():
+        scaled = AutoModelForCausalLM.from_pretrained(llama31, dtype=torch.float32)(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(llama31, dtype=torch.float32,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        assert (scaled - plain(tokens).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("field,value", [("low_freq_factor", 2.0), ("original_max_position_embeddings", 4096)])
+def test_llama31_rope_fields_megatron_fixes_are_checked(llama31, field, value):
+    cfg = read_hf_config(llama31)
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], field: value}
+    with pytest.raises(UnsupportedConfig) as err:
+        architecture_from_hf(cfg)
+    assert err.value.field == f"rope_parameters.{field}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
