@@ -92,7 +92,8 @@ def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Ru
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Architecture) -> None:
-    """Copy every parameter of `model` (this rank's shard) from the HF checkpoint; strict both ways."""
+    """Copy every parameter of `model` (this rank's shard) from the HF checkpoint; strict both ways (multi-token
+    prediction layers are skipped by name, see `dense.is_mtp_tensor`)."""
     ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
     rules = _rules_for(model, arch)
     used: set[str] = set()
@@ -110,9 +111,9 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
     unfilled = {n for r in rules.values() for n in r.hf} - used
     if unfilled:
         raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
-    unknown = set(ckpt.names()) - {n for r in dense.model_rules(arch) for n in r.hf}
+    unknown = dense.unmapped_hf_names(ckpt.names(), arch)
     if unknown:
-        raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {sorted(unknown)[:5]}")
+        raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {unknown[:5]}")
 
 
 @torch.no_grad()

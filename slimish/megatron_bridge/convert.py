@@ -7,7 +7,8 @@ Both walk the bridge's rule table (`dense.model_rules`), the one the trainer loa
 and stream: one (fused) tensor is in memory at a time, so memory stays flat as the model grows. The distributed
 checkpoint holds full (unsharded) tensors keyed as Megatron-Core's GPTModel names them, so the trainer loads it at
 any TP/PP/EP layout; the parallel sizes given only check that the model splits evenly at that layout.
-Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact.
+Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact (multi-token-prediction layers are not converted,
+see `dense.is_mtp_tensor`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from slimish.megatron_bridge import dense, dist_ckpt_io
+from slimish.megatron_bridge import dense, dist_ckpt_io, mla
 from slimish.megatron_bridge.hf_config import Architecture, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint, write_hf_shards
 
@@ -43,6 +44,8 @@ def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel:
         if arch.moe.shared_ffn_hidden_size:
             splits.append(("moe_intermediate_size * n_shared_experts", arch.moe.shared_ffn_hidden_size,
                            tensor_parallel))
+    if arch.mla is not None:
+        splits += [(what, value, tensor_parallel) for what, value in mla.tp_splits(arch)]
     for what, value, parts in splits:
         if parts < 1 or value % parts:
             raise LayoutError(f"{what}={value} does not split over {parts} ranks")
@@ -81,10 +84,10 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
                  expert_parallel=expert_parallel)
     ckpt = HFCheckpoint(hf_dir)
     rules = dense.model_rules(arch)
-    unmapped = set(ckpt.names()) - {name for rule in rules for name in rule.hf}
+    unmapped = dense.unmapped_hf_names(ckpt.names(), arch)
     if unmapped:
-        raise ValueError(f"HF tensors with no Megatron mapping (would be dropped): {sorted(unmapped)[:5]}")
-    bar = tqdm(total=sum(ckpt.nbytes(n) for n in ckpt.names()), unit="B", unit_scale=True, desc="hf->megatron",
+        raise ValueError(f"HF tensors with no Megatron mapping (would be dropped): {unmapped[:5]}")
+    bar = tqdm(total=sum(ckpt.nbytes(n) for r in rules for n in r.hf), unit="B", unit_scale=True, desc="hf->megatron",
                disable=not progress)
 
     def load(rule: dense.Rule, shape: tuple[int, ...], rows: tuple[int, int] | None, layered: bool):

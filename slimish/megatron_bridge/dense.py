@@ -1,5 +1,5 @@
 """HF <-> Megatron-Core name and shape map of the decoder families (Llama-3, Qwen2/2.5, Qwen3; the sparse MLP
-layers of Qwen3-MoE come from `moe`).
+layers of Qwen3-MoE come from `moe`, DeepSeek-V3's multi-latent attention from `mla`).
 
 This table is the single source of truth for both checkpoint conversion and weight sync. Megatron names are those
 of `GPTModel` built with the local layer spec; the Transformer-Engine spec fuses the two pre-norms into the next
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from slimish.megatron_bridge import moe
+from slimish.megatron_bridge import mla, moe
 from slimish.megatron_bridge.hf_config import Architecture
 from slimish.megatron_bridge.rule import Rule
 
@@ -21,6 +21,21 @@ TE_ALIASES = {
 
 
 def layer_rules(arch: Architecture, i: int) -> list[Rule]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    rules = _attention_rules(arch, i) + [
+        Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), "copy")]
+    if arch.moe is not None and arch.moe.is_sparse(i):
+        return rules + moe.mlp_rules(arch, i)
+    return rules + [
+        Rule(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
+        Rule(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",), "copy"),
+    ]
+
+
+def _attention_rules(arch: Architecture, i: int) -> list[Rule]:
+    """The input norm and self-attention of decoder layer `i`."""
+    if arch.mla is not None:
+        return mla.attention_rules(arch, i)
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     attn = f"{h}self_attn."
     rules = [
@@ -34,16 +49,23 @@ def layer_rules(arch: Architecture, i: int) -> list[Rule]:
     if arch.qk_layernorm:
         rules += [Rule(f"{m}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"),
                   Rule(f"{m}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy")]
-    rules += [
-        Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy"),
-        Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), "copy"),
-    ]
-    if arch.moe is not None and arch.moe.is_sparse(i):
-        return rules + moe.mlp_rules(arch, i)
-    return rules + [
-        Rule(f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gate_up"),
-        Rule(f"{m}mlp.linear_fc2.weight", (f"{h}mlp.down_proj.weight",), "copy"),
-    ]
+    return rules + [Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy")]
+
+
+def is_mtp_tensor(hf_name: str, arch: Architecture) -> bool:
+    """True for a tensor of a multi-token-prediction layer (model.layers.{num_layers + k}.*, DeepSeek's
+    num_nextn_predict_layers). The bridge skips these on purpose: the model is built and trained without MTP, and
+    exported / converted checkpoints do not contain them (SGLang then serves without MTP speculative decoding)."""
+    if not hf_name.startswith("model.layers."):
+        return False
+    index = hf_name.split(".")[2]
+    return index.isdigit() and arch.num_layers <= int(index) < arch.num_layers + arch.mtp_layers
+
+
+def unmapped_hf_names(names, arch: Architecture) -> list[str]:
+    """HF tensor names no rule maps (MTP layers excepted): loading them would silently drop them."""
+    mapped = {n for r in model_rules(arch) for n in r.hf}
+    return sorted(n for n in names if n not in mapped and not is_mtp_tensor(n, arch))
 
 
 def model_rules(arch: Architecture) -> list[Rule]:
@@ -83,40 +105,49 @@ def checkpoint_key(megatron_name: str, arch: Architecture) -> tuple[str, int | N
     that axis) of a global Megatron name.
 
     Megatron names the two pre-norms as the Transformer-Engine spec does, so checkpoints load with either layer
-    spec. When every layer has the same structure it stacks each layer's tensor under one key with a leading layer
-    axis; for a mixture-of-experts model (built with a per-layer moe_layer_freq list) it keys each layer on its own
-    and stacks a layer's experts instead.
+    spec (except with MLA: its local spec keeps the local names). When every layer has the same structure it stacks
+    each layer's tensor under one key with a leading layer axis; for a mixture-of-experts model (built with a
+    per-layer moe_layer_freq list) it keys each layer on its own and stacks a layer's experts instead.
     """
     if not megatron_name.startswith(_LAYER_PREFIX):
         return megatron_name, None, 0
     index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+    # Megatron's local MLA spec has no TE-style keys map: its norms keep their module names in checkpoints.
+    rest = rest if arch.mla is not None else _te_name(rest)
     if arch.moe is None:
-        return _LAYER_PREFIX + _te_name(rest), int(index), arch.num_layers
+        return _LAYER_PREFIX + rest, int(index), arch.num_layers
     expert = moe.expert_checkpoint_key(megatron_name)
     if expert is not None:
         return *expert, arch.moe.num_experts
-    return f"{_LAYER_PREFIX}{index}.{_te_name(rest)}", None, 0
+    return f"{_LAYER_PREFIX}{index}.{rest}", None, 0
 
 
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _attention_linears(arch: Architecture) -> tuple[str, ...]:
+    if arch.mla is not None:
+        return mla.attention_linears(arch)
+    return "self_attention.linear_qkv", "self_attention.linear_proj"
 
 
 def extra_state_objects(arch: Architecture) -> list[str]:
     """Names of the `_extra_state` objects (None with the local spec) that Megatron's layer checkpoints carry, in
     its ShardedObject naming: key/shard_{offset}_{count}."""
+    attention = _attention_linears(arch)
     if arch.moe is None:
         return [f"{_LAYER_PREFIX}{m}._extra_state/shard_{i}_{arch.num_layers}"
-                for m in _LINEARS for i in range(arch.num_layers)]
+                for m in attention + _MLP_LINEARS for i in range(arch.num_layers)]
     names = []
     for i in range(arch.num_layers):
         if arch.moe.is_sparse(i):
-            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in _LINEARS[:2]]
+            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in attention]
             if arch.moe.shared_ffn_hidden_size:
                 names += [f"{_LAYER_PREFIX}{i}.mlp.shared_experts.linear_fc{n}._extra_state/shard_0_1" for n in (1, 2)]
             names += [f"{_LAYER_PREFIX}{i}.mlp.experts.experts.linear_fc{n}._extra_state/shard_{e}_"
                       f"{arch.moe.num_experts}" for n in (1, 2) for e in range(arch.moe.num_experts)]
         else:
-            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in _LINEARS]
+            names += [f"{_LAYER_PREFIX}{i}.{m}._extra_state/shard_0_1" for m in attention + _MLP_LINEARS]
     return names
 
 
@@ -124,7 +155,7 @@ def canonical_megatron_name(name: str) -> str:
     """Strip DDP/Float16 wrappers ('module.') and map Transformer-Engine fused-norm names to local-spec names."""
     while name.startswith("module."):
         name = name[len("module."):]
-    for te_suffix, local_suffix in TE_ALIASES.items():
+    for te_suffix, local_suffix in (*TE_ALIASES.items(), *mla.TE_ALIASES.items()):
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
     return name
@@ -152,6 +183,8 @@ def to_megatron(rule: Rule, hf: list[torch.Tensor], arch: Architecture) -> torch
         return hf[0]
     if rule.kind == "gate_up":
         return torch.cat(hf, dim=0)
+    if rule.kind in mla.ROPE_KINDS:
+        return mla.to_megatron(rule, hf, arch)
     groups, q_width, kv_width = _qkv_groups(arch)
     q, k, v = hf
     tail = q.shape[1:]  # (hidden,) for weights, () for biases
@@ -166,6 +199,8 @@ def to_hf(rule: Rule, tensor: torch.Tensor, arch: Architecture) -> list[torch.Te
         return [tensor]
     if rule.kind == "gate_up":
         return list(torch.chunk(tensor, 2, dim=0))
+    if rule.kind in mla.ROPE_KINDS:
+        return mla.to_hf(rule, tensor, arch)
     groups, q_width, kv_width = _qkv_groups(arch)
     tail = tensor.shape[1:]
     q, k, v = tensor.reshape(groups, q_width + 2 * kv_width, *tail).split([q_width, kv_width, kv_width], dim=1)

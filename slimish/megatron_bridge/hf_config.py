@@ -10,16 +10,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimish.megatron_bridge import moe_config
+from slimish.megatron_bridge import mla_config, moe_config
 from slimish.megatron_bridge.errors import UnsupportedConfig
+from slimish.megatron_bridge.mla_config import MLA
 from slimish.megatron_bridge.moe_config import MoE
 
-__all__ = ["MoE", "UnsupportedConfig"]
+__all__ = ["MLA", "MoE", "UnsupportedConfig"]
 
 
 DENSE_FAMILIES = {"llama", "qwen2", "qwen3"}
 # family -> reader of its sparse MLP
-MOE_FAMILIES = {"qwen3_moe": moe_config.qwen3_moe, "glm4_moe": moe_config.deepseek_style}
+MOE_FAMILIES = {"qwen3_moe": moe_config.qwen3_moe, "glm4_moe": moe_config.deepseek_style,
+                "deepseek_v3": moe_config.deepseek_style}
+MLA_FAMILIES = {"deepseek_v3"}  # multi-latent attention
 QK_NORM_FAMILIES = {"qwen3", "qwen3_moe"}
 
 
@@ -42,6 +45,10 @@ class Architecture:
     add_qkv_bias: bool
     tie_word_embeddings: bool
     moe: MoE | None = None
+    mla: MLA | None = None
+    # Multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 num_nextn_predict_layers), stored after the decoder
+    # layers as model.layers.{num_layers + k}.*: the bridge neither builds nor exports them (dense.is_mtp_tensor).
+    mtp_layers: int = 0
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -128,27 +135,23 @@ def architecture_from_hf(cfg: dict) -> Architecture:
                                 f"supported families: {', '.join(sorted(DENSE_FAMILIES | set(MOE_FAMILIES)))}")
     _check_common(cfg)
     heads = cfg["num_attention_heads"]
+    common = dict(family=family, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                  ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads, vocab_size=cfg["vocab_size"],
+                  max_position_embeddings=cfg["max_position_embeddings"], norm_eps=cfg["rms_norm_eps"],
+                  tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                  moe=MOE_FAMILIES[family](cfg) if family in MOE_FAMILIES else None,
+                  mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    if family in MLA_FAMILIES:
+        mla = mla_config.mla_from_hf(cfg)
+        # Megatron's core attention sizes its output by kv_channels per head: the value head width.
+        return Architecture(**common, num_query_groups=heads, kv_channels=mla.v_head_dim,
+                            rotary_base=mla.rotary_base, qk_layernorm=False, add_qkv_bias=False, mla=mla)
     add_qkv_bias, qk_layernorm = _attention_bias_and_qk_norm(cfg, family)
     rope = _rope(cfg)
-    return Architecture(
-        family=family,
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rotary_base=rope.base,
-        rotary_percent=rope.percent,
-        rope_llama3_factor=rope.llama3_factor,
-        norm_eps=cfg["rms_norm_eps"],
-        qk_layernorm=qk_layernorm,
-        add_qkv_bias=add_qkv_bias,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        moe=MOE_FAMILIES[family](cfg) if family in MOE_FAMILIES else None,
-    )
+    return Architecture(**common, num_query_groups=cfg.get("num_key_value_heads") or heads,
+                        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads, rotary_base=rope.base,
+                        rotary_percent=rope.percent, rope_llama3_factor=rope.llama3_factor,
+                        qk_layernorm=qk_layernorm, add_qkv_bias=add_qkv_bias)
 
 
 def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -159,7 +162,12 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
     from megatron.core.transformer import TransformerConfig
 
     dtype = params_dtype or torch.float32
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class, mla = MLATransformerConfig, mla_config.megatron_fields(arch.mla)
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -172,7 +180,7 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.add_qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        qk_layernorm=arch.qk_layernorm or arch.mla is not None,  # MLA: builds the q / kv latent norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -188,6 +196,7 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
         **moe_config.megatron_fields(arch.moe, expert_parallel=expert_parallel),
+        **mla,
         **overrides,
     )
 

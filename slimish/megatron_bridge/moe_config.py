@@ -75,8 +75,9 @@ def qwen3_moe(cfg: dict) -> MoE:
                pre_softmax=not cfg.get("norm_topk_prob", False))
 
 
-def deepseek_style(cfg: dict) -> MoE:
-    """DeepSeek-V3 and GLM-4.5 (Glm4MoeTopkRouter is DeepseekV3TopkRouter)."""
+def deepseek_style(cfg: dict) -> MoE | None:
+    """DeepSeek-V3 and GLM-4.5 (Glm4MoeTopkRouter is DeepseekV3TopkRouter); None when first_k_dense_replace
+    leaves no layer sparse."""
     experts, topk = _experts_and_topk(cfg, ("n_routed_experts", "num_local_experts"))
     scoring = cfg.get("scoring_func", "sigmoid")  # original DeepSeek configs name it; transformers hard-codes it
     if scoring != "sigmoid":
@@ -95,7 +96,8 @@ def deepseek_style(cfg: dict) -> MoE:
     if freq != 1:
         raise UnsupportedConfig("moe_layer_freq", freq, "only every layer after first_k_dense_replace may be sparse")
     pattern = tuple(int(i >= first_dense) for i in range(cfg["num_hidden_layers"]))
-    _check_some_sparse(pattern, "first_k_dense_replace", first_dense)
+    if not any(pattern):
+        return None  # every layer dense (HF builds that too): no sparse MLP to describe
     num_groups, group_topk = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
     if num_groups > 1:
         if experts % num_groups:

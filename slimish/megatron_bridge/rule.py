@@ -9,6 +9,6 @@ from dataclasses import dataclass
 class Rule:
     megatron: str
     hf: tuple[str, ...]
-    kind: str  # "copy" | "qkv" | "qkv_bias" | "gate_up"
+    kind: str  # "copy" | "qkv" | "qkv_bias" | "gate_up" | mla.ROPE_KINDS
     # A copy whose master lives on another pipeline stage (the tied output layer): loaded, never exported.
     replica: bool = False

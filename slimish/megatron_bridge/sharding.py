@@ -2,7 +2,8 @@
 
 Megatron marks each tensor-parallel parameter with `tensor_model_parallel=True` and `partition_dim`. The only
 layout that is not a plain contiguous chunk is the gated MLP's `linear_fc1`, whose shard on each rank is
-[gate_shard; up_shard]: it is sliced (and gathered) per half.
+[gate_shard; up_shard]: it is sliced (and gathered) per half. MLA's down projections are column-parallel in the
+local spec (sharded rows, output gathered) and duplicated in the TE spec (no attribute): both follow the attributes.
 """
 
 from __future__ import annotations

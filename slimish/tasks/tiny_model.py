@@ -1,5 +1,5 @@
-"""Build a tiny random Hugging Face causal LM (Qwen2/Qwen3/Llama, Qwen3-MoE, GLM-4.5 family) and its locally trained
-tokenizer.
+"""Build a tiny random Hugging Face causal LM (Qwen2/Qwen3/Llama, Qwen3-MoE, GLM-4.5, DeepSeek-V3 family) and its
+locally trained tokenizer.
 
 Nothing is downloaded. The tokenizer is trained with `tokenizers` using exactly the pre-tokenizer, normaliser and
 decoder that transformers' Qwen2Tokenizer applies on load (transformers 5 ignores those stored in tokenizer.json
@@ -23,6 +23,11 @@ FAMILY_SHAPES = {
     "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
                      first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True,
                      routed_scaling_factor=2.5),
+    # Multi-latent attention (every head its own key/value; head_dim is the rotary width, as transformers sets it).
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=4, n_group=4, topk_group=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5),
 }
 
 

@@ -19,6 +19,10 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
                                 expert_parallel=expert_parallel, params_dtype=dtype,
                                 use_cpu_initialization=not torch.cuda.is_available())
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.multi_latent_attention:
+        from slimish.compat.megatron_mla import local_mla_block_spec
+
+        spec = local_mla_block_spec(spec)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))

@@ -1,8 +1,9 @@
 """HF <-> Megatron for the mixture-of-experts families: Qwen3-MoE (softmax router, a dense layer via
-mlp_only_layers) and GLM-4.5 (sigmoid router with correction bias and expert groups, shared expert, first dense
-layer, partial rotary, q/k/v bias, qk-norm). Logits parity at TP1, and at TP2 / EP2 / PP2 (two gloo processes);
-export and `convert` give back the HF checkpoint bit-exact; the converted distributed checkpoint loads at every
-layout; config.json drives every MoE setting."""
+mlp_only_layers), GLM-4.5 (sigmoid router with correction bias and expert groups, shared expert, first dense
+layer, partial rotary, q/k/v bias, qk-norm) and DeepSeek-V3 (the same router choosing 2 of 4 expert groups,
+multi-latent attention; test_deepseek_v3.py covers MLA's variants). Logits parity at TP1, and at TP2 / EP2 / PP2
+(two gloo processes); export and `convert` give back the HF checkpoint bit-exact; the converted distributed
+checkpoint loads at every layout; config.json drives every MoE setting."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1])),
     "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, n_group=4, topk_group=1, use_qk_norm=True)),
+    "deepseek_v3": ("deepseek_v3", {}),
     "glm4_moe_plain": ("glm4_moe", dict(routed_scaling_factor=1.0, n_shared_experts=2, partial_rotary_factor=1.0,
                                         attention_bias=False)),
 }
-FAMILIES = ["qwen3_moe", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "glm4_moe", "deepseek_v3"]
 LAYOUTS = {"ep2": dict(tp=1, pp=1, ep=2), "tp2": dict(tp=2, pp=1, ep=1), "pp2": dict(tp=1, pp=2, ep=1)}
 
 
@@ -68,6 +70,9 @@ def test_glm4_moe_architecture_comes_from_config(moe_models):
     assert (moe.score_function, moe.expert_bias, moe.num_groups, moe.group_topk) == ("sigmoid", True, 4, 1)
     assert (moe.scaling_factor, moe.shared_ffn_hidden_size) == (2.5, 32)
     assert (arch.rotary_percent, arch.add_qkv_bias, arch.qk_layernorm) == (0.5, True, True)
+    deepseek = architecture_from_hf(read_hf_config(moe_models["deepseek_v3"]))
+    assert (deepseek.moe.topk, deepseek.moe.num_groups, deepseek.moe.group_topk) == (4, 4, 2)
+    assert deepseek.moe.layer_pattern == (0, 1) and deepseek.mla.kv_lora_rank == 24
     plain = architecture_from_hf(read_hf_config(moe_models["glm4_moe_plain"]))
     assert (plain.moe.num_groups, plain.moe.scaling_factor, plain.moe.shared_ffn_hidden_size) == (None, None, 64)
     assert (plain.rotary_percent, plain.add_qkv_bias, plain.qk_layernorm) == (1.0, False, False)
@@ -86,8 +91,10 @@ def test_decoder_sparse_step_sets_the_layer_pattern(moe_models):
     # HF ranks expert groups by their best two scores; Megatron by their best top-k // topk_group.
     ("glm4_moe", "topk_group", 2), ("glm4_moe", "n_group", 3), ("glm4_moe", "norm_topk_prob", False),
     ("glm4_moe", "num_experts_per_tok", 1),
-    ("glm4_moe", "first_k_dense_replace", 2), ("glm4_moe", "topk_method", "greedy"),
+    ("glm4_moe", "topk_method", "greedy"),
     ("glm4_moe", "quantization_config", {"quant_method": "fp8"}), ("glm4_moe", "partial_rotary_factor", 0.0),
+    ("deepseek_v3", "topk_group", 1), ("deepseek_v3", "scoring_func", "softmax"),
+    ("deepseek_v3", "moe_layer_freq", 2),
 ])
 def test_unsupported_moe_config_names_the_field(moe_models, name, field, value):
     cfg = {**read_hf_config(moe_models[name]), field: value}
@@ -98,7 +105,7 @@ def test_unsupported_moe_config_names_the_field(moe_models, name, field, value):
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_plain", "glm4_moe", "glm4_moe_plain"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_plain", "glm4_moe", "glm4_moe_plain", "deepseek_v3"])
 def test_logits_match_hf(name, moe_models, megatron_world):
     assert max_logits_diff_vs_hf(moe_models[name]) <= 1e-5
 
