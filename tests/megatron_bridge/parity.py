@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from slimish.megatron_bridge.bridge import load_hf_weights
@@ -30,4 +33,12 @@ def max_logits_diff_vs_hf(path, *, batch: int = 3, seq: int = 40) -> float:
         expected = hf(tokens).logits
         got = model(tokens, torch.arange(seq).expand(batch, seq), causal_mask(batch, seq))
     assert got.shape == expected.shape
-    return (got - expected).abs().max().item()
+    return record((got - expected).abs().max().item())
+
+
+def record(diff: float) -> float:
+    """Append {test, max_abs_diff} to $SLIMISH_PARITY_LOG (a jsonl file) when set: the figures for a report."""
+    if os.environ.get("SLIMISH_PARITY_LOG"):
+        with open(os.environ["SLIMISH_PARITY_LOG"], "a") as log:
+            log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "max_abs_diff": diff}) + "\n")
+    return diff
