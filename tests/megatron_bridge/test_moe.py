@@ -14,7 +14,12 @@ from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.bridge import export_hf_tensors
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
-from tests.megatron_bridge.layouts import assert_export_is_checkpoint, assert_logits_match_hf, run_layout
+from tests.megatron_bridge.layouts import (
+    assert_export_is_checkpoint,
+    assert_full_export_is_checkpoint,
+    assert_logits_match_hf,
+    run_layout,
+)
 from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
@@ -126,6 +131,11 @@ def test_layout_logits_match_hf(layout_run, moe_models, name):
 @pytest.mark.parametrize("name", ["normed", "converted"])
 def test_layout_export_gives_back_the_checkpoint(layout_run, moe_models, name):
     assert_export_is_checkpoint(layout_run[0][name], moe_models["normed"])
+
+
+@pytest.mark.parametrize("name", ["normed", "converted"])
+def test_layout_full_export_gives_rank0_the_checkpoint(layout_run, moe_models, name):
+    assert_full_export_is_checkpoint(layout_run[0][name], moe_models["normed"])
 
 
 def test_checkpoint_saved_by_megatron_converts_to_hf(layout_run, moe_models, tmp_path):
