@@ -54,10 +54,6 @@ def validate(cfg: JobConfig) -> None:
     if batch % tr.num_minibatches:
         raise ConfigError("trainer.num_minibatches",
                           f"must divide prompts_per_step * samples_per_prompt = {batch}, got {tr.num_minibatches}")
-    if par.pipeline_parallel != 1:
-        raise ConfigError("parallel.pipeline_parallel",
-                          f"got {par.pipeline_parallel}; RL training supports 1 for now (weight sync sends from "
-                          "trainer rank 0 only; conversion and loading already work at any PP)")
     model_parallel = par.tensor_parallel * par.pipeline_parallel
     if par.num_trainer_ranks % model_parallel:
         raise ConfigError("parallel.num_trainer_ranks",
@@ -81,6 +77,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("rollout.router.prometheus_port", "must differ from rollout.router.port")
 
     _check_paths(cfg)
+    _check_expert_parallel(cfg, data_parallel)
     _check_hook("reward.fn", cfg.reward.fn)
 
 
@@ -95,6 +92,29 @@ def _check_paths(cfg: JobConfig) -> None:
         raise ConfigError("data.path", f"file {cfg.data.path!r} does not exist")
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
         raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
+
+
+def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
+    """Expert parallelism splits a mixture-of-experts model's experts, and Megatron carves it out of the
+    data-parallel ranks. A config.json the bridge cannot read is left for the bridge to report."""
+    from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
+
+    ep = cfg.parallel.expert_parallel
+    if ep == 1:
+        return
+    try:
+        moe = architecture_from_hf(read_hf_config(cfg.model.hf_path)).moe
+    except (UnsupportedConfig, KeyError, ValueError):
+        return
+    if moe is None:
+        raise ConfigError("parallel.expert_parallel", f"got {ep}; expert parallelism needs a mixture-of-experts "
+                                                      f"model, {cfg.model.hf_path!r} is dense: use 1")
+    if moe.num_experts % ep:
+        raise ConfigError("parallel.expert_parallel", f"must divide the model's {moe.num_experts} experts, got {ep}")
+    if data_parallel % ep:
+        raise ConfigError("parallel.expert_parallel",
+                          f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
+                          f"pipeline_parallel) = {data_parallel}, got {ep}")
 
 
 def _check_hook(key: str, dotted: str) -> None:

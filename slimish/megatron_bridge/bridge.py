@@ -116,21 +116,32 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
         raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {unknown[:5]}")
 
 
+def export_entries(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[dense.Rule, torch.Tensor, bool]]:
+    """(rule, local tensor, is expert) of every parameter this rank exports, in model order (replicas skipped).
+    Purely local: no communication."""
+    rules = _rules_for(model, arch)
+    for raw, canonical, param in _named_params(model):
+        rule = rules.get(canonical)
+        if rule is None:
+            raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+        if not rule.replica:
+            yield rule, param, moe.is_expert(canonical)
+
+
+def gather_full(param: torch.Tensor, rule: dense.Rule, *, expert: bool) -> torch.Tensor:
+    """The full (TP-gathered) Megatron tensor of `param`: a collective over its tensor-parallel group."""
+    _, tp_size, tp_group = _tp_info(expert=expert)
+    return sharding.gather(param.detach(), param, rule.kind, tp_group, tp_size)
+
+
 @torch.no_grad()
 def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter this pipeline stage owns, in model order, with global layer
     numbers: the union over stages is the whole checkpoint, each tensor exactly once. With expert parallelism each
     rank yields only its own experts (global numbers) besides the parameters every expert-parallel rank holds.
 
-    With tensor parallelism this is a collective: every TP rank must iterate in step.
+    With tensor parallelism this is a collective: every TP rank must iterate in step. For the whole model on one
+    rank (weight sync) see `full_export.export_full_hf_tensors`.
     """
-    rules = _rules_for(model, arch)
-    for raw, canonical, param in _named_params(model):
-        rule = rules.get(canonical)
-        if rule is None:
-            raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
-        if rule.replica:
-            continue
-        _, tp_size, tp_group = _tp_info(expert=moe.is_expert(canonical))
-        full = sharding.gather(param.detach(), param, rule.kind, tp_group, tp_size)
-        yield from zip(rule.hf, dense.to_hf(rule, full, arch))
+    for rule, param, expert in export_entries(model, arch):
+        yield from zip(rule.hf, dense.to_hf(rule, gather_full(param, rule, expert=expert), arch))

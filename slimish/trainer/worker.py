@@ -2,7 +2,8 @@
 
 The driver calls, per RL step: `compute_logprobs(samples)` (old + reference logprobs, kept here) ->
 `train(advantages)` -> `sync_weights(version)`. Every rank of a trainer group receives the same calls; each keeps
-the data-parallel shard of the samples that belongs to it.
+the data-parallel shard of the samples that belongs to it. With pipeline parallelism the per-token logprobs and the
+loss exist on the last stage only; every stage returns the last stage's metrics.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 import torch
 
 from slimish.config.schema import JobConfig
-from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
+from slimish.megatron_bridge.bridge import load_hf_weights
+from slimish.megatron_bridge.full_export import export_full_hf_tensors, in_source_replica
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.sample import Sample
 from slimish.trainer import losses
@@ -47,9 +49,15 @@ class TrainerWorker:
         from slimish.trainer.model import build_gpt_model, wrap_for_training
 
         dtype = getattr(torch, self.cfg.model.dtype)
-        build = functools.partial(build_gpt_model, self.arch, tensor_parallel=self.layout.tensor_parallel,
-                                  pipeline_parallel=self.layout.pipeline_parallel,
-                                  expert_parallel=self.layout.expert_parallel, dtype=dtype)
+
+        def build():
+            model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
+                                    pipeline_parallel=self.layout.pipeline_parallel,
+                                    expert_parallel=self.layout.expert_parallel, dtype=dtype)
+            # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
+            model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
+            return model
+
         self.module = build()
         load_hf_weights(self.module, self.cfg.model.hf_path, self.arch)
         opt = self.cfg.trainer.optimizer
@@ -64,6 +72,8 @@ class TrainerWorker:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.pad_id = 0
         return {"num_params": sum(p.numel() for p in self.module.parameters())}
 
@@ -112,6 +122,16 @@ class TrainerWorker:
             dist.all_reduce(tensor, group=self.dp_group)
         return float(tensor.item())
 
+    def _from_last_stage(self, metrics: dict) -> dict:
+        """The last pipeline stage's `metrics` on every stage (only it sees logprobs and losses)."""
+        if self.layout.pipeline_parallel == 1:
+            return metrics
+        import torch.distributed as dist
+
+        box = [metrics]
+        dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+        return box[0]
+
     def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -143,7 +163,8 @@ class TrainerWorker:
                         diff_max = max(diff_max, float(diff.max()))
                         diff_sum += float(diff.sum())
                         count += diff.numel()
-        return {"logprob_abs_diff_max": diff_max, "logprob_abs_diff_mean": diff_sum / max(count, 1)}
+        return self._from_last_stage({"logprob_abs_diff_max": diff_max,
+                                      "logprob_abs_diff_mean": diff_sum / max(count, 1)})
 
     def train(self, advantages: list[float]) -> dict:
         """One optimizer step per minibatch on the rollout given to `compute_logprobs`."""
@@ -183,10 +204,11 @@ class TrainerWorker:
                 stats[key].append(self._global_sum(sum(float(o[key]) for o in outputs)))
             stats["grad_norm"].append(grad_norm)
         self._rollout = None
-        return {"pg_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
-                "ppo_kl": stats["ppo_kl"][0],  # first minibatch: exactly 0 when on-policy
-                "ppo_kl_last": stats["ppo_kl"][-1], "clip_frac": sum(stats["clip_frac"]) / len(stats["clip_frac"]),
-                "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]), "grad_norm": stats["grad_norm"][-1]}
+        return self._from_last_stage({
+            "pg_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
+            "ppo_kl": stats["ppo_kl"][0],  # first minibatch: exactly 0 when on-policy
+            "ppo_kl_last": stats["ppo_kl"][-1], "clip_frac": sum(stats["clip_frac"]) / len(stats["clip_frac"]),
+            "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]), "grad_norm": stats["grad_norm"][-1]})
 
     # --------------------------------------------------------------------------------------------- SFT API
     def sft_step(self, samples: list[Sample]) -> dict:
@@ -201,11 +223,12 @@ class TrainerWorker:
             return nll * scale, {"nll": nll.detach()}
 
         outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
-        return {"sft_loss": self._global_sum(sum(float(o["nll"]) for o in outputs)), "grad_norm": grad_norm}
+        return self._from_last_stage({"sft_loss": self._global_sum(sum(float(o["nll"]) for o in outputs)),
+                                      "grad_norm": grad_norm})
 
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Rank 0 joins a process group with every engine; other ranks only take part in gathers."""
+        """Rank 0 joins a process group with every engine; other ranks only take part in the export's gathers."""
         if self.layout.rank != 0:
             return {}
         from slimish.weight_sync.distributed import DistributedWeightSender
@@ -220,17 +243,23 @@ class TrainerWorker:
         return {"time_connect_s": time.monotonic() - t0}
 
     def sync_weights(self, version: int) -> dict:
-        """Send the current weights to every engine as weight version `version`."""
-        tensors = export_hf_tensors(self.module, self.arch)
+        """Send the current weights to every engine as weight version `version`: rank 0 streams the whole model
+        (`export_full_hf_tensors`), whose TP / PP / EP gathers every rank of its replica joins; other data-parallel
+        replicas hold the same weights and sit out."""
+        if not in_source_replica():
+            return {}
+        tensors = export_full_hf_tensors(self.module, self.arch)
         if self._sender is None:
-            for _ in tensors:  # non-zero ranks still join the TP gathers
+            for _ in tensors:  # ranks other than 0 only feed the gathers
                 pass
             return {}
         return self._sender.send(tensors, version=str(version))
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """HF-named copy of the weights (rank 0's view); for tests and checkpoints."""
-        return {name: t.clone() for name, t in export_hf_tensors(self.module, self.arch)}
+        """HF-named copy of the whole model on rank 0 (empty elsewhere); every rank must call it. For tests."""
+        if not in_source_replica():
+            return {}
+        return {name: t.clone() for name, t in export_full_hf_tensors(self.module, self.arch)}
 
     def shutdown(self) -> None:
         from slimish.trainer.parallel import shutdown_parallel

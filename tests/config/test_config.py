@@ -50,7 +50,8 @@ BAD_CASES = [
     ("reward.fn=no_such_module.fn", "reward.fn", "cannot import module"),
     ("model.hf_path=/nonexistent", "model.hf_path", "has no config.json"),
     ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb", "must be > 0"),
-    ("parallel.pipeline_parallel=2", "parallel.pipeline_parallel", "supports 1 for now"),
+    ("parallel.pipeline_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel * pipeline"),
+    ("parallel.expert_parallel=2", "parallel.expert_parallel", "needs a mixture-of-experts model"),
     ("rollout.engine=3", "rollout.engine", "expected a mapping"),
 ]
 
@@ -62,6 +63,12 @@ def test_bad_config_names_key_and_allowed(base, override, key, fragment):
     assert err.value.key == key
     assert fragment in str(err.value)
     assert str(err.value).startswith(f"config key '{key}'")
+
+
+def test_pipeline_parallel_is_allowed(base):
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml",
+                      base + ["parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2"])
+    assert cfg.parallel.pipeline_parallel == 2
 
 
 def test_check_config_cli_exit_codes(base, tmp_path):

@@ -4,9 +4,10 @@ Several models share one world because starting the processes (imports) costs mo
 
 Launched by tests.multiproc.run_world; by hand (one line per rank, same port):
   python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 [--ep 1] \
-      --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT [--save-dist DIR]
+      --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT [--save-dist DIR] [--full-export]
 Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}, TP rank 0
-only; with expert parallelism, the tensors outside the experts from expert-parallel rank 0 only)}.
+only; with expert parallelism, the tensors outside the experts from expert-parallel rank 0 only)}; with
+--full-export also "full": the [(hf name, tensor)] this rank got from the whole-model (weight-sync) export.
 With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
 With --save-dist, Megatron-Core's own dist_checkpointing.save writes each loaded model to DIR/NAME.
 """
@@ -43,10 +44,11 @@ def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
 
 
 def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out: Path,
-              save_to: Path | None) -> None:
+              save_to: Path | None, full_export: bool = False) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
+    from slimish.megatron_bridge.full_export import export_full_hf_tensors
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.trainer.model import build_gpt_model
 
@@ -66,8 +68,11 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out:
     if parallel_state.get_expert_model_parallel_rank() != 0:
         # Every expert-parallel rank holds (and exports) the same non-expert tensors; keep one copy.
         exported = {name: tensor for name, tensor in exported.items() if ".mlp.experts." in name}
+    result = {"tokens": tokens, "logits": logits, "exported": exported}
+    if full_export:
+        result["full"] = [(name, tensor.clone()) for name, tensor in export_full_hf_tensors(model, arch)]
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"tokens": tokens, "logits": logits, "exported": exported}, out / f"rank{dist.get_rank()}.pt")
+    torch.save(result, out / f"rank{dist.get_rank()}.pt")
 
 
 def main() -> None:
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR or NAME=HF_DIR:DIST_CKPT_DIR")
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-dist", help="also save each model with Megatron's dist_checkpointing to DIR/NAME")
+    parser.add_argument("--full-export", action="store_true", help="also run the whole-model (weight-sync) export")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -94,7 +100,7 @@ def main() -> None:
             save_to.mkdir(parents=True)
         dist.barrier()
         run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, ep=args.ep, out=Path(args.out) / name,
-                  save_to=save_to)
+                  save_to=save_to, full_export=args.full_export)
     shutdown_parallel()
 
 

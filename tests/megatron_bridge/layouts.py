@@ -16,9 +16,10 @@ RANK_SCRIPT = Path(__file__).with_name("bridge_rank.py")
 def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str], ep: int = 1,
                save_dist: Path | None = None) -> dict[str, list[dict]]:
     """Run bridge_rank.py on a TP x PP x EP world (data parallel = EP) over `models` (name -> "HF_DIR[:DIST_CKPT]");
-    results by name, rank. With `save_dist`, Megatron-Core also saves each model to save_dist/NAME."""
+    results by name, rank, each with the whole-model export too. With `save_dist`, Megatron-Core also saves each
+    model to save_dist/NAME."""
     world = tp * pp * ep
-    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out)]
+    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out), "--full-export"]
     if save_dist is not None:
         args += ["--save-dist", str(save_dist)]
     for name, spec in models.items():
@@ -51,3 +52,16 @@ def assert_export_is_checkpoint(results: list[dict], hf: Path) -> None:
     assert set(union) == set(ckpt.names())
     for name, tensor in union.items():
         assert torch.equal(tensor, ckpt.get(name)), name
+
+
+def assert_full_export_is_checkpoint(results: list[dict], hf: Path) -> None:
+    """The whole-model export gives rank 0 (the weight-sync source) the HF checkpoint bit-exact, every tensor exactly
+    once, and every other rank nothing."""
+    ckpt = HFCheckpoint(hf)
+    names = [name for name, _ in results[0]["full"]]
+    assert len(names) == len(set(names)), "a tensor was exported twice"
+    assert set(names) == set(ckpt.names())
+    for name, tensor in results[0]["full"]:
+        assert torch.equal(tensor, ckpt.get(name)), name
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["full"] == [], f"rank {rank} got tensors"

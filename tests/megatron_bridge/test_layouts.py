@@ -1,4 +1,5 @@
-"""The bridge at TP2 and PP2 (two gloo processes): logits match HF, and export gives back the HF checkpoint."""
+"""The bridge at TP2 and PP2 (two gloo processes): logits match HF, and export (per stage, and the whole-model
+export weight sync uses) gives back the HF checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_bridge.layouts import assert_export_is_checkpoint, assert_logits_match_hf, run_layout
+from tests.megatron_bridge.layouts import (
+    assert_export_is_checkpoint,
+    assert_full_export_is_checkpoint,
+    assert_logits_match_hf,
+    run_layout,
+)
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
@@ -50,3 +56,8 @@ def test_logits_match_hf(layout_run, models, name):
 @pytest.mark.parametrize("name", [*FAMILIES, "qwen3_tied"])
 def test_export_gives_back_the_checkpoint(layout_run, models, name):
     assert_export_is_checkpoint(layout_run[name], models[name])
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_tied"])
+def test_full_export_gives_rank0_the_checkpoint(layout_run, models, name):
+    assert_full_export_is_checkpoint(layout_run[name], models[name])

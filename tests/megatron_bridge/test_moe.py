@@ -17,7 +17,12 @@ from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.bridge import export_hf_tensors
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
-from tests.megatron_bridge.layouts import assert_export_is_checkpoint, assert_logits_match_hf, run_layout
+from tests.megatron_bridge.layouts import (
+    assert_export_is_checkpoint,
+    assert_full_export_is_checkpoint,
+    assert_logits_match_hf,
+    run_layout,
+)
 from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
 
 # name -> (family, config fields on top of tiny_model.FAMILY_SHAPES). The first model of each family is the one
@@ -173,6 +178,12 @@ def test_layout_logits_match_hf(layout_run, moe_models, name, source):
 @pytest.mark.parametrize("source", ["hf", "converted"])
 def test_layout_export_gives_back_the_checkpoint(layout_run, moe_models, name, source):
     assert_export_is_checkpoint(layout_run[0][name if source == "hf" else f"{name}_converted"], moe_models[name])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("source", ["hf", "converted"])
+def test_layout_full_export_gives_rank0_the_checkpoint(layout_run, moe_models, name, source):
+    assert_full_export_is_checkpoint(layout_run[0][name if source == "hf" else f"{name}_converted"], moe_models[name])
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -1,8 +1,10 @@
 """One rank of a multi-process TrainerWorker test: the same fixed rollout at a given layout.
 
 Launched by tests.multiproc.run_world:
-  python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T --hf DIR --data JSONL --out OUT
-Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step and the step's metrics.
+  python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T [--pp P] --hf DIR --data JSONL --out OUT
+Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
+pipeline stage other than the last), the step's metrics, and the whole-model export (`export_state`; empty except
+on rank 0).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def fixed_samples() -> list[Sample]:
-    """8 samples in 2 groups; responses and advantages fixed so every layout sees the same step."""
-    return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3],
+    """8 samples in 2 groups; responses and advantages fixed so every layout sees the same step. Prompts of 2 or 3
+    tokens make consecutive micro-batches (of 2) differ in length, as pipeline stages must cope with."""
+    return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3][:2 + i // 2 % 2],
                    response_ids=[23 + i % 2, 0], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0],
                    loss_mask=[1, 1]) for i in range(8)]
 
 
-def response_logprobs(worker, samples) -> torch.Tensor:
-    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths)."""
+def response_logprobs(worker, samples) -> torch.Tensor | None:
+    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths); None where
+    there are none (a pipeline stage other than the last)."""
     worker.compute_logprobs(samples)
     out = []
     for (chunks, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
@@ -35,7 +39,7 @@ def response_logprobs(worker, samples) -> torch.Tensor:
                 start, end = mb.spans[row]
                 out.append(lp[row, start:end])
     worker._rollout = None
-    return torch.stack(out)
+    return torch.stack(out) if out else None
 
 
 def main() -> None:
@@ -44,13 +48,14 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, required=True)
     for name in ("hf", "data", "out"):
         parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--pp", type=int, default=1)
     args = parser.parse_args()
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
         f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
-        "trainer.optimizer.lr=0.01", f"parallel.tensor_parallel={args.tp}",
-        f"parallel.num_trainer_ranks={args.world_size}"])
+        "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
+        f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}"])
     worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
     worker.setup(master_addr="127.0.0.1", master_port=args.port)
     samples = fixed_samples()
@@ -60,8 +65,8 @@ def main() -> None:
     after = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"before": before, "after": after, "metrics": metrics,
-                "dp_rank": worker.dp_rank, "dp_size": worker.dp_size}, out / f"rank{args.rank}.pt")
+    torch.save({"before": before, "after": after, "metrics": metrics, "dp_rank": worker.dp_rank,
+                "dp_size": worker.dp_size, "state": worker.export_state()}, out / f"rank{args.rank}.pt")
     worker.shutdown()
 
 

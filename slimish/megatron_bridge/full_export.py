@@ -1,0 +1,163 @@
+"""The whole model as HF tensors on one rank (the weight-sync source), from a TP x PP x EP sharded Megatron model.
+
+`export_full_hf_tensors` is a collective over every rank of one model replica (its tensor-, pipeline- and
+expert-parallel groups): each of them must iterate it to the end. The source rank (tp = pp = ep = 0) yields every HF
+tensor of the model exactly once, full, in a fixed order (stage by stage; within a stage model order, a layer's
+experts in global order); every other rank yields nothing. One tensor moves at a time: a parameter is gathered over
+its TP group, an expert travels from its expert-parallel rank to expert-parallel rank 0 (send/recv), and each later
+stage's leader (tp = ep = 0) sends its tensors to the source after one metadata message (names, shapes, dtypes).
+The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the parameters' device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slimish.megatron_bridge import dense, sharding
+from slimish.megatron_bridge.bridge import _tp_info, export_entries, export_hf_tensors, gather_full
+from slimish.megatron_bridge.hf_config import Architecture
+
+Meta = tuple[str, tuple[int, ...], torch.dtype]  # (hf name, shape, dtype)
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    tp: int
+    etp: int
+    ep: int
+    ep_size: int
+    ep_group: object
+    ep_ranks: list[int]
+    pp: int
+    pp_size: int
+    pp_group: object
+    pp_ranks: list[int]
+
+    @classmethod
+    def current(cls) -> _Ranks | None:
+        """This rank's place in Megatron's groups, or None when there is no parallelism to undo."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return None
+        if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
+            raise NotImplementedError("full export needs expert_tensor_parallel == tensor_parallel")
+        ep_group, pp_group = ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        return cls(tp=ps.get_tensor_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+                   ep=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                   ep_group=ep_group, ep_ranks=dist.get_process_group_ranks(ep_group),
+                   pp=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                   pp_group=pp_group, pp_ranks=dist.get_process_group_ranks(pp_group))
+
+    @property
+    def stage_leader(self) -> bool:
+        return self.tp == 0 and self.ep == 0
+
+
+def in_source_replica() -> bool:
+    """True on the ranks whose replica holds global rank 0 (expert-data-parallel rank 0): the only replica whose
+    export reaches the engines. Every group the export uses lies inside one replica, so other replicas may skip it."""
+    from megatron.core import parallel_state as ps
+
+    return not ps.model_parallel_is_initialized() or ps.get_expert_data_parallel_rank() == 0
+
+
+def _full_shape(param: torch.Tensor, *, expert: bool) -> list[int]:
+    _, tp_size, _ = _tp_info(expert=expert)
+    shape = list(param.shape)
+    if tp_size > 1 and sharding.is_tp_sharded(param):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+def _hf_meta(rule: dense.Rule, param: torch.Tensor, expert: bool, arch: Architecture) -> list[Meta]:
+    """The rule's HF (name, shape, dtype)s, worked out on the meta device (no data, no communication)."""
+    full = torch.empty(_full_shape(param, expert=expert), dtype=param.dtype, device="meta")
+    return [(name, tuple(t.shape), t.dtype) for name, t in zip(rule.hf, dense.to_hf(rule, full, arch))]
+
+
+def _stage_order(entries: list, ep_size: int) -> list[tuple[int | None, int]]:
+    """Stream order of a stage as (source expert-parallel rank or None for a replicated parameter, entry index):
+    model order, each layer's expert block repeated per expert-parallel rank, so experts come in global order."""
+    order: list[tuple[int | None, int]] = []
+
+    def block_key(item):
+        rule, _, expert = item[1]
+        return rule.megatron.split(".local_experts.")[0] if expert else None
+
+    for key, block in itertools.groupby(enumerate(entries), key=block_key):
+        indices = [index for index, _ in block]
+        if key is None:
+            order += [(None, index) for index in indices]
+        else:
+            order += [(src, index) for src in range(ep_size) for index in indices]
+    return order
+
+
+def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ranks: _Ranks,
+                   arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of this stage, yielded on the stage leader only; a collective over the stage's TP and EP
+    groups (every rank of the stage iterates it to the end)."""
+    for src, index in order:
+        rule, param, expert = entries[index]
+        if src is None:  # replicated over EP: a TP group shares its EP rank, so ep > 0 groups skip together
+            if ranks.ep == 0:
+                full = gather_full(param, rule, expert=False)
+                if ranks.tp == 0:
+                    yield from zip(rule.hf, dense.to_hf(rule, full, arch))
+        elif ranks.ep == src:
+            full = gather_full(param, rule, expert=True)
+            if src == 0 and ranks.tp == 0:
+                yield from zip(rule.hf, dense.to_hf(rule, full, arch))
+            elif src != 0 and ranks.etp == 0:
+                dist.send(full.contiguous(), dst=ranks.ep_ranks[0], group=ranks.ep_group)
+        elif ranks.ep == 0 and ranks.etp == 0:
+            # Every expert-parallel rank holds the same local structure: only the names differ.
+            full = torch.empty(_full_shape(param, expert=True), dtype=param.dtype, device=param.device)
+            dist.recv(full, src=ranks.ep_ranks[src], group=ranks.ep_group)
+            names = [name for name, _, _ in metas[src][index]]
+            yield from zip(names, dense.to_hf(rule, full, arch))
+
+
+@torch.no_grad()
+def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) of the whole model on the source rank (tp = pp = ep = 0), each HF tensor exactly once;
+    nothing on the other ranks. A collective over the replica's TP, PP and EP groups: all of them iterate it."""
+    ranks = _Ranks.current()
+    if ranks is None:
+        yield from export_hf_tensors(model, arch)
+        return
+    entries = list(export_entries(model, arch))
+    local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
+    metas = [local_metas]
+    if ranks.ep_size > 1:  # the source needs the other ranks' expert names (one message per rank)
+        metas = [None] * ranks.ep_size
+        dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
+    order = _stage_order(entries, ranks.ep_size)
+    stage = _stage_tensors(entries, order, metas, ranks, arch)
+    if ranks.pp_size == 1 or not ranks.stage_leader:
+        yield from stage  # items only on the source (without PP the stage leader is the source)
+        return
+    source = ranks.pp_ranks[0]
+    if ranks.pp != 0:
+        plan = [meta for src, index in order for meta in metas[src or 0][index]]
+        dist.send_object_list([plan], dst=source, group=ranks.pp_group)
+        for item, meta in itertools.zip_longest(stage, plan):
+            if item is None or meta is None or item[0] != meta[0]:
+                raise RuntimeError(f"stage {ranks.pp} streamed {item and item[0]!r} where its plan says {meta!r}")
+            dist.send(item[1].contiguous(), dst=source, group=ranks.pp_group)
+        return
+    yield from stage
+    device = next(model.parameters()).device
+    for stage_rank in ranks.pp_ranks[1:]:
+        box = [None]
+        dist.recv_object_list(box, src=stage_rank, group=ranks.pp_group)
+        for name, shape, dtype in box[0]:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(tensor, src=stage_rank, group=ranks.pp_group)
+            yield name, tensor
