@@ -51,11 +51,13 @@ def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel:
             raise LayoutError(f"{what}={value} does not split over {parts} ranks")
 
 
-def _read_rows(rule: dense.Rule, ckpt: HFCheckpoint, *, shape: tuple[int, ...], rows: tuple[int, int]):
+def _read_rows(rule: dense.Rule, ckpt: HFCheckpoint, *, shape: tuple[int, ...], rows: tuple[int, int],
+               buffers: dist_ckpt_io.BufferPool | None = None):
     """Rows [start, stop) of the Megatron tensor of a rule that stacks its HF tensors in order, read straight from
-    the files into one buffer."""
+    the files into one buffer (taken from `buffers` if given)."""
     start, stop = rows
-    out = torch.empty((stop - start, *shape[1:]), dtype=ckpt.dtype(rule.hf[0]))
+    block, dtype = (stop - start, *shape[1:]), ckpt.dtype(rule.hf[0])
+    out = buffers.take(block, dtype) if buffers is not None else torch.empty(block, dtype=dtype)
     base = 0
     for name in rule.hf:
         count = ckpt.shape(name)[0]
@@ -89,13 +91,14 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
         raise ValueError(f"HF tensors with no Megatron mapping (would be dropped): {unmapped[:5]}")
     bar = tqdm(total=sum(ckpt.nbytes(n) for r in rules for n in r.hf), unit="B", unit_scale=True, desc="hf->megatron",
                disable=not progress)
+    buffers = dist_ckpt_io.BufferPool(chunk_bytes)
 
     def load(rule: dense.Rule, shape: tuple[int, ...], rows: tuple[int, int] | None, layered: bool):
         def data() -> torch.Tensor:
             if rows is None:
                 tensor = dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch)
             else:
-                tensor = _read_rows(rule, ckpt, shape=shape, rows=rows)
+                tensor = _read_rows(rule, ckpt, shape=shape, rows=rows, buffers=buffers)
             bar.update(tensor.numel() * tensor.element_size())
             return tensor.unsqueeze(0) if layered else tensor
         return data
@@ -124,7 +127,7 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
     objects = {name: [None] for name in dense.extra_state_objects(arch)}
     dist_ckpt_io.save(out_dir, tensors={key: (shapes[key], dtypes[key], parts) for key, parts in chunks.items()},
-                      objects=objects)
+                      objects=objects, buffers=buffers)
     bar.close()
     return Path(out_dir)
 
