@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("make-tiny", help="build the tiny CPU model + task data (nothing is downloaded)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"])
+    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe",
+                                                         "deepseek_v3"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
     p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron-Core (torch_dist)")

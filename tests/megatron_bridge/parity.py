@@ -1,4 +1,5 @@
-"""In-process (one rank, TP1) Megatron model from an HF checkpoint, and its logits difference to HF."""
+"""In-process (one rank, TP1) Megatron model from an HF checkpoint, its logits difference to HF, and the bit-exact
+checks shared by the bridge tests."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import os
 
 import torch
 
-from slimish.megatron_bridge.bridge import load_hf_weights
+from slimish.megatron_bridge import dense
+from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+from slimish.megatron_bridge.hf_io import HFCheckpoint
 from slimish.trainer.batch import causal_mask
 
 
@@ -42,3 +45,26 @@ def record(diff: float) -> float:
         with open(os.environ["SLIMISH_PARITY_LOG"], "a") as log:
             log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "max_abs_diff": diff}) + "\n")
     return diff
+
+
+def assert_export_round_trip(path) -> None:
+    """Every Megatron weight (parameters and weight buffers) has exactly one rule, and the TP1 model filled from
+    `path` exports every HF tensor of it exactly once, bit-exact."""
+    model, arch = megatron_from_hf(path)
+    weights = {dense.canonical_megatron_name(n) for n, _ in model.named_parameters()}
+    weights |= {n for n, _ in model.named_buffers() if n.endswith("router.expert_bias")}
+    assert weights == {r.megatron for r in dense.model_rules(arch)}
+    ckpt = HFCheckpoint(path)
+    exported = dict(export_hf_tensors(model, arch))
+    assert set(exported) == set(ckpt.names()), "every HF tensor is exported exactly once"
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, ckpt.get(name)), name
+
+
+def assert_same_checkpoint(got, expected) -> None:
+    """Two HF checkpoint directories hold the same tensor names, dtypes and bits."""
+    a, b = HFCheckpoint(got), HFCheckpoint(expected)
+    assert sorted(a.names()) == sorted(b.names())
+    for name in b.names():
+        x, y = a.get(name), b.get(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name

@@ -11,8 +11,9 @@ import torch
 
 from slimish.cli import main
 from slimish.megatron_bridge.convert import hf_to_megatron, megatron_to_hf
-from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint
+from slimish.megatron_bridge.hf_io import INDEX
 from tests.megatron_bridge.layouts import assert_logits_match_hf, run_layout
+from tests.megatron_bridge.parity import assert_same_checkpoint
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 
@@ -27,14 +28,6 @@ def dist_ckpts(tiny_models, tmp_path_factory) -> dict[str, Path]:
                      "--tp", "2", "--pp", "2"]) == 0
     hf_to_megatron(hf_dir=tiny_models["llama"], out_dir=root / "llama", chunk_bytes=3000, progress=False)
     return {family: root / family for family in FAMILIES}
-
-
-def assert_same_checkpoint(got: Path, expected: Path) -> None:
-    a, b = HFCheckpoint(got), HFCheckpoint(expected)
-    assert sorted(a.names()) == sorted(b.names())
-    for name in b.names():
-        x, y = a.get(name), b.get(name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimish.megatron_bridge import dense
-from slimish.megatron_bridge.bridge import MappingError, export_hf_tensors, load_hf_weights
+from slimish.megatron_bridge.bridge import MappingError, load_hf_weights
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
-from slimish.megatron_bridge.hf_io import HFCheckpoint
 from tests.megatron_bridge.layouts import assert_export_is_checkpoint, assert_logits_match_hf, run_layout
-from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
+from tests.megatron_bridge.parity import (
+    assert_export_round_trip,
+    assert_same_checkpoint,
+    max_logits_diff_vs_hf,
+    megatron_from_hf,
+)
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
@@ -105,14 +108,7 @@ def test_wrong_rope_layout_is_caught(models, megatron_world, tmp_path):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_export_round_trip_is_bit_exact(name, models, megatron_world):
-    model, arch = megatron_from_hf(models[name])
-    params = {dense.canonical_megatron_name(n) for n, _ in model.named_parameters()}
-    assert params == {r.megatron for r in dense.model_rules(arch)}
-    ckpt = HFCheckpoint(models[name])
-    exported = dict(export_hf_tensors(model, arch))
-    assert set(exported) == set(ckpt.names()), "every HF tensor is exported exactly once"
-    for hf_name, tensor in exported.items():
-        assert torch.equal(tensor, ckpt.get(hf_name)), hf_name
+    assert_export_round_trip(models[name])
 
 
 def test_mtp_layers_are_skipped_but_other_strays_are_not(models, megatron_world, tmp_path):
@@ -160,14 +156,6 @@ def dist_ckpt(models, tmp_path_factory) -> Path:
     assert main(["convert", "hf-to-megatron", "--hf", str(models["full_q_half_split_yarn"]), "--out", str(out),
                  "--tp", "2", "--pp", "2"]) == 0
     return out
-
-
-def assert_same_checkpoint(got: Path, expected: Path) -> None:
-    a, b = HFCheckpoint(got), HFCheckpoint(expected)
-    assert sorted(a.names()) == sorted(b.names())
-    for name in b.names():
-        x, y = a.get(name), b.get(name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
 def test_convert_round_trip_is_bit_exact(models, dist_ckpt, tmp_path):

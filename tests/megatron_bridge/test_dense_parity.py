@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from slimish.megatron_bridge import dense
-from slimish.megatron_bridge.bridge import MappingError, export_hf_tensors, load_hf_weights
+from slimish.megatron_bridge.bridge import MappingError, load_hf_weights
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import CheckpointError, HFCheckpoint
-from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
+from tests.megatron_bridge.parity import assert_export_round_trip, max_logits_diff_vs_hf, megatron_from_hf
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 # Llama-3.1's RoPE frequency scaling (rope_type llama3), as Llama-3.1-405B ships it.
@@ -57,13 +57,7 @@ def test_llama31_rope_fields_megatron_fixes_are_checked(llama31, field, value):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip_is_bit_exact(family, tiny_models, megatron_world):
-    path = tiny_models[family]
-    model, arch = megatron_from_hf(path)
-    ckpt = HFCheckpoint(path)
-    exported = dict(export_hf_tensors(model, arch))
-    assert set(exported) == set(ckpt.names()), "every HF tensor is exported exactly once"
-    for name, tensor in exported.items():
-        assert torch.equal(tensor, ckpt.get(name)), name
+    assert_export_round_trip(tiny_models[family])
 
 
 def test_unmapped_hf_tensor_is_an_error(tiny_models, megatron_world, tmp_path):

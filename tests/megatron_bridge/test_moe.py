@@ -11,19 +11,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from slimish.megatron_bridge import dense
-from slimish.megatron_bridge.bridge import export_hf_tensors
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
-from slimish.megatron_bridge.hf_io import HFCheckpoint
 from tests.megatron_bridge.layouts import (
     assert_export_is_checkpoint,
     assert_full_export_is_checkpoint,
     assert_logits_match_hf,
     run_layout,
 )
-from tests.megatron_bridge.parity import max_logits_diff_vs_hf, megatron_from_hf
+from tests.megatron_bridge.parity import (
+    assert_export_round_trip,
+    assert_same_checkpoint,
+    max_logits_diff_vs_hf,
+)
 
 # name -> (family, config fields on top of tiny_model.FAMILY_SHAPES). The first model of each family is the one
 # converted and run at every layout; the others only change the router arithmetic, checked at TP1.
@@ -117,16 +117,7 @@ def test_logits_match_hf(name, moe_models, megatron_world):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_export_round_trip_is_bit_exact(name, moe_models, megatron_world):
-    path = moe_models[name]
-    model, arch = megatron_from_hf(path)
-    weights = {dense.canonical_megatron_name(n) for n, _ in model.named_parameters()}
-    weights |= {n for n, _ in model.named_buffers() if n.endswith("expert_bias")}
-    assert weights == {r.megatron for r in dense.model_rules(arch)}
-    ckpt = HFCheckpoint(path)
-    exported = dict(export_hf_tensors(model, arch))
-    assert set(exported) == set(ckpt.names()), "every HF tensor is exported exactly once"
-    for hf_name, tensor in exported.items():
-        assert torch.equal(tensor, ckpt.get(hf_name)), hf_name
+    assert_export_round_trip(moe_models[name])
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +129,6 @@ def dist_ckpts(moe_models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_dist")
     return {name: hf_to_megatron(hf_dir=moe_models[name], out_dir=root / name, tensor_parallel=2, expert_parallel=2,
                                  chunk_bytes=3000, progress=False) for name in FAMILIES}
-
-
-def assert_same_checkpoint(got: Path, expected: Path) -> None:
-    a, b = HFCheckpoint(got), HFCheckpoint(expected)
-    assert sorted(a.names()) == sorted(b.names())
-    for name in b.names():
-        assert torch.equal(a.get(name), b.get(name)), name
 
 
 @pytest.mark.parametrize("name", FAMILIES)
