@@ -52,23 +52,25 @@ def test_sharded_output_has_an_index_and_loads_in_transformers(tiny_models, dist
     AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def tp2_run(tiny_models, dist_ckpts, tmp_path_factory):
-    """One TP2 world loads every converted checkpoint and saves it again with Megatron-Core's own writer."""
-    root = tmp_path_factory.mktemp("tp2")
-    results = run_layout(root / "results", tp=2, pp=1, save_dist=root / "saved",
+@pytest.fixture(scope="module", params=["tp2", "pp2"])
+def layout_run(request, tiny_models, dist_ckpts, tmp_path_factory):
+    """One TP2 and one PP2 world load every converted checkpoint and save it again with Megatron-Core's own
+    writer."""
+    root = tmp_path_factory.mktemp(request.param)
+    tp, pp = (2, 1) if request.param == "tp2" else (1, 2)
+    results = run_layout(root / "results", tp=tp, pp=pp, save_dist=root / "saved",
                          models={f: f"{tiny_models[f]}:{dist_ckpts[f]}" for f in FAMILIES})
     return results, root / "saved"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dist_checkpoint_loads_at_tp2(family, tiny_models, tp2_run):
-    assert_logits_match_hf(tp2_run[0][family], tiny_models[family])
+def test_dist_checkpoint_loads_at_tp2_and_pp2(family, tiny_models, layout_run):
+    assert_logits_match_hf(layout_run[0][family], tiny_models[family])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_checkpoint_saved_by_megatron_at_tp2_converts_to_hf(family, tiny_models, tp2_run, tmp_path):
-    megatron_to_hf(megatron_dir=tp2_run[1] / family, hf_config_dir=tiny_models[family], out_dir=tmp_path,
+def test_checkpoint_saved_by_megatron_converts_to_hf(family, tiny_models, layout_run, tmp_path):
+    megatron_to_hf(megatron_dir=layout_run[1] / family, hf_config_dir=tiny_models[family], out_dir=tmp_path,
                    progress=False)
     assert_same_checkpoint(tmp_path, tiny_models[family])
 
