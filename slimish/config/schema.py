@@ -140,6 +140,15 @@ class RlConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every: int = doc(0, "Save <run dir>/checkpoints/step_<N>/ every this many RL steps and after the last step "
+                             "(0 = never).")
+    resume: str = doc("auto", "'auto' = continue from the newest complete checkpoint of the run if any, 'never' = "
+                              "start fresh, or the path of a step_<N> checkpoint directory.")
+    keep_last: int = doc(2, "Checkpoints kept in the run directory; older ones are deleted (0 = keep all).")
+
+
+@dataclass(kw_only=True)
 class RayConfig:
     num_cpus: int = doc(0, "CPUs given to a local Ray (0 = all); ignored when RAY_ADDRESS joins a cluster.")
 
@@ -156,4 +165,5 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     rl: RlConfig = field(default_factory=RlConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -40,6 +40,8 @@ def validate(cfg: JobConfig) -> None:
     _positive("sft.steps", cfg.sft.steps, allow_zero=True)
     _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
+    _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     if not 0 < ro.top_p <= 1:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     for key, eps in [("trainer.loss.clip_eps_low", tr.loss.clip_eps_low),
@@ -77,6 +79,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("rollout.router.prometheus_port", "must differ from rollout.router.port")
 
     _check_paths(cfg)
+    _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_hook("reward.fn", cfg.reward.fn)
 
@@ -92,6 +95,18 @@ def _check_paths(cfg: JobConfig) -> None:
         raise ConfigError("data.path", f"file {cfg.data.path!r} does not exist")
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
         raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
+
+
+def _check_resume(resume: str) -> None:
+    from slimish.orchestration.checkpoints import is_complete
+
+    if resume in ("auto", "never"):
+        return
+    if not resume:
+        raise ConfigError("checkpoint.resume", "must be 'auto', 'never' or a checkpoint directory, got ''")
+    if not is_complete(Path(resume)):
+        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete checkpoint (a step_<N> directory "
+                                               "holding driver.json and trainer/); use 'auto', 'never' or such a path")
 
 
 def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:

@@ -1,7 +1,9 @@
-"""The RL job: start -> [warm-up] -> per step: rollout -> logprobs -> advantages -> train -> sync -> log.
+"""The RL job: start -> [warm-up | resume] -> per step: rollout -> logprobs -> advantages -> train -> sync -> log
+[-> checkpoint].
 
 Run with `slimish train --config CONFIG [key=value ...]`. Everything started here (Ray, actors, engines, router)
-is stopped in `shutdown()`, also on Ctrl-C / SIGTERM.
+is stopped in `shutdown()`, also on Ctrl-C / SIGTERM. SIGTERM does not save a checkpoint: the job resumes from the
+last periodic one (checkpoint.save_every), so a kill during a save costs at most that interval.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from slimish.config import JobConfig, save_config
+from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, rollout_actor
 from slimish.rollout.data import read_jsonl
@@ -27,9 +30,11 @@ class RLJob:
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.resume_from = checkpoints.resume_path(cfg.checkpoint.resume, self.run_dir)
+        self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
         self.timer = PhaseTimer()
-        self.metrics = MetricsLogger(self.run_dir)
+        self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
+                                     else None)
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
 
@@ -65,6 +70,33 @@ class RLJob:
         self.trainer.call("set_learning_rate", self.cfg.trainer.optimizer.lr)
         self.sync_weights(version=0)
 
+    def restore(self) -> int:
+        """Load the resume checkpoint into trainer and data source, push its weights to the engines as its weight
+        version (replacing the HF weights they booted with); returns the last completed step."""
+        state = self.resume_state
+        self.trainer.call("load_checkpoint", str(self.resume_from / checkpoints.TRAINER_DIR))
+        ray.get(self.rollout_manager.load_state.remote(state["rollout"]))
+        self.sync_weights(version=state["weight_version"])
+        print(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})",
+              flush=True)
+        return state["step"]
+
+    def save_checkpoint(self, step: int, elapsed_s: float) -> Path:
+        """Write checkpoints/step_<step>/ (see checkpoints.py for why a crash here never leaves a complete-looking
+        checkpoint), then prune to checkpoint.keep_last."""
+        t0 = time.monotonic()
+        staging = checkpoints.begin(self.run_dir, step)
+        self.trainer.call("save_checkpoint", str(staging / checkpoints.TRAINER_DIR))
+        path = checkpoints.commit(staging, {
+            "step": step, "weight_version": step, "time_elapsed_s": elapsed_s,
+            "rollout": ray.get(self.rollout_manager.state.remote()),
+            "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
+                       "pipeline_parallel": self.cfg.parallel.pipeline_parallel,
+                       "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}})
+        checkpoints.prune(self.run_dir, self.cfg.checkpoint.keep_last)
+        print(f"checkpoint {path} saved in {time.monotonic() - t0:.1f}s", flush=True)
+        return path
+
     def rollout(self, step: int) -> tuple[list[Sample], dict]:
         return ray.get(self.rollout_manager.rollout.remote(step))
 
@@ -87,14 +119,25 @@ class RLJob:
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        total = self.cfg.rl.num_steps
+        if self.resume_state and self.resume_state["step"] >= total:
+            print(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
+                  f"{total}", flush=True)
+            self.metrics.close()
+            signal.signal(signal.SIGTERM, previous)
+            return self.run_dir
+        save_every = self.cfg.checkpoint.save_every
         try:
-            t0 = time.monotonic()
+            t0 = time.monotonic() - (self.resume_state or {}).get("time_elapsed_s", 0.0)
             info = self.start()
             print(f"engines up in {info['time_engines_start_s']:.0f}s at {info['engine_urls']}; router "
                   f"{info['router_url']}; trainer {info['num_params']:,} params", flush=True)
-            self.warmup()
-            total = self.cfg.rl.num_steps
-            for step in range(1, total + 1):
+            done = 0
+            if self.resume_state:
+                done = self.restore()  # no SFT warm-up: the checkpoint already holds its result
+            else:
+                self.warmup()
+            for step in range(done + 1, total + 1):
                 with self.timer("rollout"):
                     samples, rollout_metrics = self.rollout(step)
                 with self.timer("train"):
@@ -110,6 +153,8 @@ class RLJob:
                 self.metrics.log(step, metrics)
                 if step % self.cfg.run.log_every == 0 or step == total:
                     print(format_line(step, total, metrics), flush=True)
+                if save_every and (step % save_every == 0 or step == total):
+                    self.save_checkpoint(step, metrics["time_elapsed_s"])
         finally:
             self.shutdown()
             signal.signal(signal.SIGTERM, previous)

@@ -28,11 +28,19 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path):
+    """Appends to metrics.jsonl. `resume_after=N` (a resumed run) first drops records of steps > N, which an
+    interrupted run logged after its last checkpoint, and TensorBoard events of those steps likewise."""
+
+    def __init__(self, run_dir: Path, *, resume_after: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if resume_after is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            truncate_metrics(self.path, resume_after)
+        purge = None if resume_after is None else resume_after + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
@@ -45,6 +53,18 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only the records of steps <= `last_step` in the jsonl file `path` (if it exists)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
 
 
 def format_line(step: int, total: int, m: dict) -> str:

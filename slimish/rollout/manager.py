@@ -68,8 +68,14 @@ class RolloutManager:
         }
         return samples, metrics
 
-    def dataset_state(self) -> dict:
-        return self.dataset.state()
+    def state(self) -> dict:
+        """What a resumed run needs to draw the prompts the uninterrupted run would have drawn next (the shuffle
+        order is a function of run.seed and the epoch), plus the cumulative sample-status counts."""
+        return {"dataset": self.dataset.state(), "totals": dict(self.totals)}
+
+    def load_state(self, state: dict) -> None:
+        self.dataset.load_state(state["dataset"])
+        self.totals = Counter(state.get("totals", {}))
 
     def shutdown(self) -> None:
         self.servers.stop()

@@ -226,6 +226,23 @@ class TrainerWorker:
         return self._from_last_stage({"sft_loss": self._global_sum(sum(float(o["nll"]) for o in outputs)),
                                       "grad_norm": grad_norm})
 
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
+        calls it). The reference model is not saved: it is the initial policy, rebuilt from model.hf_path."""
+        from slimish.trainer import checkpoint
+
+        checkpoint.save(self.module, self.optimizer, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning rate
+        is then reset to trainer.optimizer.lr: the config, not the checkpoint, decides it."""
+        from slimish.trainer import checkpoint
+
+        checkpoint.load(self.module, self.optimizer, path)
+        self.set_learning_rate(self.cfg.trainer.optimizer.lr)
+        self._rollout = None
+
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
         """Rank 0 joins a process group with every engine; other ranks only take part in the export's gathers."""

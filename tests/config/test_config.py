@@ -53,6 +53,10 @@ BAD_CASES = [
     ("parallel.pipeline_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel * pipeline"),
     ("parallel.expert_parallel=2", "parallel.expert_parallel", "needs a mixture-of-experts model"),
     ("rollout.engine=3", "rollout.engine", "expected a mapping"),
+    ("checkpoint.save_every=-1", "checkpoint.save_every", "must be >= 0"),
+    ("checkpoint.keep_last=-2", "checkpoint.keep_last", "must be >= 0"),
+    ("checkpoint.resume=/nonexistent/step_3", "checkpoint.resume", "not a complete checkpoint"),
+    ("checkpoint.resume=", "checkpoint.resume", "must be 'auto', 'never' or a checkpoint directory"),
 ]
 
 

@@ -1,0 +1,107 @@
+"""Driver-side checkpoint pieces without engines: discovery, atomic commit, pruning, metrics on resume, and the
+prompt stream continuing where the interrupted run left it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slimish.orchestration import checkpoints
+from slimish.orchestration.metrics import truncate_metrics
+from slimish.rollout.data import PromptDataset
+
+
+def _save(run_dir, step: int, **extra) -> None:
+    staging = checkpoints.begin(run_dir, step)
+    (staging / checkpoints.TRAINER_DIR).mkdir()
+    checkpoints.commit(staging, {"step": step, "weight_version": step, **extra})
+
+
+def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    assert checkpoints.resume_path("auto", tmp_path) is None
+    for step in (2, 9, 10):
+        _save(tmp_path, step)
+    assert [s for s, _ in checkpoints.complete_checkpoints(tmp_path)] == [2, 9, 10]  # numeric, not lexical
+    assert checkpoints.resume_path("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
+    assert checkpoints.resume_path("never", tmp_path) is None
+    explicit = tmp_path / "checkpoints" / "step_9"
+    assert checkpoints.resume_path(str(explicit), tmp_path) == explicit
+    assert checkpoints.read_driver_state(explicit)["step"] == 9
+
+
+def test_an_interrupted_save_is_never_resumed_from_and_is_cleaned_up(tmp_path):
+    _save(tmp_path, 1)
+    staging = checkpoints.begin(tmp_path, 2)  # killed while the trainer was writing
+    (staging / checkpoints.TRAINER_DIR).mkdir()
+    root = tmp_path / "checkpoints"
+    (root / "step_3").mkdir()  # a directory that merely looks like a checkpoint (no driver.json)
+    (root / "step_3" / checkpoints.TRAINER_DIR).mkdir()
+    assert checkpoints.resume_path("auto", tmp_path) == root / "step_1"
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoints.resume_path(str(root / "step_3"), tmp_path)
+    _save(tmp_path, 4)
+    assert not staging.exists()
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_3", "step_4"]
+
+
+def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    _save(tmp_path, 5, note="first")
+    _save(tmp_path, 5, note="second")
+    assert checkpoints.read_driver_state(tmp_path / "checkpoints" / "step_5")["note"] == "second"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_5"]
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in range(1, 6):
+        _save(tmp_path, step)
+    assert checkpoints.prune(tmp_path, 0) == []
+    deleted = checkpoints.prune(tmp_path, 2)
+    assert [p.name for p in deleted] == ["step_1", "step_2", "step_3"]
+    assert [s for s, _ in checkpoints.complete_checkpoints(tmp_path)] == [4, 5]
+
+
+def test_resumed_metrics_drop_steps_after_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2, 3)))
+    truncate_metrics(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    truncate_metrics(tmp_path / "absent.jsonl", 2)  # a fresh run directory: nothing to do
+
+
+def _dataset(path):
+    return PromptDataset(str(path), tokenizer=lambda text: {"input_ids": [len(text)]}, prompt_key="prompt",
+                         label_key="label", shuffle=True, seed=7)
+
+
+def test_prompt_stream_continues_where_the_saved_state_left_it(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "label": i}) + "\n" for i in range(5)))
+    uninterrupted = _dataset(path)
+    first = uninterrupted.next_batch(3)
+    state = json.loads(json.dumps(uninterrupted.state()))  # through driver.json
+    expected = [p.text for p in uninterrupted.next_batch(4) + uninterrupted.next_batch(4)]  # crosses epochs
+    resumed = _dataset(path)
+    resumed.load_state(state)
+    assert [p.text for p in resumed.next_batch(4) + resumed.next_batch(4)] == expected
+    assert [p.text for p in _dataset(path).next_batch(4)] != expected[:4], "a fresh stream would repeat prompts"
+    assert len(first) == 3
+
+
+def test_rollout_manager_state_round_trips(tmp_path):
+    from collections import Counter
+
+    from slimish.rollout.manager import RolloutManager
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "label": i}) + "\n" for i in range(5)))
+    managers = []
+    for _ in range(2):  # without engines: only the state RolloutManager.state() covers
+        manager = object.__new__(RolloutManager)
+        manager.dataset, manager.totals = _dataset(path), Counter()
+        managers.append(manager)
+    managers[0].dataset.next_batch(7)
+    managers[0].totals.update({"completed": 12, "reward_failures": 1})
+    managers[1].load_state(json.loads(json.dumps(managers[0].state())))
+    assert managers[1].state() == managers[0].state()
+    assert managers[1].dataset.next_batch(3) == managers[0].dataset.next_batch(3)

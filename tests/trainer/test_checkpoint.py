@@ -1,0 +1,85 @@
+"""Trainer checkpoints: a worker loaded from a checkpoint holds bit-identical weights and optimizer state, so its
+next step equals the uninterrupted worker's; a checkpoint saved at one layout loads at another (TP1 <-> TP2,
+TP1 -> PP2, DP2 -> TP1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimish.config import load_config
+from tests.conftest import REPO
+from tests.multiproc import run_world
+from tests.trainer.worker_rank import fixed_samples
+
+SCRIPT = Path(__file__).with_name("checkpoint_rank.py")
+ADVANTAGES = [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5]
+
+
+def _worker(task_assets):
+    from slimish.trainer.worker import TrainerWorker
+
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
+        "trainer.loss.kl_coef=0.1"])
+    w = TrainerWorker(cfg, rank=0, world_size=1)
+    w.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
+    return w
+
+
+def _step(worker) -> dict:
+    worker.compute_logprobs(fixed_samples())
+    return worker.train(ADVANTAGES)
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets, megatron_world, tmp_path):
+    first = _worker(task_assets)
+    _step(first)
+    _step(first)  # two steps: Adam's moments and step count are non-trivial
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = _worker(task_assets)
+    assert not torch.equal(first.export_state()["lm_head.weight"], resumed.export_state()["lm_head.weight"])
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    _assert_equal(first.export_state(), resumed.export_state())
+    assert _step(first) == _step(resumed)
+    _assert_equal(first.export_state(), resumed.export_state())
+
+
+def test_load_of_a_missing_checkpoint_names_the_path(task_assets, megatron_world, tmp_path):
+    worker = _worker(task_assets)
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        worker.load_checkpoint(str(tmp_path / "nothing-here"))
+
+
+def _world(task_assets, out: Path, layout: tuple[int, int, int], *, mode: str, ckpt: Path) -> dict:
+    world, tp, pp = layout
+    run_world(SCRIPT, world_size=world, args=["--tp", str(tp), "--pp", str(pp), "--hf", task_assets["model"],
+                                              "--data", task_assets["train"], "--mode", mode, "--ckpt", str(ckpt),
+                                              "--out", str(out)])
+    return torch.load(out / "rank0.pt")
+
+
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2), "dp2": (2, 1, 1)}  # (ranks, TP, PP)
+
+
+@pytest.mark.parametrize("save,load", [("tp1", "tp2"), ("tp2", "tp1"), ("tp1", "pp2"), ("dp2", "tp1")],
+                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-pp2", "dp2-to-tp1"])
+def test_checkpoint_loads_at_another_layout(task_assets, tmp_path, save, load):
+    saved = _world(task_assets, tmp_path / "save", LAYOUTS[save], mode="save", ckpt=tmp_path / "ckpt")
+    loaded = _world(task_assets, tmp_path / "load", LAYOUTS[load], mode="load", ckpt=tmp_path / "ckpt")
+    _assert_equal(saved["at_save"], loaded["at_load"])  # resharding moves numbers, never changes them
+    assert loaded["metrics"]["ppo_kl"] == 0.0
+    assert loaded["metrics"]["pg_loss"] == pytest.approx(saved["metrics"]["pg_loss"], abs=1e-5)
+    for name, tensor in saved["after"].items():
+        # Same optimizer state; only the reduction order differs (as in test_worker_layouts).
+        diff = (tensor - loaded["after"][name]).abs()
+        assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
