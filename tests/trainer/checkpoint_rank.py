@@ -8,35 +8,18 @@ that step's metrics.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from slimish.config import load_config
-
-REPO = Path(__file__).resolve().parents[2]
 ADVANTAGES = [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5]
 
 
 def main() -> None:
-    from tests.trainer.worker_rank import fixed_samples
+    from tests.trainer.worker_rank import fixed_samples, make_worker, rank_args
 
-    parser = argparse.ArgumentParser()
-    for name in ("rank", "world-size", "port", "tp"):
-        parser.add_argument(f"--{name}", type=int, required=True)
-    for name in ("hf", "data", "mode", "ckpt", "out"):
-        parser.add_argument(f"--{name}", required=True)
-    parser.add_argument("--pp", type=int, default=1)
-    args = parser.parse_args()
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
-        "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
-        f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}"])
-    worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
-    worker.setup(master_addr="127.0.0.1", master_port=args.port)
+    args = rank_args("mode", "ckpt", "out")
+    worker = make_worker(args)
 
     def step() -> dict:
         worker.compute_logprobs(fixed_samples())

@@ -42,14 +42,20 @@ def response_logprobs(worker, samples) -> torch.Tensor | None:
     return torch.stack(out) if out else None
 
 
-def main() -> None:
+def rank_args(*strings: str) -> argparse.Namespace:
+    """--rank --world-size --port --tp [--pp] --hf --data plus the given string options, all required."""
     parser = argparse.ArgumentParser()
     for name in ("rank", "world-size", "port", "tp"):
         parser.add_argument(f"--{name}", type=int, required=True)
-    for name in ("hf", "data", "out"):
+    for name in ("hf", "data", *strings):
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--pp", type=int, default=1)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def make_worker(args: argparse.Namespace):
+    """A set-up TrainerWorker for this rank of the layout in `args` (quickstart config, small micro-batches, a KL
+    penalty so that the reference model runs)."""
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
@@ -58,6 +64,12 @@ def main() -> None:
         f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}"])
     worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
     worker.setup(master_addr="127.0.0.1", master_port=args.port)
+    return worker
+
+
+def main() -> None:
+    args = rank_args("out")
+    worker = make_worker(args)
     samples = fixed_samples()
     before = response_logprobs(worker, samples)
     worker.compute_logprobs(samples)
