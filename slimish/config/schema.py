@@ -24,6 +24,8 @@ class RunConfig:
     output_dir: str = doc("runs", "Directory holding one folder per run.")
     seed: int = doc(1234, "Seed for data order, sampling seeds and model init.")
     log_every: int = doc(1, "Print one line every this many steps.")
+    save_rollouts: bool = doc(False, "Write every step's samples (tokens, logprobs, versions, reward, advantage, "
+                                     "status) to <run dir>/rollouts/step_<N>.jsonl.")
 
 
 @dataclass(kw_only=True)
@@ -60,6 +62,9 @@ class LossConfig:
     kl_coef: float = doc(0.0, "Weight of the KL penalty to the reference (initial) policy; 0 disables it.")
     kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "Per-token KL estimator used for the penalty.")
     token_aggregation: Literal["token_mean", "seq_mean"] = doc("token_mean", "How per-token losses are averaged.")
+    tis_cap: float = doc(0.0, "Truncated importance sampling: weight each token's policy loss by min(pi_old / "
+                              "pi_rollout, tis_cap), correcting for tokens the engines sampled with older weights or "
+                              "other numerics (partial rollouts); 0 disables it.")
 
 
 @dataclass(kw_only=True)
@@ -100,6 +105,17 @@ class RouterConfig:
 
 
 @dataclass(kw_only=True)
+class PartialRolloutConfig:
+    mode: Literal["off", "abort", "retract"] = doc(
+        "off", "off: a step waits for all its samples; abort: over-sample, and once prompts_per_step groups are done "
+               "abort the rest and continue them first next step; retract: generation never stops, weight syncs "
+               "pause the engines in retract mode and running requests continue with the new weights.")
+    over_sampling: int = doc(0, "Groups kept in flight beyond prompts_per_step (abort / retract modes).")
+    max_staleness: int = doc(4, "A group whose oldest token is more than this many weight versions older than the "
+                                "policy it would train is generated again from its prompt (0 = no bound).")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     prompts_per_step: int = doc(16, "Prompts drawn per RL step.")
     samples_per_prompt: int = doc(8, "Responses sampled per prompt (the GRPO group size).")
@@ -108,6 +124,7 @@ class RolloutConfig:
     top_p: float = doc(1.0, "Nucleus sampling threshold.")
     max_concurrency: int = doc(64, "Maximum in-flight /generate requests.")
     request_timeout_s: float = doc(600.0, "Timeout of one /generate request.")
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 

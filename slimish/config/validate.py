@@ -42,6 +42,13 @@ def validate(cfg: JobConfig) -> None:
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
+    _positive("rollout.partial.over_sampling", ro.partial.over_sampling, allow_zero=True)
+    _positive("rollout.partial.max_staleness", ro.partial.max_staleness, allow_zero=True)
+    _positive("trainer.loss.tis_cap", tr.loss.tis_cap, allow_zero=True)
+    if ro.partial.mode == "off" and ro.partial.over_sampling:
+        raise ConfigError("rollout.partial.over_sampling",
+                          f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "
+                          "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
     if not 0 < ro.top_p <= 1:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     for key, eps in [("trainer.loss.clip_eps_low", tr.loss.clip_eps_low),

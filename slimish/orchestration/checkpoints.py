@@ -1,7 +1,8 @@
 """Where RL checkpoints live, which of them are complete, and how one is written so a crash never leaves a
 half-written checkpoint that looks complete.
 
-Layout: <run dir>/checkpoints/step_<N>/{trainer/ (Megatron dist checkpoint), driver.json}. A checkpoint is written
+Layout: <run dir>/checkpoints/step_<N>/{trainer/ (Megatron dist checkpoint), rollout_buffer.jsonl (groups generated
+but not yet trained on: the partial-rollout buffer, one group per line), driver.json}. A checkpoint is written
 into checkpoints/.partial-step_<N>/, driver.json last, then renamed to step_<N> (an atomic rename on one
 filesystem): a step_<N> directory with driver.json and trainer/ is complete; anything else is ignored and
 `.partial-*` leftovers are deleted by the next save.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
+ROLLOUT_BUFFER = "rollout_buffer.jsonl"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _PARTIAL = ".partial-"
 
@@ -59,6 +61,22 @@ def resume_path(resume: str, run_dir: Path) -> Path | None:
 
 def read_driver_state(path: Path) -> dict:
     return json.loads((Path(path) / DRIVER_STATE).read_text())
+
+
+def write_rollout_buffer(staging: Path, groups: list[dict]) -> None:
+    with (Path(staging) / ROLLOUT_BUFFER).open("w") as f:
+        for group in groups:
+            f.write(json.dumps(group) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rollout_buffer(path: Path) -> list[dict]:
+    """The groups saved with a checkpoint (none for a checkpoint written before the buffer existed)."""
+    file = Path(path) / ROLLOUT_BUFFER
+    if not file.is_file():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
 
 
 def begin(run_dir: Path, step: int) -> Path:

@@ -20,7 +20,7 @@ from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, rollout_actor
 from slimish.rollout.data import read_jsonl
-from slimish.sample import Sample
+from slimish.sample import Sample, Status
 from slimish.trainer.losses import grpo_advantages
 
 
@@ -75,7 +75,10 @@ class RLJob:
         version (replacing the HF weights they booted with); returns the last completed step."""
         state = self.resume_state
         self.trainer.call("load_checkpoint", str(self.resume_from / checkpoints.TRAINER_DIR))
-        ray.get(self.rollout_manager.load_state.remote(state["rollout"]))
+        rollout = state["rollout"]
+        rollout.setdefault("scheduler", {"next_group_id": 0})["groups"] = checkpoints.read_rollout_buffer(
+            self.resume_from)
+        ray.get(self.rollout_manager.load_state.remote(rollout))
         self.sync_weights(version=state["weight_version"])
         print(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})",
               flush=True)
@@ -87,9 +90,10 @@ class RLJob:
         t0 = time.monotonic()
         staging = checkpoints.begin(self.run_dir, step)
         self.trainer.call("save_checkpoint", str(staging / checkpoints.TRAINER_DIR))
+        rollout = ray.get(self.rollout_manager.state.remote())
+        checkpoints.write_rollout_buffer(staging, rollout["scheduler"].pop("groups"))
         path = checkpoints.commit(staging, {
-            "step": step, "weight_version": step, "time_elapsed_s": elapsed_s,
-            "rollout": ray.get(self.rollout_manager.state.remote()),
+            "step": step, "weight_version": step, "time_elapsed_s": elapsed_s, "rollout": rollout,
             "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
                        "pipeline_parallel": self.cfg.parallel.pipeline_parallel,
                        "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}})
@@ -98,23 +102,38 @@ class RLJob:
         return path
 
     def rollout(self, step: int) -> tuple[list[Sample], dict]:
-        return ray.get(self.rollout_manager.rollout.remote(step))
+        """The step's scored groups; the engines serve (and the trainer holds) weight version step - 1."""
+        return ray.get(self.rollout_manager.rollout.remote(policy_version=step - 1))
 
-    def compute_logprobs(self, samples: list[Sample]) -> dict:
-        return self.trainer.call("compute_logprobs", samples)
+    def compute_logprobs(self, samples: list[Sample], step: int) -> dict:
+        return self.trainer.call("compute_logprobs", samples, policy_version=step - 1)
 
     def compute_advantages(self, samples: list[Sample]) -> list[float]:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = grpo_advantages(rewards, self.cfg.rollout.samples_per_prompt,
+        # A failed sample has no reward: it neither trains nor shifts its group's baseline.
+        valid = torch.tensor([s.trainable for s in samples])
+        advantages = grpo_advantages(rewards, self.cfg.rollout.samples_per_prompt, valid=valid,
                                      normalize_std=self.cfg.trainer.loss.normalize_advantage_std)
-        # Failed/aborted samples carry an empty loss mask, so their advantage never reaches the loss.
         return advantages.tolist()
 
     def train(self, advantages: list[float]) -> dict:
         return self.trainer.call("train", advantages)
 
+    def save_rollouts(self, step: int, samples: list[Sample], advantages: list[float]) -> None:
+        """rollouts/step_<step>.jsonl: one sample per line, with its advantage (run.save_rollouts)."""
+        out = self.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        with (out / f"step_{step}.jsonl").open("w") as f:
+            for sample, advantage in zip(samples, advantages, strict=True):
+                f.write(json.dumps({**sample.to_dict(), "advantage": advantage}) + "\n")
+
     def sync_weights(self, version: int) -> dict:
-        return self.trainer.call("sync_weights", version)
+        """Send the trainer's weights to the engines as `version`. In retract mode the engines are generating: they
+        are paused around the sync, and running requests continue with the new weights."""
+        ray.get(self.rollout_manager.pause.remote())
+        metrics = self.trainer.call("sync_weights", version)
+        ray.get(self.rollout_manager.resume.remote(policy_version=version))
+        return metrics
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
@@ -141,14 +160,19 @@ class RLJob:
                 with self.timer("rollout"):
                     samples, rollout_metrics = self.rollout(step)
                 with self.timer("train"):
-                    logprob_metrics = self.compute_logprobs(samples)
+                    logprob_metrics = self.compute_logprobs(samples, step)
                     advantages = self.compute_advantages(samples)
                     train_metrics = self.train(advantages)
+                if self.cfg.run.save_rollouts:
+                    self.save_rollouts(step, samples, advantages)
                 with self.timer("sync"):
                     sync_metrics = self.sync_weights(version=step)
                 metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,
                            **self.timer.pop(), "weight_version": step}
-                metrics["tokens_per_s"] = metrics["generated_tokens"] / max(metrics["time_rollout_s"], 1e-9)
+                metrics["time_step_s"] = metrics["time_rollout_s"] + metrics["time_train_s"] + metrics["time_sync_s"]
+                # Tokens the engines produced per second of the whole step (in retract mode they also generate
+                # while the trainer trains).
+                metrics["tokens_per_s"] = metrics["engine_tokens"] / max(metrics["time_step_s"], 1e-9)
                 metrics["time_elapsed_s"] = time.monotonic() - t0
                 self.metrics.log(step, metrics)
                 if step % self.cfg.run.log_every == 0 or step == total:
@@ -187,7 +211,7 @@ class RLJob:
             prompt_ids = tokenizer(row["prompt"])["input_ids"]
             response_ids = tokenizer(row["response"])["input_ids"] + [tokenizer.eos_token_id]
             samples.append(Sample(group_id=i, index=0, prompt=row["prompt"], prompt_ids=prompt_ids,
-                                  response=row["response"], response_ids=response_ids,
+                                  status=Status.COMPLETED, response=row["response"], response_ids=response_ids,
                                   rollout_logprobs=[0.0] * len(response_ids),
                                   weight_versions=[0] * len(response_ids), loss_mask=[1] * len(response_ids)))
         return samples

@@ -1,13 +1,13 @@
-"""Generate through the router with `input_ids` + `return_logprob`, turning each engine reply into a `Sample`.
+"""One /generate request through the router with `input_ids` + `return_logprob`, appended to a `Sample`.
 
 Response token ids and logprobs are taken from the engine's reply (`output_ids`, `meta_info.output_token_logprobs`)
-and never re-tokenised; the decoded `text` is only used for the reward.
+and never re-tokenised; the decoded `text` is only used for the reward. A sample that already holds a partial
+response (aborted earlier) is continued: the request's input is prompt + partial response, its token budget what
+is left of `max_new_tokens`, and the reply is appended.
 """
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -52,50 +52,53 @@ def per_token_versions(meta: dict, num_tokens: int) -> list[int]:
     return versions
 
 
-def fill_from_reply(sample: Sample, reply: dict) -> Sample:
-    """Copy the engine's tokens, logprobs, versions and finish reason into `sample` (all or nothing)."""
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def request_body(sample: Sample, params: SamplingParams, rid: str) -> dict:
+    """The /generate body for `sample`: its prompt, plus its partial response when it is being continued."""
+    sampling = params.to_json()
+    sampling["max_new_tokens"] = params.max_new_tokens - len(sample.response_ids)
+    return {"input_ids": sample.prompt_ids + sample.response_ids, "sampling_params": sampling,
+            "return_logprob": True, "rid": rid}
+
+
+def append_reply(sample: Sample, reply: dict) -> Sample:
+    """Append the engine's tokens, logprobs and versions to `sample` and take its finish reason (all or nothing).
+
+    An aborted request may end before the engine produced any token; it then appends nothing."""
     meta = reply["meta_info"]
-    ids = [int(t) for t in reply["output_ids"]]
+    finish = (meta.get("finish_reason") or {}).get("type")
+    status = FINISH_STATUS.get(finish)
+    if status is None:
+        raise ValueError(f"unexpected finish_reason {meta.get('finish_reason')!r}")
+    ids = [int(t) for t in reply.get("output_ids") or []]
     triples = meta.get("output_token_logprobs") or []
     if len(triples) != len(ids):
         raise ValueError(f"engine returned {len(ids)} tokens but {len(triples)} logprobs")
     for (_, token_id, *_), out_id in zip(triples, ids):
         if token_id != out_id:
             raise ValueError(f"logprob token {token_id} != output token {out_id}")
-    versions = per_token_versions(meta, len(ids))
-    finish = (meta.get("finish_reason") or {}).get("type")
-    status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}.get(finish)
-    if status is None:
-        raise ValueError(f"unexpected finish_reason {meta.get('finish_reason')!r}")
-    sample.response_ids, sample.response = ids, reply.get("text", "")
-    sample.rollout_logprobs = [float(t[0]) for t in triples]
-    sample.weight_versions, sample.loss_mask = versions, [1] * len(ids)
+    sample.response = sample.response + reply.get("text", "") if sample.response_ids else reply.get("text", "")
+    sample.response_ids = sample.response_ids + ids
+    sample.rollout_logprobs = sample.rollout_logprobs + [float(t[0]) for t in triples]
+    sample.weight_versions = sample.weight_versions + per_token_versions(meta, len(ids))
+    sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.status = status
-    sample.meta["num_retractions"] = meta.get("num_retractions", 0)
+    sample.meta["num_retractions"] = sample.meta.get("num_retractions", 0) + int(meta.get("num_retractions") or 0)
+    sample.meta["segments"] = sample.meta.get("segments", 0) + 1
     return sample
 
 
-async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params: SamplingParams,
-                       semaphore: asyncio.Semaphore, rid: str) -> Sample:
-    body = {"input_ids": sample.prompt_ids, "sampling_params": params.to_json(), "return_logprob": True,
-            "rid": rid}
-    async with semaphore:
-        try:
-            resp = await http.post(f"{url}/generate", json=body)
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-            return fill_from_reply(sample, resp.json())
-        except Exception as exc:  # one bad request must not sink the batch: mark, count, move on
-            sample.status, sample.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
-            return sample
-
-
-async def generate_all(url: str, samples: list[Sample], params: SamplingParams, *, max_concurrency: int,
-                       timeout_s: float) -> list[Sample]:
-    semaphore = asyncio.Semaphore(max_concurrency)
-    prefix = uuid.uuid4().hex[:8]
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
-        return await asyncio.gather(*[
-            generate_one(http, url, s, params, semaphore, rid=f"slimish-{prefix}-{s.group_id}-{s.index}")
-            for s in samples])
+async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params: SamplingParams, *,
+                       rid: str) -> Sample:
+    """Generate (or continue) `sample` through `url`/generate. A failed request marks the sample FAILED with the
+    error (one bad request must not sink the batch); its partial response, if any, is kept for the record."""
+    try:
+        resp = await http.post(f"{url}/generate", json=request_body(sample, params, rid))
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        return append_reply(sample, resp.json())
+    except Exception as exc:
+        sample.status, sample.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
+        return sample

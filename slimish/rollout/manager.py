@@ -1,8 +1,8 @@
-"""Rollout manager: owns the engines + router, the prompt stream and the reward hook; produces scored samples."""
+"""Rollout manager: owns the engines + router, the prompt stream, the reward hook and the group scheduler;
+produces scored samples, one step's groups at a time."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from pathlib import Path
@@ -11,7 +11,8 @@ from slimish.config.schema import JobConfig
 from slimish.hooks import load_function
 from slimish.rollout import rewards
 from slimish.rollout.data import PromptDataset
-from slimish.rollout.generate import SamplingParams, generate_all
+from slimish.rollout.generate import SamplingParams
+from slimish.rollout.scheduler import RolloutScheduler
 from slimish.rollout.servers import RolloutServers
 from slimish.sample import Sample, Status
 
@@ -27,55 +28,83 @@ class RolloutManager:
         self.reward_fn = load_function(cfg.reward.fn)
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed)
-        ro = cfg.rollout
-        self.params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
+        self.scheduler: RolloutScheduler | None = None
         self.totals = Counter()
 
     def start(self) -> dict:
-        return {"time_engines_start_s": self.servers.start(), "engine_urls": self.servers.engine_urls,
+        seconds = self.servers.start()
+        ro = self.cfg.rollout
+        self.scheduler = RolloutScheduler(
+            router_url=self.servers.router_url, engine_urls=self.servers.engine_urls,
+            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p),
+            prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
+            request_timeout_s=ro.request_timeout_s, new_group=self._new_group, score=self._score,
+            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
                 "router_url": self.servers.router_url, "pids": self.servers.pids()}
 
     def engine_urls(self) -> list[str]:
         return self.servers.engine_urls
 
-    def rollout(self, step: int) -> tuple[list[Sample], dict]:
-        """Sample `samples_per_prompt` responses for the next `prompts_per_step` prompts and score them."""
-        ro = self.cfg.rollout
+    def _new_group(self, group_id: int) -> list[Sample]:
+        prompt = self.dataset.next_batch(1)[0]
+        return [Sample(group_id=group_id, index=i, prompt=prompt.text, prompt_ids=list(prompt.ids), label=prompt.label)
+                for i in range(self.cfg.rollout.samples_per_prompt)]
+
+    def _score(self, samples: list[Sample]) -> int:
+        return rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward)
+
+    def rollout(self, *, policy_version: int) -> tuple[list[Sample], dict]:
+        """`prompts_per_step` scored groups (see `RolloutScheduler.collect`) and the step's rollout metrics."""
         t0 = time.monotonic()
-        samples = [Sample(group_id=step * ro.prompts_per_step + g, index=i, prompt=p.text, prompt_ids=list(p.ids),
-                          label=p.label)
-                   for g, p in enumerate(self.dataset.next_batch(ro.prompts_per_step))
-                   for i in range(ro.samples_per_prompt)]
-        samples = asyncio.run(generate_all(self.servers.router_url, samples, self.params,
-                                           max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s))
-        time_generate = time.monotonic() - t0
-        reward_failures = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward)
+        samples, counters = self.scheduler.collect(policy_version=policy_version)
         statuses = Counter(s.status.value for s in samples)
         self.totals.update(statuses)
-        self.totals["reward_failures"] += reward_failures
-        for sample in samples:
-            if sample.status is not Status.FAILED:
-                sample.check()
-        n_tokens = sum(len(s.response_ids) for s in samples)
+        self.totals["reward_failures"] += counters.get("reward_failures", 0)
         trainable = [s for s in samples if s.trainable]
+        n_tokens = sum(len(s.response_ids) for s in samples)
+        staleness = [policy_version - v for s in trainable for v in s.weight_versions]
         metrics = {
             "reward_mean": sum(s.reward for s in trainable) / max(len(trainable), 1),
             "response_len_mean": n_tokens / max(len(samples), 1),
-            "time_generate_s": time_generate,
             "generated_tokens": n_tokens,
-            "reward_failures": reward_failures,
-            **{f"samples_{status.value}": statuses.get(status.value, 0) for status in Status},
+            "reward_failures": counters.get("reward_failures", 0),
+            "engine_tokens": counters.get("engine_tokens", 0),
+            "requests_aborted": counters.get("requests_aborted", 0),
+            "groups_continued": counters.get("groups_continued", 0),
+            "groups_restarted_stale": counters.get("groups_restarted_stale", 0),
+            "partial_buffer_groups": counters["partial_buffer_groups"],
+            "samples_multi_segment": sum(1 for s in samples if s.meta.get("segments", 0) > 1),
+            "num_retractions": sum(s.meta.get("num_retractions", 0) for s in samples),
+            "staleness_max": max(staleness, default=0),
+            "off_policy_token_frac": sum(1 for d in staleness if d > 0) / max(len(staleness), 1),
+            "time_generate_s": counters["time_generate_s"],
+            "time_abort_s": counters["time_abort_s"],
+            "time_collect_s": time.monotonic() - t0,
+            **{f"samples_{status.value}": statuses.get(status.value, 0) for status in Status
+               if status is not Status.PENDING},
         }
         return samples, metrics
 
+    def pause(self) -> None:
+        self.scheduler.pause()
+
+    def resume(self, *, policy_version: int) -> None:
+        self.scheduler.resume(policy_version=policy_version)
+
     def state(self) -> dict:
-        """What a resumed run needs to draw the prompts the uninterrupted run would have drawn next (the shuffle
-        order is a function of run.seed and the epoch), plus the cumulative sample-status counts."""
-        return {"dataset": self.dataset.state(), "totals": dict(self.totals)}
+        """What a resumed run needs so that no prompt is skipped or drawn twice: the prompt stream's position (the
+        shuffle order is a function of run.seed and the epoch), the groups generated but not yet trained on (the
+        partial-rollout buffer; see `RolloutScheduler.state`), and the cumulative sample-status counts."""
+        return {"dataset": self.dataset.state(), "totals": dict(self.totals), "scheduler": self.scheduler.state()}
 
     def load_state(self, state: dict) -> None:
+        """Restore `state()` into a started manager."""
         self.dataset.load_state(state["dataset"])
         self.totals = Counter(state.get("totals", {}))
+        self.scheduler.load_state(state["scheduler"])
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.servers.stop()

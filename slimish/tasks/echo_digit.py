@@ -25,6 +25,12 @@ def reward(completions: list[str], labels: list, **kwargs) -> list[float]:
     return [1.0 if text.strip() == str(label) else 0.0 for text, label in zip(completions, labels, strict=True)]
 
 
+def contains_reward(completions: list[str], labels: list, **kwargs) -> list[float]:
+    """A shaped variant: 1.0 when the label appears anywhere in the completion. An untrained model's long random
+    completions earn it by chance, so its groups have reward variance from step 1 (long-response tests use it)."""
+    return [1.0 if str(label) in text else 0.0 for text, label in zip(completions, labels, strict=True)]
+
+
 def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, seed: int = 0,
                    sft_correct_fraction: float = 1.0) -> dict:
     """Write train.jsonl (prompt, label) and sft.jsonl (prompt, response: right with prob. sft_correct_fraction)."""

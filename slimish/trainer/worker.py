@@ -140,31 +140,21 @@ class TrainerWorker:
         return outputs, float(grad_norm or 0.0)
 
     # ---------------------------------------------------------------------------------------------- RL API
-    def compute_logprobs(self, samples: list[Sample]) -> dict:
-        """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics."""
+    def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
+        """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics (see
+        `_parity_metrics`)."""
         local = self._shard(samples)
         plan = self._minibatches(local)
         old, ref, batches = [], [], []
         for minibatch in plan:
-            mbs = [collate(chunk, pad_id=self.pad_id) for chunk in minibatch]
+            mbs = [collate(chunk, pad_id=self.pad_id, per_token={"rollout_logprobs": [s.rollout_logprobs
+                                                                                      for s in chunk]})
+                   for chunk in minibatch]
             batches.append((minibatch, mbs))
             old.append(self._forward_logprobs(self.model, mbs))
             ref.append(self._forward_logprobs(self.ref_model, mbs) if self.ref_model is not None else None)
         self._rollout = {"plan": batches, "old": old, "ref": ref}
-        diff_max, diff_sum, count = 0.0, 0.0, 0
-        for (minibatch, mbs), old_mb in zip(batches, old):
-            for chunk, mb, lp in zip(minibatch, mbs, old_mb):
-                for row, sample in enumerate(chunk):
-                    start, end = mb.spans[row]
-                    mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
-                    engine = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-                    diff = (lp[row, start:end] - engine).abs()[mask]
-                    if diff.numel():
-                        diff_max = max(diff_max, float(diff.max()))
-                        diff_sum += float(diff.sum())
-                        count += diff.numel()
-        return self._from_last_stage({"logprob_abs_diff_max": diff_max,
-                                      "logprob_abs_diff_mean": diff_sum / max(count, 1)})
+        return self._from_last_stage(_parity_metrics(batches, old, policy_version))
 
     def train(self, advantages: list[float]) -> dict:
         """One optimizer step per minibatch on the rollout given to `compute_logprobs`."""
@@ -173,7 +163,8 @@ class TrainerWorker:
         loss_cfg = self.cfg.trainer.loss
         per_rank = len(advantages) // self.dp_size
         local_adv = advantages[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
-        stats: dict[str, list[float]] = {"pg_loss": [], "ppo_kl": [], "clip_frac": [], "kl_ref": [], "grad_norm": []}
+        stats: dict[str, list[float]] = {"pg_loss": [], "ppo_kl": [], "clip_frac": [], "kl_ref": [], "tis_weight": [],
+                                         "grad_norm": []}
         offset = 0
         for index, (minibatch, mbs) in enumerate(self._rollout["plan"]):
             n_tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
@@ -194,13 +185,14 @@ class TrainerWorker:
                     advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,
                     clip_eps_high=loss_cfg.clip_eps_high, aggregation=loss_cfg.token_aggregation, denom=denom,
                     ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
-                    kl_estimator=loss_cfg.kl_estimator)
+                    kl_estimator=loss_cfg.kl_estimator, rollout_logprobs=mb.extras["rollout_logprobs"],
+                    tis_cap=loss_cfg.tis_cap)
                 report = {"pg_loss": out.loss.detach(), "ppo_kl": out.ppo_kl, "clip_frac": out.clip_frac,
-                          "kl_ref": out.kl_ref}
+                          "kl_ref": out.kl_ref, "tis_weight": out.tis_weight}
                 return out.loss * scale, report
 
             outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
-            for key in ("pg_loss", "ppo_kl", "clip_frac", "kl_ref"):
+            for key in ("pg_loss", "ppo_kl", "clip_frac", "kl_ref", "tis_weight"):
                 stats[key].append(self._global_sum(sum(float(o[key]) for o in outputs)))
             stats["grad_norm"].append(grad_norm)
         self._rollout = None
@@ -208,7 +200,8 @@ class TrainerWorker:
             "pg_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
             "ppo_kl": stats["ppo_kl"][0],  # first minibatch: exactly 0 when on-policy
             "ppo_kl_last": stats["ppo_kl"][-1], "clip_frac": sum(stats["clip_frac"]) / len(stats["clip_frac"]),
-            "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]), "grad_norm": stats["grad_norm"][-1]})
+            "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]),
+            "tis_weight": sum(stats["tis_weight"]) / len(stats["tis_weight"]), "grad_norm": stats["grad_norm"][-1]})
 
     # --------------------------------------------------------------------------------------------- SFT API
     def sft_step(self, samples: list[Sample]) -> dict:
@@ -284,3 +277,29 @@ class TrainerWorker:
         if self._sender is not None:
             self._sender.close()
         shutdown_parallel()
+
+
+def _parity_metrics(batches, old, policy_version: int | None) -> dict:
+    """Engine vs trainer logprobs of the loss-masked response tokens. `logprob_abs_diff_max/mean` cover the tokens
+    the engines sampled with `policy_version`, the weights the trainer holds now (all tokens when None);
+    `logprob_abs_diff_stale_mean` covers the tokens of older versions (partial rollouts), which differ by the
+    policy's change since."""
+    sums = {"current": [0.0, 0.0, 0], "stale": [0.0, 0.0, 0]}  # max, sum, count
+    for (minibatch, mbs), old_mb in zip(batches, old):
+        for chunk, mb, lp in zip(minibatch, mbs, old_mb):
+            for row, sample in enumerate(chunk):
+                start, end = mb.spans[row]
+                diff = (lp[row, start:end] - torch.tensor(sample.rollout_logprobs, dtype=torch.float32)).abs()
+                mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+                current = torch.ones_like(mask)
+                if policy_version is not None:
+                    current = torch.tensor(sample.weight_versions) == policy_version
+                for key, selected in (("current", diff[mask & current]), ("stale", diff[mask & ~current])):
+                    if selected.numel():
+                        acc = sums[key]
+                        acc[0] = max(acc[0], float(selected.max()))
+                        acc[1] += float(selected.sum())
+                        acc[2] += selected.numel()
+    current, stale = sums["current"], sums["stale"]
+    return {"logprob_abs_diff_max": current[0], "logprob_abs_diff_mean": current[1] / max(current[2], 1),
+            "logprob_abs_diff_stale_mean": stale[1] / max(stale[2], 1)}

@@ -14,7 +14,8 @@ FROZEN_KEYS = {
     "trainer.num_minibatches", "trainer.optimizer.lr", "trainer.loss.clip_eps_low", "trainer.loss.clip_eps_high",
     "trainer.loss.kl_coef", "sft.steps", "rollout.prompts_per_step", "rollout.samples_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.engine.num_engines", "rollout.router.port",
-    "data.path", "reward.fn", "weight_sync.bucket_mb", "rl.num_steps",
+    "data.path", "reward.fn", "weight_sync.bucket_mb", "rl.num_steps", "rollout.partial.mode",
+    "rollout.partial.over_sampling", "rollout.partial.max_staleness", "trainer.loss.tis_cap",
 }
 
 

@@ -1,5 +1,7 @@
 """An RL run stopped after step 2 and started again with more steps resumes at step 3 from its checkpoint: no SFT
-warm-up, the engines get the checkpoint's weights (logprob parity holds), metrics.jsonl holds steps 1-4 once."""
+warm-up, the engines get the checkpoint's weights (logprob parity holds), metrics.jsonl holds steps 1-4 once, and
+the partial-rollout buffer saved with the checkpoint (abort mode: the groups finished beyond step 2's batch, and
+those aborted with their tokens) is trained after the resume rather than lost."""
 
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ pytestmark = pytest.mark.e2e
 def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path):
     become_subreaper()
     common = ["sft.steps=3", "run.name=resume", "rollout.engine.num_engines=1", "rollout.prompts_per_step=4",
-              "checkpoint.save_every=1", "checkpoint.keep_last=2"]
+              "checkpoint.save_every=1", "checkpoint.keep_last=2", "rollout.partial.mode=abort",
+              "rollout.partial.over_sampling=2", "rollout.max_new_tokens=48",
+              "reward.fn=slimish.tasks.echo_digit.contains_reward", "run.save_rollouts=true"]
     first = subprocess.run(train_command(task_assets, tmp_path, *common, "rl.num_steps=2"), capture_output=True,
                            text=True, timeout=1200, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     run_dir = tmp_path / "resume"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    buffer_file = run_dir / "checkpoints/step_2/rollout_buffer.jsonl"
+    buffer = [json.loads(line) for line in buffer_file.read_text().splitlines()]
+    assert buffer, "over-sampling left groups generated but not trained at the end of step 2"
 
     second = subprocess.run(train_command(task_assets, tmp_path, *common, "rl.num_steps=4"), capture_output=True,
                             text=True, timeout=1200, cwd=tmp_path)
@@ -33,6 +40,13 @@ def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path):
     assert [r["weight_version"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record  # the engines sample from the loaded weights
+    trained = {step: {json.loads(line)["group_id"] for line in (run_dir / f"rollouts/step_{step}.jsonl").open()}
+               for step in range(1, 5)}
+    finished = {g["group_id"] for g in buffer if all(s["status"] in ("completed", "truncated") for s in g["samples"])}
+    assert finished <= trained[3], "groups finished before the interruption are trained first after it"
+    assert {g["group_id"] for g in buffer} <= trained[3] | trained[4], "no buffered group is lost"
+    all_trained = [gid for step in trained.values() for gid in step]
+    assert len(all_trained) == len(set(all_trained)) == 16, "every group is trained exactly once"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_4"]
     state = json.loads((run_dir / "checkpoints" / "step_4" / "driver.json").read_text())
     assert state["step"] == 4 and state["rollout"]["dataset"] != {"epoch": 0, "cursor": 0}

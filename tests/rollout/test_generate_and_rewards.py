@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slimish.rollout import rewards
-from slimish.rollout.generate import fill_from_reply, per_token_versions
+from slimish.rollout.generate import SamplingParams, append_reply, per_token_versions, request_body
 from slimish.sample import Sample, Status
 
 RECORDED_REPLY = {
@@ -23,7 +23,7 @@ def _sample(**kw) -> Sample:
 
 
 def test_reply_fills_tokens_logprobs_versions():
-    s = fill_from_reply(_sample(), RECORDED_REPLY)
+    s = append_reply(_sample(), RECORDED_REPLY)
     assert s.response_ids == [23, 0] and s.rollout_logprobs == [-0.52, -0.01]
     assert s.weight_versions == [3, 4] and s.loss_mask == [1, 1]
     assert s.status is Status.COMPLETED and s.trainable
@@ -33,15 +33,50 @@ def test_reply_fills_tokens_logprobs_versions():
 @pytest.mark.parametrize("finish,status", [("length", Status.TRUNCATED), ("abort", Status.ABORTED)])
 def test_finish_reasons(finish, status):
     reply = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": finish}}}
-    assert fill_from_reply(_sample(), reply).status is status
+    assert append_reply(_sample(), reply).status is status
 
 
 def test_mismatched_logprobs_are_rejected_and_leave_sample_untouched():
     reply = {**RECORDED_REPLY, "output_ids": [23, 5]}
     s = _sample()
     with pytest.raises(ValueError):
-        fill_from_reply(s, reply)
+        append_reply(s, reply)
     assert s.response_ids == [] and s.rollout_logprobs == []
+
+
+ABORTED_REPLY = {"text": "", "output_ids": [],
+                 "meta_info": {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                               "weight_version": "4"}}
+
+
+def test_partial_response_is_continued_and_appended():
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1.0)
+    aborted = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "abort"},
+                                               "num_retractions": 1}}
+    s = append_reply(_sample(), aborted)
+    assert s.status is Status.ABORTED and not s.trainable and s.response_ids == [23, 0]
+    body = request_body(s, params, rid="r")
+    assert body["input_ids"] == [269, 221, 23, 23, 0]  # prompt + partial response, as token ids
+    assert body["sampling_params"]["max_new_tokens"] == 6 and body["return_logprob"] is True
+    s = append_reply(s, RECORDED_REPLY)
+    assert s.response_ids == [23, 0, 23, 0] and s.rollout_logprobs == [-0.52, -0.01, -0.52, -0.01]
+    assert s.weight_versions == [3, 4, 3, 4] and s.loss_mask == [1] * 4
+    assert s.status is Status.COMPLETED and s.meta == {"num_retractions": 1, "segments": 2}
+    s.check()
+
+
+def test_abort_before_the_first_token_appends_nothing():
+    s = append_reply(_sample(), ABORTED_REPLY)
+    assert s.status is Status.ABORTED and s.response_ids == [] and s.meta["segments"] == 1
+
+
+def test_sample_round_trips_through_its_dict():
+    from slimish.sample import Sample
+
+    s = append_reply(_sample(), RECORDED_REPLY)
+    assert Sample.from_dict(s.to_dict()) == s
+    s.restart()
+    assert s.status is Status.PENDING and s.response_ids == [] and s.meta == {}
 
 
 def test_startup_version_default_is_zero():
@@ -49,8 +84,8 @@ def test_startup_version_default_is_zero():
 
 
 def _scored(texts):
-    return [_sample(response=t, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1])
-            for t in texts]
+    return [_sample(response=t, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1],
+                    status=Status.COMPLETED) for t in texts]
 
 
 def test_reward_hook_contract():

@@ -19,6 +19,8 @@ USED = {
     "EndWeightUpdateReqInput": set(),
     "DestroyWeightsUpdateGroupReqInput": {"group_name"},
     "PauseGenerationReqInput": {"mode"},
+    "ContinueGenerationReqInput": set(),
+    "AbortReq": {"abort_all"},
 }
 
 
@@ -40,3 +42,19 @@ def test_flattened_bucket_load_format_is_supported():
     from sglang.srt.model_executor.model_runner_components import weight_updater
 
     assert '"flattened_bucket"' in inspect.getsource(weight_updater)
+
+
+def test_retract_pause_mode_exists():
+    import typing
+
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    assert "retract" in typing.get_args(typing.get_type_hints(PauseGenerationReqInput)["mode"])
+
+
+def test_weight_update_does_not_abort_requests_by_default():
+    """Retract mode relies on it: /update_weights_from_distributed keeps retracted requests (whereas
+    /update_weight_version aborts them unless told not to: measured, and why slimish never calls it)."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+    assert UpdateWeightsFromDistributedReqInput(names=[], dtypes=[], shapes=[]).abort_all_requests is False

@@ -14,6 +14,28 @@ def test_grpo_advantages_are_group_normalised():
     assert torch.allclose(centred[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
 
 
+def test_invalid_samples_neither_train_nor_shift_the_baseline():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    valid = torch.tensor([True, True, False, True, True, False, False, False])
+    adv = grpo_advantages(rewards, 4, normalize_std=False, valid=valid)
+    assert torch.allclose(adv[:4], torch.tensor([2 / 3, -1 / 3, 0.0, -1 / 3]))  # mean over the 3 valid samples
+    assert torch.all(adv[4:] == 0), "one valid sample: no baseline, no signal"
+    full = grpo_advantages(rewards, 4, normalize_std=True, valid=torch.ones(8, dtype=torch.bool))
+    assert torch.allclose(full, grpo_advantages(rewards, 4, normalize_std=True), atol=1e-6)
+
+
+def test_truncated_importance_weights_correct_for_the_behaviour_policy():
+    old = torch.zeros(1, 3)
+    rollout = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))  # pi_old / pi_rollout = 2, 0.5, 10
+    lp = torch.zeros(1, 3, requires_grad=True)
+    out = policy_loss(logprobs=lp, old_logprobs=old, advantages=torch.ones(1), mask=torch.ones(1, 3),
+                      clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean", rollout_logprobs=rollout,
+                      tis_cap=3.0)
+    out.loss.backward()
+    assert torch.allclose(lp.grad, -torch.tensor([[2.0, 0.5, 3.0]]) / 3)  # weights capped at 3, no gradient
+    assert torch.isclose(out.tis_weight, torch.tensor(5.5 / 3))
+
+
 def test_on_policy_ratio_gives_zero_kl_and_no_clipping():
     lp = torch.randn(4, 6)
     mask = torch.ones(4, 6)

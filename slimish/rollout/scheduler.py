@@ -1,0 +1,294 @@
+"""Schedules generation by GRPO group, with partial rollouts (abort / retract).
+
+A *group* is one prompt's `samples_per_prompt` samples. The scheduler runs an asyncio loop on a thread of its own,
+keeps up to `prompts_per_step + over_sampling` groups either generating or finished (scored and waiting), and hands
+the driver `prompts_per_step` finished groups per step (`collect`). rollout.partial.mode decides what happens to
+the rest:
+
+  off      generation runs only inside `collect`, for exactly the step's groups.
+  abort    `collect` over-samples; once `prompts_per_step` groups are finished, every request still running is
+           aborted on every engine (SGLang answers it with the tokens generated so far), and those groups wait in
+           the partial buffer, to be continued first in the next step (input = prompt + partial response).
+  retract  generation never stops: the next step's groups are generated while the trainer trains. Around each
+           weight sync the driver calls `pause` (running requests go back to the engines' queues, their KV freed)
+           and `resume`; they then continue with the new weights. Each token carries the version that sampled it.
+
+Staleness: a group whose oldest token is more than `max_staleness` versions older than the policy it would train is
+generated again from its prompt (counted in `groups_restarted_stale`). Nothing is lost at a checkpoint: `state()`
+holds the partial buffer, the finished groups not yet trained, and the prompts of groups still generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from slimish.config.schema import PartialRolloutConfig
+from slimish.rollout.generate import SamplingParams, generate_one
+from slimish.sample import Sample, Status
+
+ABORT_RETRY_S = 1.0  # re-send abort_all while requests are still out (one may reach an engine after the abort)
+
+
+@dataclass
+class Group:
+    group_id: int
+    samples: list[Sample]
+    outstanding: int = 0  # requests in flight
+    restarts: int = 0  # times regenerated from the prompt (stale); part of request ids
+
+    def oldest_version(self) -> int | None:
+        versions = [v for s in self.samples for v in s.weight_versions]
+        return min(versions) if versions else None
+
+    def to_dict(self) -> dict:
+        return {"group_id": self.group_id, "samples": [s.to_dict() for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Group:
+        return cls(group_id=data["group_id"], samples=[Sample.from_dict(s) for s in data["samples"]])
+
+
+class RolloutScheduler:
+    """Thread-safe front (`collect`, `pause`, `resume`, `state`, `load_state`, `close`) over the generation loop.
+
+    `new_group(group_id)` returns the samples of the next prompt; `score(samples)` sets their rewards and returns
+    the number of reward failures (called on a worker thread); `detokenize(ids)` gives the text of a response that
+    was generated in several requests."""
+
+    def __init__(self, *, router_url: str, engine_urls: list[str], params: SamplingParams, prompts_per_step: int,
+                 partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float,
+                 new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
+                 detokenize: Callable[[list[int]], str]):
+        self.router_url, self.engine_urls, self.params = router_url, engine_urls, params
+        self.batch_groups, self.mode = prompts_per_step, partial.mode
+        self.capacity = prompts_per_step + partial.over_sampling
+        self.max_staleness = partial.max_staleness
+        self._new_group, self._score, self._detokenize = new_group, score, detokenize
+        self._max_concurrency, self._timeout_s = max_concurrency, request_timeout_s
+        self._rid_prefix = uuid.uuid4().hex[:8]
+        self._next_group_id = 0
+        self._policy_version = 0
+        self._backlog: collections.deque[Group] = collections.deque()  # to (re)submit; partial groups first
+        self._active: dict[int, Group] = {}  # submitted: generating or being scored
+        self._ready: list[Group] = []  # finished and scored
+        self._accepting = False
+        self._counters: collections.Counter = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-scheduler", daemon=True)
+        self._thread.start()
+        self._call(self._setup())
+
+    # ------------------------------------------------------------------------------------- thread-safe API
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def collect(self, *, policy_version: int) -> tuple[list[Sample], dict]:
+        """The samples of `prompts_per_step` finished groups (group by group) and the scheduler's counters since the
+        last call. `policy_version` is the weight version the engines serve and the trainer starts from."""
+        return self._call(self._collect(policy_version))
+
+    def pause(self) -> None:
+        """Before a weight sync in retract mode: running requests are retracted to the engines' queues."""
+        if self.mode == "retract":
+            self._call(self._control_all("/pause_generation", {"mode": "retract"}))
+
+    def resume(self, *, policy_version: int) -> None:
+        """After a weight sync: the engines serve `policy_version`; retracted requests continue."""
+        self._policy_version = policy_version
+        if self.mode == "retract":
+            self._call(self._control_all("/continue_generation", {}))
+
+    def state(self) -> dict:
+        """Everything not yet trained on: the partial buffer and finished groups as they are, groups still
+        generating as their prompts (restarted on load)."""
+        return self._call(self._state())
+
+    def load_state(self, state: dict) -> None:
+        self._call(self._load_state(state))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    # ------------------------------------------------------------------------------------------ the loop
+    async def _setup(self) -> None:
+        limits = httpx.Limits(max_connections=self._max_concurrency, max_keepalive_connections=self._max_concurrency)
+        self._http = httpx.AsyncClient(timeout=self._timeout_s, limits=limits)
+        self._control_http = httpx.AsyncClient(timeout=60.0)
+        self._semaphore = asyncio.Semaphore(self._max_concurrency)
+        self._changed = asyncio.Event()
+
+    async def _collect(self, policy_version: int) -> tuple[list[Sample], dict]:
+        self._policy_version = policy_version
+        t0 = time.monotonic()
+        self._accepting = True
+        self._restart_stale_backlog()
+        self._refill()
+        while True:
+            self._restart_stale_ready()
+            if len(self._ready) >= self.batch_groups:
+                break
+            self._refill()
+            self._changed.clear()
+            await self._changed.wait()
+        batch, self._ready = self._ready[:self.batch_groups], self._ready[self.batch_groups:]
+        time_wait = time.monotonic() - t0
+        if self.mode == "retract":
+            self._refill()  # the next step's groups generate while this one trains
+        else:
+            self._accepting = False
+            await self._abort_in_flight()
+        counters, self._counters = self._counters, collections.Counter()
+        samples = [s for group in batch for s in group.samples]
+        return samples, {**counters, "time_generate_s": time_wait, "time_abort_s": time.monotonic() - t0 - time_wait,
+                         "partial_buffer_groups": sum(1 for g in self._backlog if g.oldest_version() is not None),
+                         "groups_waiting": len(self._ready)}
+
+    def _refill(self) -> None:
+        while self._accepting and len(self._active) + len(self._ready) < self.capacity:
+            if self._backlog:
+                group = self._backlog.popleft()
+            else:
+                group = Group(self._next_group_id, self._new_group(self._next_group_id))
+                self._next_group_id += 1
+            self._submit(group)
+
+    def _submit(self, group: Group) -> None:
+        self._active[group.group_id] = group
+        if group.oldest_version() is not None:
+            self._counters["groups_continued"] += 1
+        for sample in group.samples:
+            if sample.status in (Status.PENDING, Status.ABORTED):
+                sample.status = Status.PENDING
+                group.outstanding += 1
+                segment = sample.meta.get("segments", 0)
+                rid = f"slimish-{self._rid_prefix}-{group.group_id}-{sample.index}-{group.restarts}-{segment}"
+                task = self._loop.create_task(self._generate(group, sample, rid))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if group.outstanding == 0:  # nothing left to generate (e.g. every sample failed before an abort)
+            self._finish(group)
+
+    async def _generate(self, group: Group, sample: Sample, rid: str) -> None:
+        before = len(sample.response_ids)
+        try:
+            async with self._semaphore:
+                await generate_one(self._http, self.router_url, sample, self.params, rid=rid)
+            self._counters["engine_tokens"] += len(sample.response_ids) - before
+            if sample.status is Status.ABORTED:
+                self._counters["requests_aborted"] += 1
+        finally:
+            group.outstanding -= 1
+        if group.outstanding == 0:
+            self._finish(group)
+
+    def _finish(self, group: Group) -> None:
+        """All of `group`'s requests returned: back to the buffer if any was aborted, else score it."""
+        if any(s.status is Status.ABORTED for s in group.samples):
+            del self._active[group.group_id]
+            self._backlog.appendleft(group)
+            self._changed.set()
+            return
+        task = self._loop.create_task(self._score_group(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _score_group(self, group: Group) -> None:
+        try:
+            for sample in group.samples:
+                if sample.meta.get("segments", 0) > 1:  # decode the whole response, not the segments' texts joined
+                    sample.response = self._detokenize(sample.response_ids)
+                if sample.status is not Status.FAILED:
+                    sample.check()
+            self._counters["reward_failures"] += await asyncio.to_thread(self._score, group.samples)
+        finally:
+            del self._active[group.group_id]
+            self._ready.append(group)
+            self._changed.set()
+            self._refill()
+
+    async def _abort_in_flight(self) -> None:
+        """Abort every running request on every engine until all have answered (their groups go to the buffer),
+        then let the groups that were being scored land in `_ready`."""
+        while any(g.outstanding for g in self._active.values()):
+            await self._control_all("/abort_request", {"abort_all": True}, check=False)
+            pending = [t for t in self._tasks if not t.done()]
+            if pending:  # (they may all have answered while the abort calls were out)
+                await asyncio.wait(pending, timeout=ABORT_RETRY_S)
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending)
+
+    def _stale(self, group: Group) -> bool:
+        oldest = group.oldest_version()
+        return bool(self.max_staleness) and oldest is not None and self._policy_version - oldest > self.max_staleness
+
+    def _restart(self, group: Group) -> Group:
+        for sample in group.samples:
+            sample.restart()
+        group.restarts += 1
+        self._counters["groups_restarted_stale"] += 1
+        return group
+
+    def _restart_stale_backlog(self) -> None:
+        self._backlog = collections.deque(self._restart(g) if self._stale(g) else g for g in self._backlog)
+
+    def _restart_stale_ready(self) -> None:
+        stale = [g for g in self._ready if self._stale(g)]
+        for group in stale:
+            newest = max(v for s in group.samples for v in s.weight_versions)
+            if self._policy_version - newest > self.max_staleness:  # regenerating would not help: fail loudly
+                raise RuntimeError(f"group {group.group_id} was just sampled with weight version {newest}, but the "
+                                   f"policy is at version {self._policy_version}: the engines do not serve the "
+                                   "trained weights")
+        if stale:
+            self._ready = [g for g in self._ready if not self._stale(g)]
+            self._backlog.extendleft(self._restart(g) for g in reversed(stale))
+
+    async def _control_all(self, path: str, body: dict, *, check: bool = True) -> None:
+        async def post(url: str) -> None:
+            resp = await self._control_http.post(f"{url}{path}", json=body)
+            if check and resp.status_code != 200:
+                raise RuntimeError(f"{url}{path} -> HTTP {resp.status_code}: {resp.text[:300]}")
+
+        results = await asyncio.gather(*(post(url) for url in self.engine_urls), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and check:
+            raise errors[0]
+
+    async def _state(self) -> dict:
+        generating = [Group(g.group_id, [Sample.from_dict(s.to_dict()) for s in g.samples])
+                      for g in self._active.values()]
+        for group in generating:
+            for sample in group.samples:
+                sample.restart()
+        return {"next_group_id": self._next_group_id,
+                "groups": [g.to_dict() for g in [*self._ready, *self._backlog, *generating]]}
+
+    async def _load_state(self, state: dict) -> None:
+        self._next_group_id = state["next_group_id"]
+        groups = [Group.from_dict(g) for g in state["groups"]]
+        self._ready = [g for g in groups if all(s.finished for s in g.samples)]
+        self._backlog = collections.deque(g for g in groups if not all(s.finished for s in g.samples))
+
+    async def _shutdown(self) -> None:
+        self._accepting = False
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        await self._http.aclose()
+        await self._control_http.aclose()
