@@ -34,11 +34,11 @@ JOB = ["sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "rol
 def run_mode(mode: str, *, assets: Path, out: Path, steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
            f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}", f"run.output_dir={out}",
-           f"run.name={mode}", f"rl.num_steps={steps}", f"rollout.partial.mode={mode}", *JOB, *MODES[mode]]
+           f"run.name=mode_{mode}", f"rl.num_steps={steps}", f"rollout.partial.mode={mode}", *JOB, *MODES[mode]]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise RuntimeError(f"mode {mode} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / f"mode_{mode}" / "metrics.jsonl").read_text().splitlines()]
 
 
 def summarize(records: list[dict]) -> dict:

@@ -1,14 +1,16 @@
 """YAML file + dotted `key.sub=value` overrides -> a typed, validated `JobConfig`.
 
 Contract: every error is a `ConfigError` whose message starts with the full dotted key and says what is allowed
-(the allowed keys, values or type). Nothing is silently coerced except int -> float and float literals
-such as '1e-4' that YAML 1.1 reads as strings.
+(the allowed keys, values or type). Nothing is silently coerced except int -> float. Values are read with YAML
+1.2's rules for booleans and floats (PyYAML implements YAML 1.1, where `off`, `on`, `yes` and `no` are booleans,
+so `rollout.partial.mode=off` would be False, and `1e-4` is a string).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -16,6 +18,26 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from slimish.config.schema import JobConfig
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 (core schema) booleans (only true/false) and floats (`1e-4` included)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
+                                                                      "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -34,7 +56,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(item, "an override must look like section.key=value")
         dotted, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = _yaml_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:
             raise ConfigError(dotted, f"cannot parse value {raw!r}: {exc}") from None
         node = nested
@@ -80,11 +102,6 @@ def _check_value(key: str, tp, value):
             raise ConfigError(key, f"expected an int, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a float, got {type(value).__name__} {value!r}")
         return float(value)
@@ -132,7 +149,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         text = Path(path).read_text()
         try:
-            data = yaml.safe_load(text) or {}
+            data = _yaml_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
     data = _merge(data, parse_overrides(overrides or []))

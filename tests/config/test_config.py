@@ -29,6 +29,13 @@ def test_yaml_plus_overrides_are_typed(base, tmp_path):
     assert again == cfg
 
 
+def test_yaml_1_1_words_stay_strings(base):
+    """`off`, `no`, `yes` are booleans in YAML 1.1 (PyYAML's default), strings here; 1e-4 is a float."""
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", base + ["rollout.partial.mode=off", "run.name=no",
+                                                                     "trainer.loss.tis_cap=2e0"])
+    assert (cfg.rollout.partial.mode, cfg.run.name, cfg.trainer.loss.tis_cap) == ("off", "no", 2.0)
+
+
 BAD_CASES = [
     # (override, key named in the error, a fragment of the explanation)
     ("rollout.samplez_per_prompt=4", "rollout.samplez_per_prompt", "did you mean 'rollout.samples_per_prompt'"),
