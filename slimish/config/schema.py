@@ -92,6 +92,8 @@ class EngineConfig:
     base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
+    restart_dead: bool = doc(True, "Restart an engine whose process died; it rejoins at the next weight sync.")
+    watch_interval_s: float = doc(2.0, "Seconds between checks that every engine process is alive.")
     extra_args: list = doc([], "Extra command-line arguments passed verbatim to sglang.launch_server.")
 
 
@@ -122,8 +124,11 @@ class RolloutConfig:
     max_new_tokens: int = doc(16, "Maximum response length in tokens.")
     temperature: float = doc(1.0, "Sampling temperature.")
     top_p: float = doc(1.0, "Nucleus sampling threshold.")
+    stop: list = doc([], "Stop strings: a response ends (status completed) after the first one it produces.")
     max_concurrency: int = doc(64, "Maximum in-flight /generate requests.")
     request_timeout_s: float = doc(600.0, "Timeout of one /generate request.")
+    max_retries: int = doc(3, "Times a request whose engine failed (connection error, HTTP 5xx) is sent again; "
+                              "timeouts and rejected requests are not retried.")
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)

@@ -43,6 +43,8 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     _positive("rollout.partial.over_sampling", ro.partial.over_sampling, allow_zero=True)
+    _positive("rollout.max_retries", ro.max_retries, allow_zero=True)
+    _positive("rollout.engine.watch_interval_s", ro.engine.watch_interval_s)
     _positive("rollout.partial.max_staleness", ro.partial.max_staleness, allow_zero=True)
     _positive("trainer.loss.tis_cap", tr.loss.tis_cap, allow_zero=True)
     if ro.partial.mode == "off" and ro.partial.over_sampling:

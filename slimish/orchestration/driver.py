@@ -37,6 +37,7 @@ class RLJob:
                                      else None)
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
+        self.synced_engines: list[str] = []
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -50,10 +51,16 @@ class RLJob:
         info = self.trainer.setup()
         info.update(ray.get(engines))
         (self.run_dir / "pids.json").write_text(json.dumps({"servers": info["pids"]}))
-        info.update(self.trainer.call("connect_engines", engine_urls=info["engine_urls"],
-                                      engine_tp=self.cfg.rollout.engine.tensor_parallel,
-                                      master_addr=info["trainer_master_addr"]))
+        self.trainer_master_addr = info["trainer_master_addr"]
+        info.update(self.connect_engines(info["engine_urls"]))
         return info
+
+    def connect_engines(self, urls: list[str]) -> dict:
+        """(Re)build the weight-sync group between trainer rank 0 and the engines `urls`."""
+        self.synced_engines = list(urls)
+        return self.trainer.call("connect_engines", engine_urls=list(urls),
+                                 engine_tp=self.cfg.rollout.engine.tensor_parallel,
+                                 master_addr=self.trainer_master_addr)
 
     def warmup(self) -> None:
         """Optional SFT warm-up in Megatron, then push the warmed-up weights (version 0) to the engines."""
@@ -129,10 +136,15 @@ class RLJob:
 
     def sync_weights(self, version: int) -> dict:
         """Send the trainer's weights to the engines as `version`. In retract mode the engines are generating: they
-        are paused around the sync, and running requests continue with the new weights."""
+        are paused around the sync, and running requests continue with the new weights. When an engine died or a
+        restarted one is ready, the weight-sync group is rebuilt first; a restarted engine is routed to again only
+        once it holds these weights."""
         ray.get(self.rollout_manager.pause.remote())
+        engines = ray.get(self.rollout_manager.engines_for_sync.remote())
+        if engines["urls"] != self.synced_engines:
+            self.connect_engines(engines["urls"])
         metrics = self.trainer.call("sync_weights", version)
-        ray.get(self.rollout_manager.resume.remote(policy_version=version))
+        ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
         return metrics
 
     # ---------------------------------------------------------------------------------------------- loop

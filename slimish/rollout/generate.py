@@ -20,9 +20,13 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float
     top_p: float
+    stop: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
 
 
 def as_version(raw) -> int:
@@ -90,15 +94,28 @@ def append_reply(sample: Sample, reply: dict) -> Sample:
     return sample
 
 
+class RequestError(RuntimeError):
+    """A /generate request failed; `retriable` when its engine may have died (connection error, HTTP 5xx) rather
+    than the request being wrong (HTTP 4xx, a malformed reply) or too slow (timeout)."""
+
+    def __init__(self, message: str, *, retriable: bool):
+        super().__init__(message)
+        self.retriable = retriable
+
+
 async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params: SamplingParams, *,
                        rid: str) -> Sample:
-    """Generate (or continue) `sample` through `url`/generate. A failed request marks the sample FAILED with the
-    error (one bad request must not sink the batch); its partial response, if any, is kept for the record."""
+    """Generate (or continue) `sample` through `url`/generate and append the reply; raises `RequestError` (the
+    sample unchanged) if the request fails."""
     try:
         resp = await http.post(f"{url}/generate", json=request_body(sample, params, rid))
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+    except httpx.TimeoutException as exc:
+        raise RequestError(f"{type(exc).__name__}: {exc}", retriable=False) from exc
+    except httpx.TransportError as exc:
+        raise RequestError(f"{type(exc).__name__}: {exc}", retriable=True) from exc
+    if resp.status_code != 200:
+        raise RequestError(f"HTTP {resp.status_code}: {resp.text[:300]}", retriable=resp.status_code >= 500)
+    try:
         return append_reply(sample, resp.json())
-    except Exception as exc:
-        sample.status, sample.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
-        return sample
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RequestError(f"malformed reply: {type(exc).__name__}: {exc}", retriable=False) from exc

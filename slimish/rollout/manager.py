@@ -14,6 +14,7 @@ from slimish.rollout.data import PromptDataset
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
 from slimish.rollout.servers import RolloutServers
+from slimish.rollout.watchdog import EngineWatchdog
 from slimish.sample import Sample, Status
 
 
@@ -29,6 +30,7 @@ class RolloutManager:
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed)
         self.scheduler: RolloutScheduler | None = None
+        self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
 
     def start(self) -> dict:
@@ -36,10 +38,15 @@ class RolloutManager:
         ro = self.cfg.rollout
         self.scheduler = RolloutScheduler(
             router_url=self.servers.router_url, engine_urls=self.servers.engine_urls,
-            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p),
+            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                                  stop=tuple(str(s) for s in ro.stop)),
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
-            request_timeout_s=ro.request_timeout_s, new_group=self._new_group, score=self._score,
-            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, new_group=self._new_group,
+            score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        if ro.engine.restart_dead:
+            self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
+                                           on_live_change=self.scheduler.set_engine_urls)
+            self.watchdog.start()
         return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
                 "router_url": self.servers.router_url, "pids": self.servers.pids()}
 
@@ -69,6 +76,9 @@ class RolloutManager:
             "response_len_mean": n_tokens / max(len(samples), 1),
             "generated_tokens": n_tokens,
             "reward_failures": counters.get("reward_failures", 0),
+            "requests_retried": counters.get("requests_retried", 0),
+            "requests_failed": counters.get("requests_failed", 0),
+            **(self.watchdog.metrics() if self.watchdog is not None else {}),
             "engine_tokens": counters.get("engine_tokens", 0),
             "requests_aborted": counters.get("requests_aborted", 0),
             "groups_continued": counters.get("groups_continued", 0),
@@ -89,7 +99,17 @@ class RolloutManager:
     def pause(self) -> None:
         self.scheduler.pause()
 
-    def resume(self, *, policy_version: int) -> None:
+    def engines_for_sync(self) -> dict:
+        """{"urls": the engines the weight sync goes to, "joining": those of them restarted since the last one}."""
+        if self.watchdog is None:
+            return {"urls": self.servers.engine_urls, "joining": []}
+        return self.watchdog.for_sync()
+
+    def resume(self, *, policy_version: int, joined: list[str] = ()) -> None:
+        """After a weight sync to `policy_version`: restarted engines that received it are routed to again, and
+        (retract mode) retracted requests continue."""
+        if self.watchdog is not None:
+            self.watchdog.admit(list(joined))
         self.scheduler.resume(policy_version=policy_version)
 
     def state(self) -> dict:
@@ -107,4 +127,6 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
+            self.watchdog.stop()
         self.servers.stop()

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import httpx
 
 from slimish.config.schema import PartialRolloutConfig
-from slimish.rollout.generate import SamplingParams, generate_one
+from slimish.rollout.generate import RequestError, SamplingParams, generate_one
 from slimish.sample import Sample, Status
 
 ABORT_RETRY_S = 1.0  # re-send abort_all while requests are still out (one may reach an engine after the abort)
+RETRY_DELAY_S = 2.0  # times the attempt number: longer than the watchdog takes to unroute a dead engine
 
 
 @dataclass
@@ -64,10 +65,11 @@ class RolloutScheduler:
     was generated in several requests."""
 
     def __init__(self, *, router_url: str, engine_urls: list[str], params: SamplingParams, prompts_per_step: int,
-                 partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float,
+                 partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float, max_retries: int,
                  new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
                  detokenize: Callable[[list[int]], str]):
-        self.router_url, self.engine_urls, self.params = router_url, engine_urls, params
+        self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
+        self.max_retries = max_retries
         self.batch_groups, self.mode = prompts_per_step, partial.mode
         self.capacity = prompts_per_step + partial.over_sampling
         self.max_staleness = partial.max_staleness
@@ -97,7 +99,9 @@ class RolloutScheduler:
         return self._call(self._collect(policy_version))
 
     def pause(self) -> None:
-        """Before a weight sync in retract mode: running requests are retracted to the engines' queues."""
+        """Before a weight sync in retract mode: running requests are retracted to the engines' queues. An engine
+        that does not answer (it may have just died) is skipped: a weight update on an engine that is not paused
+        waits for its running requests instead."""
         if self.mode == "retract":
             self._call(self._control_all("/pause_generation", {"mode": "retract"}))
 
@@ -106,6 +110,10 @@ class RolloutScheduler:
         self._policy_version = policy_version
         if self.mode == "retract":
             self._call(self._control_all("/continue_generation", {}))
+
+    def set_engine_urls(self, urls: list[str]) -> None:
+        """The engines that control calls (abort, pause, continue) go to: the live ones."""
+        self.engine_urls = list(urls)
 
     def state(self) -> dict:
         """Everything not yet trained on: the partial buffer and finished groups as they are, groups still
@@ -183,10 +191,24 @@ class RolloutScheduler:
             self._finish(group)
 
     async def _generate(self, group: Group, sample: Sample, rid: str) -> None:
+        """One sample's request; a request whose engine failed is sent again (after a pause in which the watchdog
+        takes a dead engine out of the router), up to `max_retries` times. A sample that still fails is FAILED:
+        counted, never trained on, its group trained without it."""
         before = len(sample.response_ids)
         try:
-            async with self._semaphore:
-                await generate_one(self._http, self.router_url, sample, self.params, rid=rid)
+            for attempt in range(self.max_retries + 1):
+                try:
+                    async with self._semaphore:
+                        await generate_one(self._http, self.router_url, sample, self.params,
+                                           rid=rid if attempt == 0 else f"{rid}-retry{attempt}")
+                    break
+                except RequestError as exc:
+                    if not exc.retriable or attempt == self.max_retries:
+                        sample.status, sample.error = Status.FAILED, str(exc)
+                        self._counters["requests_failed"] += 1
+                        break
+                    self._counters["requests_retried"] += 1
+                    await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
             self._counters["engine_tokens"] += len(sample.response_ids) - before
             if sample.status is Status.ABORTED:
                 self._counters["requests_aborted"] += 1
@@ -224,7 +246,7 @@ class RolloutScheduler:
         """Abort every running request on every engine until all have answered (their groups go to the buffer),
         then let the groups that were being scored land in `_ready`."""
         while any(g.outstanding for g in self._active.values()):
-            await self._control_all("/abort_request", {"abort_all": True}, check=False)
+            await self._control_all("/abort_request", {"abort_all": True})
             pending = [t for t in self._tasks if not t.done()]
             if pending:  # (they may all have answered while the abort calls were out)
                 await asyncio.wait(pending, timeout=ABORT_RETRY_S)
@@ -258,16 +280,18 @@ class RolloutScheduler:
             self._ready = [g for g in self._ready if not self._stale(g)]
             self._backlog.extendleft(self._restart(g) for g in reversed(stale))
 
-    async def _control_all(self, path: str, body: dict, *, check: bool = True) -> None:
+    async def _control_all(self, path: str, body: dict) -> None:
+        """POST `body` to `path` on every live engine; an engine that fails is reported and skipped (it may just
+        have died: the watchdog takes care of it)."""
         async def post(url: str) -> None:
             resp = await self._control_http.post(f"{url}{path}", json=body)
-            if check and resp.status_code != 200:
+            if resp.status_code != 200:
                 raise RuntimeError(f"{url}{path} -> HTTP {resp.status_code}: {resp.text[:300]}")
 
-        results = await asyncio.gather(*(post(url) for url in self.engine_urls), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and check:
-            raise errors[0]
+        urls = list(self.engine_urls)
+        results = await asyncio.gather(*(post(url) for url in urls), return_exceptions=True)
+        for url, error in [(url, r) for url, r in zip(urls, results) if isinstance(r, BaseException)]:
+            print(f"warning: {url}{path}: {type(error).__name__}: {error}", flush=True)
 
     async def _state(self) -> dict:
         generating = [Group(g.group_id, [Sample.from_dict(s.to_dict()) for s in g.samples])

@@ -48,22 +48,27 @@ class RolloutServers:
         self.engines: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
 
+    def _engine_process(self, i: int) -> ManagedProcess:
+        eng = self.rollout.engine
+        argv = engine_argv(model_path=self.model.hf_path, port=eng.base_port + i, device=self.device,
+                           dtype=self.model.dtype, tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens,
+                           seed=self.seed + i, extra=eng.extra_args)
+        return ManagedProcess(f"engine{i}", argv, env=sglang_cpu.server_env(),
+                              log_path=self.log_dir / f"engine{i}.log")
+
+    def _wait_engine(self, i: int) -> None:
+        self.engines[i].wait_http_ok(f"{self.engine_urls[i]}/health_generate", self.rollout.engine.startup_timeout_s)
+
     def start(self) -> float:
         """Start everything and wait until healthy; returns the seconds it took."""
         t0 = time.monotonic()
-        eng = self.rollout.engine
         env = sglang_cpu.server_env()
         for i in range(len(self.engine_urls)):
-            argv = engine_argv(model_path=self.model.hf_path, port=eng.base_port + i, device=self.device,
-                               dtype=self.model.dtype, tp=eng.tensor_parallel,
-                               max_total_tokens=eng.max_total_tokens, seed=self.seed + i, extra=eng.extra_args)
-            proc = ManagedProcess(f"engine{i}", argv, env=env, log_path=self.log_dir / f"engine{i}.log")
-            proc.start()
-            self.engines.append(proc)
+            self.engines.append(self._engine_process(i))
+            self.engines[-1].start()
         try:
             with ThreadPoolExecutor(len(self.engines)) as pool:
-                list(pool.map(lambda pu: pu[0].wait_http_ok(f"{pu[1]}/health_generate", eng.startup_timeout_s),
-                              zip(self.engines, self.engine_urls)))
+                list(pool.map(self._wait_engine, range(len(self.engines))))
             router = self.rollout.router
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=router.port,
@@ -89,6 +94,41 @@ class RolloutServers:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"router did not register {len(self.engine_urls)} workers in {timeout_s}s")
+
+    def engine_alive(self, i: int) -> bool:
+        return self.engines[i].alive()
+
+    def respawn_engine(self, i: int) -> None:
+        """Replace engine `i` (dead) by a fresh process on the same port; `wait_engine(i)` then waits until it is
+        healthy. It serves the checkpoint in model.hf_path until it receives the trained weights. Call it from a
+        thread that outlives the engine: the engine's parent-death signal fires when the *thread* that started it
+        exits."""
+        self.engines[i].stop(grace_s=2.0)  # whatever is left of its process group (a crashed scheduler, ...)
+        self.engines[i] = self._engine_process(i)
+        self.engines[i].start()
+
+    def wait_engine(self, i: int) -> None:
+        self._wait_engine(i)
+
+    def router_remove(self, url: str) -> None:
+        """Stop routing to `url` (the router has no retries: requests it still sends there fail and are retried
+        by the scheduler)."""
+        for worker in self._router_workers():
+            if worker.get("url") == url:
+                resp = httpx.delete(f"{self.router_url}/workers/{worker['id']}", timeout=10)
+                resp.raise_for_status()
+
+    def router_add(self, url: str) -> None:
+        httpx.post(f"{self.router_url}/workers", json={"url": url}, timeout=10).raise_for_status()
+        deadline = time.monotonic() + 60
+        while not any(w.get("url") == url for w in self._router_workers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router did not register {url} in 60s")
+            time.sleep(0.2)
+
+    def _router_workers(self) -> list[dict]:
+        workers = httpx.get(f"{self.router_url}/workers", timeout=10).json()
+        return workers.get("workers", workers) if isinstance(workers, dict) else workers
 
     def pids(self) -> list[int]:
         return [p.pid for p in [*self.engines, self.router] if p is not None and p.pid is not None]

@@ -33,6 +33,7 @@ class TrainerWorker:
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
         self._rollout: dict | None = None
         self._sender = None
+        self._groups_made = 0
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -238,16 +239,22 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Rank 0 joins a process group with every engine; other ranks only take part in the export's gathers."""
+        """Rank 0 joins a process group with every engine in `engine_urls`; other ranks only take part in the
+        export's gathers. Called again when the engines change (one died, a restarted one joins): the old group is
+        torn down and a new one, under a new name and on a free port, replaces it."""
         if self.layout.rank != 0:
             return {}
-        from slimish.weight_sync.distributed import DistributedWeightSender
+        from slimish.weight_sync.distributed import GROUP_NAME, DistributedWeightSender
 
         ws = self.cfg.weight_sync
+        self._groups_made += 1
+        if self._sender is not None:
+            self._sender.close()
         self._sender = DistributedWeightSender(
-            engine_urls=engine_urls, engine_tp=engine_tp, master_addr=master_addr, master_port=ws.master_port,
+            engine_urls=engine_urls, engine_tp=engine_tp, master_addr=master_addr,
+            master_port=ws.master_port if self._groups_made == 1 else free_port(),
             backend=resolve_backend(self.cfg.parallel.backend), bucket_bytes=int(ws.bucket_mb * 2**20),
-            verify=ws.verify)
+            verify=ws.verify, group_name=f"{GROUP_NAME}_{self._groups_made}")
         t0 = time.monotonic()
         self._sender.connect()
         return {"time_connect_s": time.monotonic() - t0}

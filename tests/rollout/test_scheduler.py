@@ -54,7 +54,7 @@ def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness
                             params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0),
                             prompts_per_step=4, partial=PartialRolloutConfig(mode=mode, over_sampling=over_sampling,
                                                                               max_staleness=max_staleness),
-                            max_concurrency=64, request_timeout_s=120, new_group=new_group, score=score,
+                            max_concurrency=64, request_timeout_s=120, max_retries=2, new_group=new_group, score=score,
                             detokenize=lambda ids: " ".join(map(str, ids)))
 
 

@@ -58,3 +58,12 @@ def test_weight_update_does_not_abort_requests_by_default():
     from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
 
     assert UpdateWeightsFromDistributedReqInput(names=[], dtypes=[], shapes=[]).abort_all_requests is False
+
+
+def test_sampling_params_we_send_exist():
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from slimish.rollout.generate import SamplingParams as Ours
+
+    sent = Ours(max_new_tokens=8, temperature=1.0, top_p=1.0, stop=("x",)).to_json()
+    assert set(sent) <= set(_fields(SamplingParams))

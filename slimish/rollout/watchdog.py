@@ -1,0 +1,120 @@
+"""Engine fault tolerance: notice a dead SGLang engine, take it out of the router, restart it, and let it back in
+only once it holds the trained weights.
+
+States of an engine: live (in the router and in the weight-sync group) -> dead -> restarting -> joining (healthy,
+serving the initial checkpoint: not routed to) -> live again after the next weight sync, which rebuilds the
+weight-sync group with it. A restart that fails leaves the engine `failed`; the job goes on with the others (and
+fails with a clear error when none is left). Requests that were running on the dead engine fail and are retried
+by the scheduler on the others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+
+from slimish.rollout.servers import RolloutServers
+
+LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
+
+
+class EngineWatchdog:
+    def __init__(self, servers: RolloutServers, *, interval_s: float, on_live_change: Callable[[list[str]], None]):
+        self.servers = servers
+        self.interval_s = interval_s
+        self._on_live_change = on_live_change
+        self.state = {url: LIVE for url in servers.engine_urls}
+        self.counts: Counter = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
+        self._restarts: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def live(self) -> list[str]:
+        with self._lock:
+            return [url for url, state in self.state.items() if state == LIVE]
+
+    def for_sync(self) -> dict:
+        """The engines the next weight sync goes to: live ones and the restarted ones waiting to join."""
+        with self._lock:
+            joining = [url for url, state in self.state.items() if state == JOINING]
+            urls = [url for url, state in self.state.items() if state in (LIVE, JOINING)]
+        if not urls:
+            raise RuntimeError(f"no SGLang engine is left: {self.state}; see the engine logs")
+        return {"urls": urls, "joining": joining}
+
+    def admit(self, urls: list[str]) -> None:
+        """`urls` now hold the trained weights: route requests to them again."""
+        for url in urls:
+            self.servers.router_add(url)
+            with self._lock:
+                self.state[url] = LIVE
+        if urls:
+            self._on_live_change(self.live())
+
+    def metrics(self) -> dict:
+        with self._lock:
+            states = Counter(self.state.values())
+        return {"engines_live": states[LIVE], "engine_deaths": self.counts["deaths"],
+                "engine_restarts": self.counts["restarts"], "engine_restart_failures": self.counts["failures"]}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for thread in self._restarts:
+            thread.join(timeout=1)
+
+    # ----------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for i, url in enumerate(self.servers.engine_urls):
+                with self._lock:
+                    watched = self.state[url] == LIVE
+                if watched and not self.servers.engine_alive(i):
+                    try:
+                        self._on_death(i, url)
+                    except Exception:
+                        self._fail(url)
+
+    def _on_death(self, i: int, url: str) -> None:
+        with self._lock:
+            self.state[url] = RESTARTING
+            self.counts["deaths"] += 1
+        print(f"engine {url} died (exit code {self.servers.engines[i].proc.returncode}); restarting it; log "
+              f"{self.servers.engines[i].log_path}", flush=True)
+        self._on_live_change(self.live())
+        try:
+            self.servers.router_remove(url)
+        except Exception as exc:  # the router keeps failing requests to it; the scheduler retries them
+            print(f"warning: could not remove {url} from the router: {exc}", flush=True)
+        # Spawned from this (long-lived) thread: see RolloutServers.respawn_engine. Waiting for it to become
+        # healthy takes a minute, on a thread of its own, so that other engines stay watched meanwhile.
+        self.servers.respawn_engine(i)
+        thread = threading.Thread(target=self._await_restart, args=(i, url), name=f"restart-{i}", daemon=True)
+        self._restarts.append(thread)
+        thread.start()
+
+    def _fail(self, url: str) -> None:
+        with self._lock:
+            self.state[url] = FAILED
+            self.counts["failures"] += 1
+        print(f"engine {url} could not be restarted:\n{traceback.format_exc()}", flush=True)
+
+    def _await_restart(self, i: int, url: str) -> None:
+        t0 = time.monotonic()
+        try:
+            self.servers.wait_engine(i)
+        except Exception:
+            self._fail(url)
+            return
+        with self._lock:
+            self.state[url] = JOINING
+            self.counts["restarts"] += 1
+        print(f"engine {url} restarted in {time.monotonic() - t0:.0f}s; it joins at the next weight sync",
+              flush=True)
