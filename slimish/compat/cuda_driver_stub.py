@@ -20,9 +20,10 @@ _SOURCE = "int cuPointerGetAttribute(void *d, int a, unsigned long long p) { ret
 
 
 def real_driver_present() -> bool:
+    """True when a real NVIDIA driver library loads. Once this process has loaded the stub (it carries the same
+    soname), dlopen("libcuda.so.1") returns the stub: a real driver is told apart by exporting cuInit."""
     try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
+        return hasattr(ctypes.CDLL("libcuda.so.1"), "cuInit")
     except OSError:
         return False
 

@@ -91,17 +91,34 @@ def test_prompt_stream_continues_where_the_saved_state_left_it(tmp_path):
 def test_rollout_manager_state_round_trips(tmp_path):
     from collections import Counter
 
+    from slimish.config.schema import PartialRolloutConfig
+    from slimish.rollout.generate import SamplingParams
     from slimish.rollout.manager import RolloutManager
+    from slimish.rollout.scheduler import RolloutScheduler
+    from slimish.sample import Sample, Status
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"p{i}", "label": i}) + "\n" for i in range(5)))
     managers = []
-    for _ in range(2):  # without engines: only the state RolloutManager.state() covers
+    for _ in range(2):  # without engines (the scheduler only contacts them to generate): the state it covers
         manager = object.__new__(RolloutManager)
         manager.dataset, manager.totals = _dataset(path), Counter()
+        manager.scheduler = RolloutScheduler(
+            router_url="http://127.0.0.1:9", engine_urls=[], params=SamplingParams(max_new_tokens=4, temperature=1.0,
+                                                                                   top_p=1.0),
+            prompts_per_step=1, partial=PartialRolloutConfig(mode="abort"), max_concurrency=1, request_timeout_s=1,
+            max_retries=0, new_group=None, score=None, detokenize=None)
         managers.append(manager)
     managers[0].dataset.next_batch(7)
     managers[0].totals.update({"completed": 12, "reward_failures": 1})
-    managers[1].load_state(json.loads(json.dumps(managers[0].state())))
-    assert managers[1].state() == managers[0].state()
-    assert managers[1].dataset.next_batch(3) == managers[0].dataset.next_batch(3)
+    partial = Sample(group_id=3, index=0, prompt="p3", prompt_ids=[1, 2], response_ids=[5], rollout_logprobs=[-0.5],
+                     weight_versions=[2], loss_mask=[1], status=Status.ABORTED, meta={"segments": 1})
+    managers[0].scheduler.load_state({"next_group_id": 4, "groups": [{"group_id": 3, "samples": [partial.to_dict()]}]})
+    try:
+        managers[1].load_state(json.loads(json.dumps(managers[0].state())))
+        assert managers[1].state() == managers[0].state()
+        assert managers[1].state()["scheduler"]["groups"][0]["samples"][0] == partial.to_dict()
+        assert managers[1].dataset.next_batch(3) == managers[0].dataset.next_batch(3)
+    finally:
+        for manager in managers:
+            manager.scheduler.close()
