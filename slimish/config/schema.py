@@ -173,6 +173,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class RayConfig:
     num_cpus: int = doc(0, "CPUs given to a local Ray (0 = all); ignored when RAY_ADDRESS joins a cluster.")
+    placement_timeout_s: float = doc(120.0, "Seconds to wait for the GPUs (or slots) of trainer ranks and engines.")
 
 
 @dataclass(kw_only=True)

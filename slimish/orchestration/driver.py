@@ -18,7 +18,8 @@ import torch
 from slimish.config import JobConfig, save_config
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
-from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, rollout_actor
+from slimish.orchestration.placement import Slot, placement_record, release
+from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample, Status
 from slimish.trainer.losses import grpo_advantages
@@ -38,6 +39,7 @@ class RLJob:
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
         self.synced_engines: list[str] = []
+        self.slots: dict[str, list[Slot]] = {}
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -45,12 +47,16 @@ class RLJob:
         # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
         # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-        self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"))
+        self.slots = reserve_slots(self.cfg)
+        self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
+                                             engine_slots=self.slots["engines"])
         engines = self.rollout_manager.start.remote()   # engines boot while the trainer builds its model
-        self.trainer = TrainerGroup(self.cfg)
+        self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
         info = self.trainer.setup()
         info.update(ray.get(engines))
         (self.run_dir / "pids.json").write_text(json.dumps({"servers": info["pids"]}))
+        (self.run_dir / "placement.json").write_text(json.dumps(placement_record(self.slots, info["engines"]),
+                                                                indent=1))
         self.trainer_master_addr = info["trainer_master_addr"]
         info.update(self.connect_engines(info["engine_urls"]))
         return info
@@ -210,6 +216,9 @@ class RLJob:
         if self.trainer is not None:
             self.trainer.kill()
             self.trainer = None
+        if self.slots:
+            release([slot for slots in self.slots.values() for slot in slots])
+            self.slots = {}
         self.metrics.close()
         if ray.is_initialized():
             ray.shutdown()

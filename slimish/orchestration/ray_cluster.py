@@ -1,22 +1,19 @@
 """Ray setup and the actor groups of a job.
 
 Local runs start a private Ray on loopback only; with RAY_ADDRESS set (e.g. by launch/train.sbatch) the driver
-joins that cluster instead. Actors ask Ray for no CPUs: the engines they spawn and the trainer's torch threads
-are not Ray tasks, and on a 2-core machine a CPU reservation would only deadlock placement.
+joins that cluster instead. Trainer ranks and engines run in placement slots (`placement.py`): GPUs where the
+cluster has them, else a sliver of CPU each: the engines' and trainers' real CPU use is not Ray's to schedule, and on
+a 2-core machine whole-CPU reservations would only deadlock placement.
 """
 
 from __future__ import annotations
 
 import os
 
-if not os.environ.get("RAY_ADDRESS"):
-    # Read by Ray at import time: with it, a local Ray advertises and binds 127.0.0.1 instead of the host's
-    # interface address. (A multi-node cluster is joined through RAY_ADDRESS and keeps Ray's defaults.)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 
-import ray  # noqa: E402
-
-from slimish.config.schema import JobConfig  # noqa: E402
+from slimish.config.schema import JobConfig
+from slimish.orchestration.placement import Slot, cluster_gpus, on_this_node, release, reserve
 
 
 def init_ray(cfg: JobConfig) -> None:
@@ -29,14 +26,16 @@ def init_ray(cfg: JobConfig) -> None:
 
 
 class TrainerGroup:
-    """All trainer ranks; every method call is sent to every rank (SPMD) and rank 0's result is returned."""
+    """All trainer ranks, rank r in placement slot r; every method call is sent to every rank (SPMD) and rank 0's
+    result is returned."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, slots: list[Slot]):
         from slimish.trainer.worker import TrainerWorker
 
-        actor_cls = ray.remote(num_cpus=0)(TrainerWorker)
+        actor_cls = ray.remote(TrainerWorker)
         world = cfg.parallel.num_trainer_ranks
-        self.actors = [actor_cls.remote(cfg, rank=rank, world_size=world) for rank in range(world)]
+        self.actors = [actor_cls.options(**slot.actor_options()).remote(cfg, rank=rank, world_size=world)
+                       for rank, slot in enumerate(slots)]
 
     def call(self, method: str, *args, **kwargs):
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])[0]
@@ -55,7 +54,25 @@ class TrainerGroup:
             ray.kill(actor)
 
 
-def rollout_actor(cfg: JobConfig, log_dir: str):
+def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot]):
+    """The rollout manager, on the driver's node; its engines go to `engine_slots`."""
     from slimish.rollout.manager import RolloutManager
 
-    return ray.remote(num_cpus=0)(RolloutManager).remote(cfg, log_dir=log_dir)
+    return ray.remote(RolloutManager).options(**on_this_node()).remote(
+        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots])
+
+
+def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
+    """Placement slots for the trainer ranks and the engines: GPUs when the Ray cluster has them."""
+    gpus = cluster_gpus() > 0
+    timeout = cfg.ray.placement_timeout_s
+    trainer = reserve("slimish-trainer", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
+                      timeout_s=timeout)
+    engine = cfg.rollout.engine
+    try:
+        engines = reserve("slimish-engines", count=engine.num_engines,
+                          gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout)
+    except BaseException:
+        release(trainer)
+        raise
+    return {"trainer": trainer, "engines": engines}

@@ -19,7 +19,7 @@ from slimish.sample import Sample, Status
 
 
 class RolloutManager:
-    def __init__(self, cfg: JobConfig, *, log_dir: str):
+    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict]):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -28,7 +28,7 @@ class RolloutManager:
                                      label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
         self.reward_fn = load_function(cfg.reward.fn)
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
-                                      seed=cfg.run.seed)
+                                      seed=cfg.run.seed, engine_options=engine_options)
         self.scheduler: RolloutScheduler | None = None
         self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
@@ -48,7 +48,8 @@ class RolloutManager:
                                            on_live_change=self.scheduler.set_engine_urls)
             self.watchdog.start()
         return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
-                "router_url": self.servers.router_url, "pids": self.servers.pids()}
+                "router_url": self.servers.router_url, "pids": self.servers.pids(),
+                "engines": self.servers.engine_info()}
 
     def engine_urls(self) -> list[str]:
         return self.servers.engine_urls

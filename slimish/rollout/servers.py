@@ -1,4 +1,5 @@
-"""Launch the SGLang engines and the sglang-router in front of them, all on loopback, and tear them down.
+"""Launch the SGLang engines (one Ray actor each, on the node and GPUs its placement slot holds) and the
+sglang-router in front of them (a process of the rollout manager, on loopback), and tear them down.
 
 Router choices that matter for RL (see README "CPU notes"): retries off (a retried /generate is a duplicate
 sample), circuit breaker off (it would answer 503 to everything after a few failures), Prometheus bound to
@@ -9,24 +10,17 @@ from __future__ import annotations
 
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import ray
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
+from slimish.rollout.engine import EngineProcess
 from slimish.rollout.processes import ManagedProcess
 
 HOST = "127.0.0.1"
-
-
-def engine_argv(*, model_path: str, port: int, device: str, dtype: str, tp: int, max_total_tokens: int,
-                seed: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", HOST,
-            "--port", str(port), "--tp-size", str(tp), "--max-total-tokens", str(max_total_tokens),
-            "--random-seed", str(seed), "--log-level", "warning",
-            *sglang_cpu.server_args(device=device, dtype=dtype), *map(str, extra)]
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
@@ -37,43 +31,36 @@ def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, poli
 
 
 class RolloutServers:
-    """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate."""
+    """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate.
 
-    def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int):
+    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement)."""
+
+    def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
+                 engine_options: list[dict]):
+        if len(engine_options) != rollout.engine.num_engines:
+            raise ValueError(f"{len(engine_options)} placement slots for {rollout.engine.num_engines} engines")
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
-        eng = rollout.engine
-        self.device = sglang_cpu.resolve_device(eng.device)
-        self.engine_urls = [f"http://{HOST}:{eng.base_port + i}" for i in range(eng.num_engines)]
+        self.engine_options = engine_options
+        self.engine_urls: list[str] = []
         self.router_url = f"http://{HOST}:{rollout.router.port}"
-        self.engines: list[ManagedProcess] = []
+        self.engines: list = []  # EngineProcess actors
         self.router: ManagedProcess | None = None
-
-    def _engine_process(self, i: int) -> ManagedProcess:
-        eng = self.rollout.engine
-        argv = engine_argv(model_path=self.model.hf_path, port=eng.base_port + i, device=self.device,
-                           dtype=self.model.dtype, tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens,
-                           seed=self.seed + i, extra=eng.extra_args)
-        return ManagedProcess(f"engine{i}", argv, env=sglang_cpu.server_env(),
-                              log_path=self.log_dir / f"engine{i}.log")
-
-    def _wait_engine(self, i: int) -> None:
-        self.engines[i].wait_http_ok(f"{self.engine_urls[i]}/health_generate", self.rollout.engine.startup_timeout_s)
 
     def start(self) -> float:
         """Start everything and wait until healthy; returns the seconds it took."""
         t0 = time.monotonic()
-        env = sglang_cpu.server_env()
-        for i in range(len(self.engine_urls)):
-            self.engines.append(self._engine_process(i))
-            self.engines[-1].start()
+        actor = ray.remote(EngineProcess)
+        self.engines = [actor.options(**options).remote(index=i, rollout=self.rollout, model=self.model,
+                                                        log_dir=str(self.log_dir), seed=self.seed)
+                        for i, options in enumerate(self.engine_options)]
         try:
-            with ThreadPoolExecutor(len(self.engines)) as pool:
-                list(pool.map(self._wait_engine, range(len(self.engines))))
+            self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
+            ray.get([engine.wait_healthy.remote() for engine in self.engines])
             router = self.rollout.router
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=router.port,
                                       prometheus_port=router.prometheus_port, policy=router.policy),
-                env=env, log_path=self.log_dir / "router.log")
+                env=sglang_cpu.server_env(), log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=120, interval_s=0.5)
             self._wait_workers_registered(timeout_s=120)
@@ -86,9 +73,7 @@ class RolloutServers:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                workers = httpx.get(f"{self.router_url}/workers", timeout=5).json()
-                listed = workers.get("workers", workers) if isinstance(workers, dict) else workers
-                if len(listed) >= len(self.engine_urls):
+                if len(self._router_workers()) >= len(self.engine_urls):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -96,19 +81,26 @@ class RolloutServers:
         raise TimeoutError(f"router did not register {len(self.engine_urls)} workers in {timeout_s}s")
 
     def engine_alive(self, i: int) -> bool:
-        return self.engines[i].alive()
+        """False when engine i's server process exited, or its actor (or node) is gone."""
+        try:
+            return ray.get(self.engines[i].alive.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def engine_exit_code(self, i: int) -> int | None:
+        try:
+            return ray.get(self.engines[i].exit_code.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None
 
     def respawn_engine(self, i: int) -> None:
-        """Replace engine `i` (dead) by a fresh process on the same port; `wait_engine(i)` then waits until it is
-        healthy. It serves the checkpoint in model.hf_path until it receives the trained weights. Call it from a
-        thread that outlives the engine: the engine's parent-death signal fires when the *thread* that started it
-        exits."""
-        self.engines[i].stop(grace_s=2.0)  # whatever is left of its process group (a crashed scheduler, ...)
-        self.engines[i] = self._engine_process(i)
-        self.engines[i].start()
+        """Replace engine i's (dead) server by a fresh one on the same node, GPUs and port; `wait_engine(i)` then
+        waits until it is healthy. It serves the checkpoint in model.hf_path until it receives the trained
+        weights."""
+        ray.get(self.engines[i].respawn.remote())
 
     def wait_engine(self, i: int) -> None:
-        self._wait_engine(i)
+        ray.get(self.engines[i].wait_healthy.remote())
 
     def router_remove(self, url: str) -> None:
         """Stop routing to `url` (the router has no retries: requests it still sends there fail and are retried
@@ -130,12 +122,24 @@ class RolloutServers:
         workers = httpx.get(f"{self.router_url}/workers", timeout=10).json()
         return workers.get("workers", workers) if isinstance(workers, dict) else workers
 
+    def engine_info(self) -> list[dict]:
+        """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES."""
+        return ray.get([engine.info.remote() for engine in self.engines])
+
     def pids(self) -> list[int]:
-        return [p.pid for p in [*self.engines, self.router] if p is not None and p.pid is not None]
+        """Server PIDs on their nodes: the engines', then the router's."""
+        pids = [info["pid"] for info in self.engine_info() if info["pid"] is not None]
+        return pids + ([self.router.pid] if self.router is not None and self.router.pid is not None else [])
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop router and engines together (a cancelled Slurm job has ~30 s before SIGKILL)."""
-        procs = [p for p in [self.router, *self.engines] if p is not None]
-        if procs:
-            with ThreadPoolExecutor(len(procs)) as pool:
-                list(pool.map(lambda p: p.stop(grace_s), procs))
+        """Stop router and engines together (a cancelled Slurm job has ~30 s before SIGKILL); the engine actors
+        are then killed too."""
+        if self.router is not None:
+            self.router.stop(grace_s)
+        stops = [engine.stop.remote(grace_s) for engine in self.engines]
+        try:
+            ray.get(stops, timeout=grace_s + 15)
+        except Exception as exc:  # an actor already gone: its server died with it (parent-death signal)
+            print(f"warning: stopping engines: {exc}", flush=True)
+        for engine in self.engines:
+            ray.kill(engine)

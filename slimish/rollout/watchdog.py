@@ -86,15 +86,14 @@ class EngineWatchdog:
         with self._lock:
             self.state[url] = RESTARTING
             self.counts["deaths"] += 1
-        print(f"engine {url} died (exit code {self.servers.engines[i].proc.returncode}); restarting it; log "
-              f"{self.servers.engines[i].log_path}", flush=True)
+        print(f"engine {url} died (exit code {self.servers.engine_exit_code(i)}); restarting it; see "
+              f"{self.servers.log_dir}/engine{i}.log", flush=True)
         self._on_live_change(self.live())
         try:
             self.servers.router_remove(url)
         except Exception as exc:  # the router keeps failing requests to it; the scheduler retries them
             print(f"warning: could not remove {url} from the router: {exc}", flush=True)
-        # Spawned from this (long-lived) thread: see RolloutServers.respawn_engine. Waiting for it to become
-        # healthy takes a minute, on a thread of its own, so that other engines stay watched meanwhile.
+        # Waiting for it to become healthy takes a minute: on a thread of its own, so that the others stay watched.
         self.servers.respawn_engine(i)
         thread = threading.Thread(target=self._await_restart, args=(i, url), name=f"restart-{i}", daemon=True)
         self._restarts.append(thread)

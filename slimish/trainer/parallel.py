@@ -23,15 +23,10 @@ class ParallelLayout:
 
 
 def node_ip() -> str:
-    """This node's address for rendezvous: Ray's view of it when under Ray, else loopback."""
-    try:
-        import ray
+    """This node's address for rendezvous: Ray's address of the node when under Ray, else loopback."""
+    from slimish.orchestration.placement import node_ip as ray_node_ip
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
+    return ray_node_ip()
 
 
 def free_port() -> int:

@@ -34,6 +34,10 @@ def test_two_real_rl_steps(task_assets, tmp_path):
         assert record["samples_failed"] == 0
         assert record["sync_buckets"] > 1, "bucketed: the tiny model spans several 0.1 MiB buckets"
     assert records[0]["ppo_kl"] == 0.0
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
+        "a local Ray stays on loopback, and so do the engines it places"
+    assert placement["gpus"] == 0 and [t["rank"] for t in placement["trainer"]] == [0]
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "step   2/2" in result.stdout

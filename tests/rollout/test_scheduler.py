@@ -22,13 +22,13 @@ MAX_NEW_TOKENS = 200  # the untrained model's lengths then range from a few toke
 @pytest.fixture(scope="module")
 def engine_url(task_assets, tmp_path_factory):
     from slimish.compat import sglang_cpu
+    from slimish.rollout.engine import engine_argv
     from slimish.rollout.processes import ManagedProcess
-    from slimish.rollout.servers import engine_argv
     from tests.conftest import free_port
 
     port = free_port()
-    argv = engine_argv(model_path=task_assets["model"], port=port, device="cpu", dtype="float32", tp=1,
-                       max_total_tokens=4096, seed=0, extra=[])
+    argv = engine_argv(model_path=task_assets["model"], host="127.0.0.1", port=port, device="cpu", dtype="float32",
+                       tp=1, max_total_tokens=4096, seed=0, extra=[])
     proc = ManagedProcess("engine", argv, env=sglang_cpu.server_env(),
                           log_path=tmp_path_factory.mktemp("engine") / "engine.log")
     proc.start()

@@ -208,14 +208,24 @@ def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tiny_assets, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_node_training_job_completes(cluster, tiny_assets, tmp_path):
-    job = submit_train(cluster, tmp_path, "train", "rl.num_steps=2")
+def test_two_node_training_job_places_trainer_and_engine_on_their_gpus(cluster, tiny_assets, tmp_path):
+    """A real 2-step job on 2 nodes that each offer Ray one GPU (declared: these CPU nodes have none, so torch and
+    SGLang still run on the CPU, but Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES are the GPU
+    cluster's). The trainer rank takes one node's GPU, so the engine must run on the other node's."""
+    job = submit_train(cluster, tmp_path, "train", "rl.num_steps=2", "rollout.engine.num_engines=1",
+                       env={"SLIMISH_RAY_NUM_GPUS": "1"})
     assert cluster.wait_done(job, timeout=540) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
 
     run_dir = tmp_path / "train"
     assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
     steps = [m["step"] for m in metric_steps(run_dir)]
     assert len(steps) == 2 and steps[1] == steps[0] + 1, steps
+    placement = json.loads((run_dir / "placement.json").read_text())
+    [trainer], [engine] = placement["trainer"], placement["engines"]
+    assert placement["gpus"] == 2 and trainer["gpus"] == 1 and engine["gpus"] == 1, placement
+    assert {trainer["node"], engine["node"]} == {"n1", "n2"}, placement
+    assert engine["cuda_visible_devices"] == "0", placement
+    assert all(m["logprob_abs_diff_max"] <= 1e-4 for m in metric_steps(run_dir)), "weights reached the other node"
     assert_nothing_left(cluster, run_dir)
 
 

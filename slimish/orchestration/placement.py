@@ -1,0 +1,94 @@
+"""Where the job's actors run: one Ray placement group for the trainer ranks, one for the SGLang engines.
+
+On a cluster whose Ray nodes offer GPUs, each trainer rank holds 1 GPU and each engine `rollout.engine.
+tensor_parallel` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES, which the engine process inherits). Both groups
+are PACKed onto as few nodes as possible, and trainer ranks are numbered node by node, so that the consecutive
+ranks Megatron puts in one tensor-parallel group share a node. Without GPUs each bundle holds a sliver of CPU (Ray
+bundles cannot be empty; the real CPU use is not Ray's to schedule on a small machine), so the code path is the same
+on a laptop, in CI and on a GPU cluster: only the resources asked for differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+CPU_SLIVER = 0.01  # a bundle's resource when the cluster has no GPUs
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One reserved bundle: where an actor goes and the GPUs it holds."""
+
+    group: PlacementGroup
+    bundle: int
+    node_id: str
+    gpus: int
+
+    def actor_options(self) -> dict:
+        return {"num_cpus": 0 if self.gpus else CPU_SLIVER, "num_gpus": self.gpus,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.group, placement_group_bundle_index=self.bundle)}
+
+
+def node_ip() -> str:
+    """The address Ray knows this node by (what other nodes reach it at; 127.0.0.1 on a local, loopback-only Ray),
+    or 127.0.0.1 outside Ray. Not `ray.util.get_node_ip_address()`: in a worker process that one guesses from the
+    routing table and returns the host's outward address even when the node was started on 127.0.0.1."""
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    me = ray.get_runtime_context().get_node_id()
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == me)
+
+
+def cluster_gpus() -> int:
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float) -> list[Slot]:
+    """`count` bundles of `gpus_each` GPUs each (a CPU sliver without GPUs), PACKed, ordered node by node."""
+    bundle = {"GPU": gpus_each} if gpus_each else {"CPU": CPU_SLIVER}
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise PlacementError(
+            f"could not reserve {count} x {bundle} for the {name} within {timeout_s:.0f}s; the Ray cluster has "
+            f"{ray.cluster_resources()} in all and {ray.available_resources()} free")
+    nodes = placement_group_table(group)["bundles_to_node_id"]
+    order = sorted(range(count), key=lambda i: (nodes[i], i))
+    return [Slot(group, i, nodes[i], gpus_each) for i in order]
+
+
+def release(slots: list[Slot]) -> None:
+    for group in {slot.group for slot in slots}:
+        try:
+            remove_placement_group(group)
+        except Exception:  # Ray may already be shutting down
+            pass
+
+
+def on_this_node() -> dict:
+    """Actor options that pin an actor to the driver's node: the rollout manager, whose router listens on loopback
+    and whose logs and process ids are then the head node's."""
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False)}
+
+
+def placement_record(slots: dict[str, list[Slot]], engines: list[dict]) -> dict:
+    """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
+    GPUs Ray gave each engine."""
+    names = {node["NodeID"]: node.get("NodeName") or node.get("NodeManagerAddress") for node in ray.nodes()}
+    return {"gpus": cluster_gpus(),
+            "trainer": [{"rank": rank, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus}
+                        for rank, slot in enumerate(slots["trainer"])],
+            "engines": [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
+                         "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
+                        for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]}
