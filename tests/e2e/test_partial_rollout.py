@@ -62,8 +62,10 @@ def assert_versions_are_true(records: list[dict]) -> None:
 
 
 def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_path):
+    # Two requests at a time: the next step's 16 requests then take several times longer than a training step
+    # (unthrottled, this tiny model generates them all while the trainer trains, and no sync finds one running).
     records = run_job(task_assets, tmp_path, "retract", "rl.num_steps=4", "rollout.partial.mode=retract",
-                      "rollout.partial.over_sampling=2")
+                      "rollout.partial.over_sampling=2", "rollout.max_concurrency=2")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert sum(r["num_retractions"] for r in records) > 0, "syncs retracted running requests"
     assert max(r["off_policy_token_frac"] for r in records[1:]) > 0, "responses mix weight versions"

@@ -138,8 +138,12 @@ def submit_train(cluster: LocalSlurm, out_dir: Path, name: str, *overrides: str,
 
 
 def job_output(out_dir: Path, job: str) -> str:
+    """The job's output, then the tail of each Ray node's log (where a node that failed to start says why)."""
     path = out_dir / f"slurm-{job}.out"
-    return path.read_text()[-6000:] if path.exists() else "(no job output)"
+    text = path.read_text()[-6000:] if path.exists() else "(no job output)"
+    for log in sorted(out_dir.glob(f"*/slurm-{job}/ray-*.log")):
+        text += f"\n--- {log.name} ---\n" + log.read_text(errors="replace")[-3000:]
+    return text
 
 
 def metric_steps(run_dir: Path) -> list[dict]:
