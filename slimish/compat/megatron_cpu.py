@@ -2,8 +2,9 @@
 
 Megatron-Core assumes a GPU in a few places that are not about the maths: it asks for the current CUDA device to
 place tensors, allocates some buffers with device="cuda", keeps its dropout RNG states as CUDA generator states,
-synchronises streams, and asserts CUDA tensor types in grad clipping. `apply()` redirects exactly those to the CPU
-so the same model, schedules, optimizer and checkpointing code runs; the maths is untouched. On a GPU machine
+synchronises streams, and checks tensor types by name (`t.type() == 'torch.cuda.BFloat16Tensor'`) in its
+optimizers and grad clipping. `apply()` redirects exactly those to the CPU so the same model, schedules, optimizers
+(fp32 and bf16 mixed precision) and checkpointing code runs; the maths is untouched. On a GPU machine
 `apply()` does nothing and nothing here is imported by the trainer's logic.
 
 Call `apply()` before the first `import megatron.core` in a process.
@@ -160,6 +161,23 @@ def _patch_torch_cuda() -> None:
     torch.Tensor.to = to
 
 
+def _name_cpu_types_as_cuda_for_megatron() -> None:
+    """`t.type()` (no argument) on a CPU tensor answers 'torch.cuda.<Type>' when megatron.core asks: its optimizers
+    sort parameters into fp32 / fp16 / bf16 groups, and its grad clipping checks grads, by comparing these names.
+    Any other caller, and every other use of `type()`, gets torch's answer."""
+    original = torch.Tensor.type
+
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return name.replace("torch.", "torch.cuda.", 1) if caller.startswith("megatron.core.") else name
+
+    torch.Tensor.type = type_
+
+
 def _patch_megatron() -> None:
     # Import everything the trainer uses, then scope the device="cuda" factory redirect to those modules.
     import megatron.core.dist_checkpointing  # noqa: F401
@@ -167,8 +185,6 @@ def _patch_megatron() -> None:
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel  # noqa: F401
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
     import megatron.core.tensor_parallel  # noqa: F401
@@ -191,18 +207,7 @@ def _patch_megatron() -> None:
     tp_random.CudaRNGStatesTracker.add = add
     logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
 
-    # Grad clipping asserts grads are torch.cuda.FloatTensor; the scaling itself is device-agnostic.
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-        coeff = max_norm / (total_norm + 1.0e-6)
-        if coeff < 1.0:
-            for param in params:
-                grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-                if grad is not None:
-                    grad.detach().mul_(coeff)
-
-    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _name_cpu_types_as_cuda_for_megatron()
 
     # 0.16.x refers to these Transformer-Engine names unguarded when TE is absent.
     for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",

@@ -1,7 +1,8 @@
 """One rank of a multi-process TrainerWorker test: the same fixed rollout at a given layout.
 
 Launched by tests.multiproc.run_world:
-  python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T [--pp P] --hf DIR --data JSONL --out OUT
+  python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T [--pp P] [--dtype D] --hf DIR
+      --data JSONL --out OUT
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
 pipeline stage other than the last), the step's metrics, and the whole-model export (`export_state`; empty except
 on rank 0).
@@ -50,6 +51,7 @@ def rank_args(*strings: str) -> argparse.Namespace:
     for name in ("hf", "data", *strings):
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
     return parser.parse_args()
 
 
@@ -61,7 +63,8 @@ def make_worker(args: argparse.Namespace):
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
         f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
-        f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}"])
+        f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}",
+        f"model.dtype={args.dtype}"])
     worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
     worker.setup(master_addr="127.0.0.1", master_port=args.port)
     return worker
