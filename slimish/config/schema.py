@@ -51,6 +51,8 @@ class OptimizerConfig:
     adam_beta2: float = doc(0.999, "Adam beta2.")
     adam_eps: float = doc(1e-8, "Adam epsilon.")
     clip_grad: float = doc(1.0, "Global gradient-norm clip (0 disables).")
+    distributed: bool = doc(False, "Megatron's distributed optimizer: fp32 main weights, grads and Adam moments "
+                                   "sharded over data-parallel ranks (grads reduce-scattered, weights all-gathered).")
 
 
 @dataclass(kw_only=True)
@@ -74,6 +76,8 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
+    recompute: Literal["none", "full"] = doc("none", "Activation recomputation: full = keep only each transformer "
+                                                    "layer's input and recompute the layer in the backward pass.")
 
 
 @dataclass(kw_only=True)

@@ -1,19 +1,36 @@
 """Save and load the trainer's policy model + optimizer with Megatron-Core's dist_checkpointing (torch_dist).
 
 A checkpoint holds global tensors cut into whatever shards the saving layout had, so it loads at any TP / PP / DP
-layout the model splits into. It holds the policy only: the reference model (KL penalty) is the initial policy and
+layout the model splits into (the optimizer state too, plain or distributed: trainer.optimizer.distributed must
+match the run that saved it). It holds the policy only: the reference model (KL penalty) is the initial policy and
 is rebuilt from `model.hf_path`, and gradients are not kept (they are zeroed before every step).
 Every rank of the trainer group must call `save` / `load` with the same path on a filesystem all ranks share.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import torch
+
+# The distributed optimizer's state is saved per parameter (gathered over the data-parallel group on save, sliced on
+# load), so its checkpoints too load at any TP / PP / DP layout; but only by a distributed optimizer again.
+# (Its default format in Megatron-Core 0.16, fully_sharded_model_space, no longer saves: flattened ShardedTensors.)
+METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_FILE = "slimish_optimizer.json"  # which optimizer wrote the checkpoint
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _state(module, optimizer, *, is_loading: bool) -> dict:
     model_sd = module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
 
 
 def save(module, optimizer, path: str | Path) -> None:
@@ -22,6 +39,8 @@ def save(module, optimizer, path: str | Path) -> None:
 
     Path(path).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(_state(module, optimizer, is_loading=False), str(path))
+    if torch.distributed.get_rank() == 0:
+        (Path(path) / OPTIMIZER_FILE).write_text(json.dumps({"distributed": _is_distributed(optimizer)}) + "\n")
 
 
 def load(module, optimizer, path: str | Path) -> None:
@@ -30,6 +49,66 @@ def load(module, optimizer, path: str | Path) -> None:
 
     if not (Path(path) / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a Megatron dist checkpoint (no metadata.json)")
+    record = Path(path) / OPTIMIZER_FILE
+    distributed = json.loads(record.read_text())["distributed"] if record.is_file() else False
+    if distributed != _is_distributed(optimizer):
+        raise ValueError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
+                         f"trainer.optimizer.distributed={str(distributed).lower()} to resume from it (the two keep "
+                         "Adam's state in different layouts)")
+    _create_empty_adam_state(optimizer)
+    _keep_adam_step_out_of_restored_tensors(optimizer)
     state = dist_checkpointing.load(_state(module, optimizer, is_loading=True), str(path))
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    _unshare_adam_steps(optimizer)
+
+
+def _create_empty_adam_state(optimizer) -> None:
+    """torch's Adam (used when neither Transformer Engine nor Apex is installed) creates a parameter's state at its
+    first step; the distributed optimizer's state_dict, which loading fills in, needs it to exist. Zeros, to be
+    overwritten by the checkpoint."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                              exp_avg_sq=torch.zeros_like(param))
+
+
+
+def _keep_adam_step_out_of_restored_tensors(optimizer) -> None:
+    """Megatron-Core 0.16's distributed optimizer restores torch Adam's per-parameter "step" from the param groups,
+    skips it among the checkpoint's per-parameter tensors, then copies every key of the parameter's state from
+    those tensors ("step" included: KeyError). Leave "step" out of that copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(chained, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(chained):
+            continue
+        original = chained._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, *, _opt=chained, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                _original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        chained._set_main_param_and_optimizer_states = set_states
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """The distributed optimizer restores torch Adam's "step" as one tensor shared by every parameter's state; torch
+    increments each parameter's step in place, so a shared one would advance once per parameter per step (and the
+    bias correction with it). Give every parameter its own."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if "step" in state and hasattr(state["step"], "clone"):
+                state["step"] = state["step"].clone()

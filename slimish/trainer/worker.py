@@ -54,7 +54,8 @@ class TrainerWorker:
         def build():
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
-                                    expert_parallel=self.layout.expert_parallel, dtype=dtype)
+                                    expert_parallel=self.layout.expert_parallel, dtype=dtype,
+                                    recompute=self.cfg.trainer.recompute)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
             model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
             return model
@@ -64,7 +65,7 @@ class TrainerWorker:
         opt = self.cfg.trainer.optimizer
         self.model, self.optimizer = wrap_for_training(
             self.module, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad)
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, distributed=opt.distributed)
         self.ref_model = None
         if self.cfg.trainer.loss.kl_coef > 0:
             self.ref_model = build()

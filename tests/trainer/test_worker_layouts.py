@@ -1,5 +1,5 @@
-"""The trainer at TP2, DP2 and PP2 (two gloo processes) computes the same logprobs and takes the same GRPO step as
-at one rank: logprobs before and after the step agree within fp32 reduction-order noise, and rank 0's whole-model
+"""The trainer at TP2, DP2 and PP2 (two gloo processes; DP2 also with Megatron's distributed optimizer, TP2 also with
+full activation recomputation) computes the same logprobs and takes the same GRPO step as at one rank: logprobs before and after the step agree within fp32 reduction-order noise, and rank 0's whole-model
 export (what weight sync sends) matches the one-rank trainer's weights after the step. In bf16 the same holds
 within bf16 precision."""
 
@@ -15,10 +15,11 @@ from tests.multiproc import run_world
 SCRIPT = Path(__file__).with_name("worker_rank.py")
 
 
-def _run(task_assets, out: Path, *, world_size: int, tp: int, pp: int = 1, dtype: str = "float32") -> list[dict]:
+def _run(task_assets, out: Path, *, world_size: int, tp: int, pp: int = 1, dtype: str = "float32",
+         overrides: tuple[str, ...] = ()) -> list[dict]:
     run_world(SCRIPT, world_size=world_size, args=["--tp", str(tp), "--pp", str(pp), "--dtype", dtype,
                                                    "--hf", task_assets["model"], "--data", task_assets["train"],
-                                                   "--out", str(out)])
+                                                   "--out", str(out), *(a for o in overrides for a in ("--set", o))])
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -33,9 +34,15 @@ def _rows_of(result: dict) -> slice:
     return slice(result["dp_rank"] * per_rank, (result["dp_rank"] + 1) * per_rank)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "pp2"])
-def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp):
-    results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp)
+DISTRIBUTED_OPTIMIZER = ("trainer.optimizer.distributed=true",)
+RECOMPUTE = ("trainer.recompute=full",)
+
+
+@pytest.mark.parametrize("tp,pp,overrides", [(2, 1, ()), (1, 1, ()), (1, 2, ()), (1, 1, DISTRIBUTED_OPTIMIZER),
+                                             (2, 1, RECOMPUTE)],
+                         ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute"])
+def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
+    results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
     for result in results:
         assert result["metrics"]["ppo_kl"] == 0.0
         assert result["metrics"]["pg_loss"] == pytest.approx(reference["metrics"]["pg_loss"], abs=1e-5)

@@ -52,6 +52,7 @@ def rank_args(*strings: str) -> argparse.Namespace:
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     return parser.parse_args()
 
 
@@ -64,7 +65,7 @@ def make_worker(args: argparse.Namespace):
         f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
         f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}",
-        f"model.dtype={args.dtype}"])
+        f"model.dtype={args.dtype}", *args.set])
     worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
     worker.setup(master_addr="127.0.0.1", master_port=args.port)
     return worker
