@@ -40,7 +40,8 @@ def engine_url(task_assets, tmp_path_factory):
         proc.stop()
 
 
-def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0) -> RolloutScheduler:
+def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0,
+                   max_concurrency: int = 64) -> RolloutScheduler:
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]
@@ -54,7 +55,8 @@ def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness
                             params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0),
                             prompts_per_step=4, partial=PartialRolloutConfig(mode=mode, over_sampling=over_sampling,
                                                                               max_staleness=max_staleness),
-                            max_concurrency=64, request_timeout_s=120, max_retries=2, new_group=new_group, score=score,
+                            max_concurrency=max_concurrency, request_timeout_s=120, max_retries=2,
+                            new_group=new_group, score=score,
                             detokenize=lambda ids: " ".join(map(str, ids)))
 
 
@@ -71,7 +73,9 @@ def check_batch(samples: list[Sample]) -> set[int]:
 
 
 def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
-    scheduler = make_scheduler(engine_url, "abort")
+    # 8 requests at a time: a step's 4 groups (16 requests) are done while the over-sampled groups' requests are still
+    # running, however alike the responses' lengths are (unthrottled, all 24 can finish in the same decode step).
+    scheduler = make_scheduler(engine_url, "abort", max_concurrency=8)
     trained: list[int] = []
     totals = {"requests_aborted": 0, "groups_continued": 0}
     multi_segment = 0

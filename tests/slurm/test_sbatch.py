@@ -47,7 +47,10 @@ class LocalSlurm:
     def __init__(self, state_dir: Path, netns: str):
         self.state_dir = state_dir
         self.netns = netns
-        self.env = dict(os.environ, SLIMISH_SLURM_DIR=str(state_dir), SLIMISH_SLURM_NETNS=netns)
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: what a submitter that has run slimish's local Ray passes on (sbatch
+        # exports the environment); the job must still form its multi-node cluster.
+        self.env = dict(os.environ, SLIMISH_SLURM_DIR=str(state_dir), SLIMISH_SLURM_NETNS=netns,
+                        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
 
     def script(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
         result = subprocess.run(
