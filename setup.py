@@ -27,6 +27,7 @@ setup(
         "tensorboard",
         "tqdm",
         "psutil",
+        "math-verify",  # the math-answer reward hook (slimish.tasks.math_answer)
     ],
     extras_require={
         # CUDA-only pieces; never install these on a CPU machine (transformer-engine's import fails there).

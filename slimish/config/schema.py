@@ -144,6 +144,8 @@ class DataConfig:
     prompt_key: str = doc("prompt", "jsonl field holding the prompt text.")
     label_key: str = doc("label", "jsonl field holding the label passed to the reward function.")
     shuffle: bool = doc(True, "Shuffle prompts each epoch (seeded by run.seed).")
+    apply_chat_template: bool = doc(False, "Render each prompt as one user message with the tokenizer's chat "
+                                           "template, the assistant's turn opened (instruct / reasoning models).")
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,8 @@ class RolloutManager:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data.path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
-                                     label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+                                     label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed,
+                                     chat_template=cfg.data.apply_chat_template)
         self.reward_fn = load_function(cfg.reward.fn)
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options)

@@ -1,0 +1,51 @@
+"""The GPU recipes in configs/recipes/: each validates against its model's released config.json (the checkpoints
+themselves are not downloadable here), its parallel layout divides the model the way Megatron-Core and SGLang
+require, and the GPUs it asks for add up to the count its header gives for `sbatch`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from slimish.config import load_config
+from slimish.megatron_bridge.hf_config import architecture_from_hf, transformer_config
+from tests.conftest import REPO
+from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B
+
+RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
+           "llama31_405b_math_grpo": LLAMA31_405B}
+
+
+def test_every_recipe_is_checked():
+    assert {p.stem for p in (REPO / "configs" / "recipes").glob("*.yaml")} == set(RECIPES)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
+    hf_config = RECIPES[name]
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1? Put the final answer in \\boxed{}.", "label": "2"}) + "\n")
+    path = REPO / "configs" / "recipes" / f"{name}.yaml"
+    cfg = load_config(path, [f"model.hf_path={model_dir}", f"data.path={data}"])  # validates
+
+    par, engine = cfg.parallel, cfg.rollout.engine
+    assert cfg.model.dtype == "bfloat16" and engine.device == "cuda"
+    arch = architecture_from_hf(hf_config)
+    transformer_config(arch, tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel,
+                       expert_parallel=par.expert_parallel)  # Megatron-Core checks heads / TP, experts / EP
+    assert hf_config["num_hidden_layers"] % par.pipeline_parallel == 0
+    for tp in (par.tensor_parallel, engine.tensor_parallel):
+        assert hf_config["num_attention_heads"] % tp == 0
+        kv = hf_config["num_key_value_heads"]
+        assert kv % tp == 0 or tp % kv == 0, "SGLang splits or replicates KV heads"
+
+    nodes, gpus_per_node = map(int, re.search(r"(\d+) nodes? of (\d+) GPUs", path.read_text()).groups())
+    assert par.num_trainer_ranks + engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
+    assert engine.tensor_parallel <= gpus_per_node, "an engine runs on one node"
+    assert f"sbatch -N {nodes} --gpus-per-node {gpus_per_node} launch/train.sbatch configs/recipes/{name}.yaml" in \
+        path.read_text()

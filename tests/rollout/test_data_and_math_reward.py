@@ -1,0 +1,64 @@
+"""Prompt encoding (plain and chat-template) and the math-answer reward hook."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from slimish.rollout.data import PromptDataset
+from slimish.rollout.rewards import score
+from slimish.sample import Sample, Status
+from slimish.tasks import math_answer
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": "7"}) + "\n" for p in ["say 7", "echo 7"]))
+    return str(path)
+
+
+def test_chat_template_renders_one_user_message_with_the_assistant_turn_open(task_assets, prompts_file):
+    tokenizer = AutoTokenizer.from_pretrained(task_assets["model"])
+    plain = PromptDataset(prompts_file, tokenizer=tokenizer, prompt_key="prompt", label_key="label", shuffle=False,
+                          seed=0)
+    assert plain.prompts[0].ids == tokenizer("say 7")["input_ids"]
+    with pytest.raises(ValueError, match="data.apply_chat_template"):  # this tokenizer has none
+        PromptDataset(prompts_file, tokenizer=tokenizer, prompt_key="prompt", label_key="label", shuffle=False,
+                      seed=0, chat_template=True)
+    tokenizer.chat_template = TEMPLATE
+    chat = PromptDataset(prompts_file, tokenizer=tokenizer, prompt_key="prompt", label_key="label", shuffle=False,
+                         seed=0, chat_template=True)
+    assert chat.prompts[0].ids == tokenizer("<|user|>say 7<|assistant|>")["input_ids"]
+    assert chat.prompts[0].text == "say 7", "hooks see the prompt as written"
+
+
+@pytest.mark.parametrize("completion,label,expected", [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{3}", "4", 0.0),
+    ("first \\boxed{2}, no wait: \\boxed{5}", "5", 1.0),  # the last boxed answer counts
+    ("\\boxed{x^{2}+1}", "1+x^2", 1.0),
+    ("The answer is $x=2$", "2", 1.0),  # no box: the last expression
+    ("no answer at all", "2", 0.0),
+    ("\\boxed{", "1", 0.0),
+])
+def test_math_answer_reward(completion, label, expected):
+    assert math_answer.reward([completion], [label]) == [expected]
+
+
+def test_math_answer_reward_scores_on_a_worker_thread():
+    """The scheduler scores on a worker thread, where signal-based time limits cannot run."""
+    samples = [Sample(group_id=0, index=i, prompt="", prompt_ids=[1], response=text, label="0.5", response_ids=[1],
+                      rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1], status=Status.COMPLETED)
+               for i, text in enumerate(["\\boxed{1/2}", "\\boxed{2}"])]
+    failures = []
+    thread = threading.Thread(target=lambda: failures.append(score(samples, math_answer.reward, failure_reward=-1)))
+    thread.start()
+    thread.join()
+    assert failures == [0] and [s.reward for s in samples] == [1.0, 0.0]
