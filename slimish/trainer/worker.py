@@ -144,7 +144,7 @@ class TrainerWorker:
     # ---------------------------------------------------------------------------------------------- RL API
     def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
         """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics (see
-        `_parity_metrics`)."""
+        `_parity_sums`), over every data-parallel rank's shard."""
         local = self._shard(samples)
         plan = self._minibatches(local)
         old, ref, batches = [], [], []
@@ -156,7 +156,20 @@ class TrainerWorker:
             old.append(self._forward_logprobs(self.model, mbs))
             ref.append(self._forward_logprobs(self.ref_model, mbs) if self.ref_model is not None else None)
         self._rollout = {"plan": batches, "old": old, "ref": ref}
-        return self._from_last_stage(_parity_metrics(batches, old, policy_version))
+        return self._from_last_stage(self._dp_reduced_parity(_parity_sums(batches, old, policy_version)))
+
+    def _dp_reduced_parity(self, sums: torch.Tensor) -> dict:
+        """Parity metrics over the whole rollout: every data-parallel rank's shard (max of maxima, summed sums)."""
+        import torch.distributed as dist
+
+        if self.dp_size > 1:
+            maxima, totals = sums[:, :1].clone(), sums[:, 1:].clone()
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
+            dist.all_reduce(totals, group=self.dp_group)
+            sums = torch.cat([maxima, totals], dim=1)
+        (current_max, current_sum, current_n), (_, stale_sum, stale_n) = sums.tolist()
+        return {"logprob_abs_diff_max": current_max, "logprob_abs_diff_mean": current_sum / max(current_n, 1),
+                "logprob_abs_diff_stale_mean": stale_sum / max(stale_n, 1)}
 
     def train(self, advantages: list[float]) -> dict:
         """One optimizer step per minibatch on the rollout given to `compute_logprobs`."""
@@ -287,11 +300,11 @@ class TrainerWorker:
         shutdown_parallel()
 
 
-def _parity_metrics(batches, old, policy_version: int | None) -> dict:
-    """Engine vs trainer logprobs of the loss-masked response tokens. `logprob_abs_diff_max/mean` cover the tokens
-    the engines sampled with `policy_version`, the weights the trainer holds now (all tokens when None);
-    `logprob_abs_diff_stale_mean` covers the tokens of older versions (partial rollouts), which differ by the
-    policy's change since."""
+def _parity_sums(batches, old, policy_version: int | None) -> torch.Tensor:
+    """|engine - trainer| logprobs of this rank's loss-masked response tokens, as [[max, sum, count]] for the tokens
+    the engines sampled with `policy_version`, the weights the trainer holds now (all tokens when None), and the
+    same for the tokens of older versions (partial rollouts), which differ by the policy's change since. Reported
+    as logprob_abs_diff_max / _mean and logprob_abs_diff_stale_mean."""
     sums = {"current": [0.0, 0.0, 0], "stale": [0.0, 0.0, 0]}  # max, sum, count
     for (minibatch, mbs), old_mb in zip(batches, old):
         for chunk, mb, lp in zip(minibatch, mbs, old_mb):
@@ -308,6 +321,4 @@ def _parity_metrics(batches, old, policy_version: int | None) -> dict:
                         acc[0] = max(acc[0], float(selected.max()))
                         acc[1] += float(selected.sum())
                         acc[2] += selected.numel()
-    current, stale = sums["current"], sums["stale"]
-    return {"logprob_abs_diff_max": current[0], "logprob_abs_diff_mean": current[1] / max(current[2], 1),
-            "logprob_abs_diff_stale_mean": stale[1] / max(stale[2], 1)}
+    return torch.tensor([sums["current"], sums["stale"]], dtype=torch.float64)

@@ -44,6 +44,8 @@ RECOMPUTE = ("trainer.recompute=full",)
 def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
     results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
     for result in results:
+        for key in ("logprob_abs_diff_max", "logprob_abs_diff_mean"):  # over the whole rollout on every rank
+            assert result["parity"][key] == pytest.approx(reference["parity"][key], abs=1e-5), key
         assert result["metrics"]["ppo_kl"] == 0.0
         assert result["metrics"]["pg_loss"] == pytest.approx(reference["metrics"]["pg_loss"], abs=1e-5)
         if result["before"] is None:  # a pipeline stage before the last: no logprobs there

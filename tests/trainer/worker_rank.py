@@ -4,8 +4,8 @@ Launched by tests.multiproc.run_world:
   python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T [--pp P] [--dtype D] --hf DIR
       --data JSONL --out OUT
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
-pipeline stage other than the last), the step's metrics, and the whole-model export (`export_state`; empty except
-on rank 0).
+pipeline stage other than the last), the step's metrics, the parity metrics of compute_logprobs, and the
+whole-model export (`export_state`; empty except on rank 0).
 """
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ def main() -> None:
     worker = make_worker(args)
     samples = fixed_samples()
     before = response_logprobs(worker, samples)
-    worker.compute_logprobs(samples)
+    parity = worker.compute_logprobs(samples)  # engine logprobs are 0 here: |trainer logprobs| over the rollout
     metrics = worker.train([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
     after = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"before": before, "after": after, "metrics": metrics, "dp_rank": worker.dp_rank,
+    torch.save({"before": before, "after": after, "metrics": metrics, "parity": parity, "dp_rank": worker.dp_rank,
                 "dp_size": worker.dp_size, "state": worker.export_state()}, out / f"rank{args.rank}.pt")
     worker.shutdown()
 
