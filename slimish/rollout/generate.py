@@ -94,6 +94,30 @@ def append_reply(sample: Sample, reply: dict) -> Sample:
     return sample
 
 
+def finish_multi_segment(sample: Sample, stop: tuple[str, ...], detokenize) -> None:
+    """Set the text of a response generated in several requests (partial rollouts) from all its tokens, as one
+    request would have: a stop string split across two requests, which no engine saw whole, ends it after the
+    token that completes the earliest one (tokens kept, as the engine keeps a stop string's tokens; the text cut
+    before it, as the engine cuts it), and the sample is completed. `detokenize(ids) -> str`."""
+    text = detokenize(sample.response_ids)
+    found = [(text.find(s), s) for s in stop if s in text]
+    if not found:
+        sample.response = text
+        return
+    begin, matched = min(found)
+    target = text[:begin + len(matched)]
+    lo, hi = 1, len(sample.response_ids)  # the shortest token prefix whose text contains that stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if detokenize(sample.response_ids[:mid]).startswith(target):
+            hi = mid
+        else:
+            lo = mid + 1
+    sample.response_ids, sample.rollout_logprobs = sample.response_ids[:lo], sample.rollout_logprobs[:lo]
+    sample.weight_versions, sample.loss_mask = sample.weight_versions[:lo], sample.loss_mask[:lo]
+    sample.response, sample.status = text[:begin], Status.COMPLETED
+
+
 class RequestError(RuntimeError):
     """A /generate request failed; `retriable` when its engine may have died (connection error, HTTP 5xx) rather
     than the request being wrong (HTTP 4xx, a malformed reply) or too slow (timeout)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import httpx
 
 from slimish.config.schema import PartialRolloutConfig
-from slimish.rollout.generate import RequestError, SamplingParams, generate_one
+from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
 from slimish.sample import Sample, Status
 
 ABORT_RETRY_S = 1.0  # re-send abort_all while requests are still out (one may reach an engine after the abort)
@@ -232,7 +232,7 @@ class RolloutScheduler:
         try:
             for sample in group.samples:
                 if sample.meta.get("segments", 0) > 1:  # decode the whole response, not the segments' texts joined
-                    sample.response = self._detokenize(sample.response_ids)
+                    finish_multi_segment(sample, self.params.stop, self._detokenize)
                 if sample.status is not Status.FAILED:
                     sample.check()
             self._counters["reward_failures"] += await asyncio.to_thread(self._score, group.samples)

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from slimish.rollout import rewards
-from slimish.rollout.generate import SamplingParams, append_reply, per_token_versions, request_body
+from slimish.rollout.generate import (
+    SamplingParams,
+    append_reply,
+    finish_multi_segment,
+    per_token_versions,
+    request_body,
+)
 from slimish.sample import Sample, Status
 
 RECORDED_REPLY = {
@@ -63,6 +69,35 @@ def test_partial_response_is_continued_and_appended():
     assert s.weight_versions == [3, 4, 3, 4] and s.loss_mask == [1] * 4
     assert s.status is Status.COMPLETED and s.meta == {"num_retractions": 1, "segments": 2}
     s.check()
+
+
+def _two_segments(first: str, second: str, status: Status) -> Sample:
+    """A response of one character per token, generated in two requests."""
+    ids = [ord(c) for c in first + second]
+    return _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[3] * len(first) +
+                   [4] * len(second), loss_mask=[1] * len(ids), status=status, meta={"segments": 2})
+
+
+def _chars(ids: list[int]) -> str:
+    return "".join(map(chr, ids))
+
+
+def test_stop_string_split_across_two_requests_ends_the_response():
+    sample = _two_segments("x = 2 </ans", "wer> and more </answer>", Status.TRUNCATED)
+    finish_multi_segment(sample, ("</answer>",), _chars)
+    assert _chars(sample.response_ids) == "x = 2 </answer>", "cut after the token completing the stop string"
+    assert sample.response == "x = 2 " and sample.status is Status.COMPLETED
+    assert sample.weight_versions == [3] * 11 + [4] * 4
+    sample.check()
+
+
+def test_multi_segment_text_without_a_split_stop_string_is_the_whole_decode():
+    sample = _two_segments("abc", "def</answer>", Status.COMPLETED)  # the engine stopped in the second request
+    finish_multi_segment(sample, ("</answer>",), _chars)
+    assert _chars(sample.response_ids) == "abcdef</answer>" and sample.response == "abcdef"
+    sample = _two_segments("abc", "def", Status.TRUNCATED)
+    finish_multi_segment(sample, ("</answer>",), _chars)
+    assert sample.response == "abcdef" and sample.status is Status.TRUNCATED and len(sample.response_ids) == 6
 
 
 def test_abort_before_the_first_token_appends_nothing():
