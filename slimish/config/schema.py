@@ -152,6 +152,8 @@ class DataConfig:
 class RewardConfig:
     fn: str = doc("", "Dotted path of fn(completions, **kwargs) -> list[float].")
     failure_reward: float = doc(0.0, "Reward given when the reward function raises (the failure is counted).")
+    timeout_s: float = doc(0.0, "Seconds one reward call may take; past it its samples get failure_reward (counted) "
+                                "and the call is abandoned (0 = no limit).")
 
 
 @dataclass(kw_only=True)

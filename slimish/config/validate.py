@@ -47,6 +47,7 @@ def validate(cfg: JobConfig) -> None:
     _positive("rollout.engine.watch_interval_s", ro.engine.watch_interval_s)
     _positive("rollout.partial.max_staleness", ro.partial.max_staleness, allow_zero=True)
     _positive("trainer.loss.tis_cap", tr.loss.tis_cap, allow_zero=True)
+    _positive("reward.timeout_s", cfg.reward.timeout_s, allow_zero=True)
     if ro.partial.mode == "off" and ro.partial.over_sampling:
         raise ConfigError("rollout.partial.over_sampling",
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "

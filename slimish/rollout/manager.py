@@ -61,7 +61,8 @@ class RolloutManager:
                 for i in range(self.cfg.rollout.samples_per_prompt)]
 
     def _score(self, samples: list[Sample]) -> int:
-        return rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward)
+        return rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
+                             timeout_s=self.cfg.reward.timeout_s)
 
     def rollout(self, *, policy_version: int) -> tuple[list[Sample], dict]:
         """`prompts_per_step` scored groups (see `RolloutScheduler.collect`) and the step's rollout metrics."""

@@ -1,12 +1,14 @@
 """Call the user's reward hook `fn(completions, **kwargs) -> list[float]` and contain its failures.
 
-A hook that raises or returns the wrong shape does not stop the run: the affected samples get
-`failure_reward`, carry the error, and are counted in `reward_failures`.
+A hook that raises, returns the wrong shape or overruns its time limit does not stop the run: the affected samples
+get `failure_reward`, carry the error, and are counted in `reward_failures`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 from collections.abc import Callable
 
 from slimish.sample import Sample
@@ -27,12 +29,31 @@ def _call(fn: Callable, samples: list[Sample]) -> list[float]:
     return rewards
 
 
-def score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
+def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout_s: float = 0.0) -> int:
     """Set `sample.reward` on every trainable sample; returns how many samples' rewards failed.
 
     The hook is called once for the whole batch; if that raises, it is called per sample so that one bad
-    completion only fails itself. A broken contract (wrong length, NaN) fails the whole batch.
+    completion only fails itself. A broken contract (wrong length, NaN) fails the whole batch. With `timeout_s`
+    the hook runs on copies of the samples in a thread of its own: past the limit every sample fails and the call
+    is abandoned (a Python thread cannot be stopped; it runs on in the background, and what it returns is dropped).
     """
+    if timeout_s <= 0:
+        return _score(samples, fn, failure_reward=failure_reward)
+    copies = [copy.copy(s) for s in samples]
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(_score(copies, fn, failure_reward=failure_reward)),
+                              name="reward-hook", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not result:
+        return _fail([s for s in samples if s.trainable], TimeoutError(f"no answer within {timeout_s:g}s "
+                                                                       "(reward.timeout_s)"), failure_reward)
+    for sample, scored in zip(samples, copies):
+        sample.reward, sample.error = scored.reward, scored.error
+    return result[0]
+
+
+def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
     scored = [s for s in samples if s.trainable]
     if not scored:
         return 0

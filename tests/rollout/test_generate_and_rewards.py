@@ -3,6 +3,8 @@ sglang 0.5.23 on CPU; the real path is covered by tests/e2e)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from slimish.rollout import rewards
@@ -146,3 +148,24 @@ def test_failing_reward_only_fails_the_bad_samples():
 def test_wrong_length_reward_is_a_failure():
     samples = _scored(["7", "7"])
     assert rewards.score(samples, lambda c, **k: [1.0], failure_reward=0.0) == 2
+
+
+def test_reward_hook_past_its_time_limit_fails_its_samples_and_is_abandoned():
+    release = threading.Event()
+
+    def stuck(completions, **kwargs):
+        release.wait()  # a hook that never answers (until the test lets it go)
+        return [1.0] * len(completions)
+
+    samples = _scored(["7", "7"])
+    try:
+        assert rewards.score(samples, stuck, failure_reward=-1.0, timeout_s=0.5) == 2
+    finally:
+        release.set()
+    assert [s.reward for s in samples] == [-1.0, -1.0] and "reward.timeout_s" in samples[0].error
+
+    samples = _scored(["7", "3"])
+    from slimish.tasks.echo_digit import reward
+
+    assert rewards.score(samples, reward, failure_reward=-1.0, timeout_s=60) == 0  # in time: as without a limit
+    assert [s.reward for s in samples] == [1.0, 0.0] and samples[0].error == ""
