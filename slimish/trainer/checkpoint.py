@@ -21,10 +21,16 @@ METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 OPTIMIZER_FILE = "slimish_optimizer.json"  # which optimizer wrote the checkpoint
 
 
-def _is_distributed(optimizer) -> bool:
+def _distributed_parts(optimizer) -> list:
+    """The distributed optimizers in Megatron's ChainedOptimizer (or the optimizer itself, if it is one)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part for part in parts if isinstance(part, DistributedOptimizer)]
+
+
+def _is_distributed(optimizer) -> bool:
+    return bool(_distributed_parts(optimizer))
 
 
 def _state(module, optimizer, *, is_loading: bool) -> dict:
@@ -51,64 +57,61 @@ def load(module, optimizer, path: str | Path) -> None:
         raise FileNotFoundError(f"{path}: not a Megatron dist checkpoint (no metadata.json)")
     record = Path(path) / OPTIMIZER_FILE
     distributed = json.loads(record.read_text())["distributed"] if record.is_file() else False
-    if distributed != _is_distributed(optimizer):
+    distributed_parts = _distributed_parts(optimizer)
+    if distributed != bool(distributed_parts):
         raise ValueError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
                          f"trainer.optimizer.distributed={str(distributed).lower()} to resume from it (the two keep "
                          "Adam's state in different layouts)")
-    _create_empty_adam_state(optimizer)
-    _keep_adam_step_out_of_restored_tensors(optimizer)
+    # Megatron-Core 0.16's distributed optimizer mishandles torch's Adam (used without Transformer Engine / Apex)
+    # when it loads; the three helpers below work around it.
+    for part in distributed_parts:
+        _create_empty_adam_state(part)
+        _keep_adam_step_out_of_restored_tensors(part)
     state = dist_checkpointing.load(_state(module, optimizer, is_loading=True), str(path))
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    _unshare_adam_steps(optimizer)
+    for part in distributed_parts:
+        _unshare_adam_steps(part)
 
 
-def _create_empty_adam_state(optimizer) -> None:
-    """torch's Adam (used when neither Transformer Engine nor Apex is installed) creates a parameter's state at its
-    first step; the distributed optimizer's state_dict, which loading fills in, needs it to exist. Zeros, to be
-    overwritten by the checkpoint."""
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                              exp_avg_sq=torch.zeros_like(param))
+def _create_empty_adam_state(part) -> None:
+    """torch's Adam creates a parameter's state at its first step; the distributed optimizer's state_dict, which
+    loading fills in, needs it to exist. Zeros, to be overwritten by the checkpoint."""
+    inner = part.optimizer
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if not inner.state[param]:
+                inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                          exp_avg_sq=torch.zeros_like(param))
 
 
+def _keep_adam_step_out_of_restored_tensors(part) -> None:
+    """The distributed optimizer restores torch Adam's per-parameter "step" from the param groups, skips it among
+    the checkpoint's per-parameter tensors, then copies every key of the parameter's state from those tensors
+    ("step" included: KeyError). Leave "step" out of that copy."""
+    if "_set_main_param_and_optimizer_states" in vars(part):
+        return
+    original = part._set_main_param_and_optimizer_states
 
-def _keep_adam_step_out_of_restored_tensors(optimizer) -> None:
-    """Megatron-Core 0.16's distributed optimizer restores torch Adam's per-parameter "step" from the param groups,
-    skips it among the checkpoint's per-parameter tensors, then copies every key of the parameter's state from
-    those tensors ("step" included: KeyError). Leave "step" out of that copy."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    def set_states(model_param, tensors):
+        group_index, group_order = part.model_param_group_index_map[model_param]
+        state = part.optimizer.state[part.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
 
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(chained, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(chained):
-            continue
-        original = chained._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, *, _opt=chained, _original=original):
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            state = _opt.optimizer.state[_opt.optimizer.param_groups[group_index]["params"][group_order]]
-            step = state.pop("step", None) if "step" not in tensors else None
-            try:
-                _original(model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        chained._set_main_param_and_optimizer_states = set_states
+    part._set_main_param_and_optimizer_states = set_states
 
 
-def _unshare_adam_steps(optimizer) -> None:
+def _unshare_adam_steps(part) -> None:
     """The distributed optimizer restores torch Adam's "step" as one tensor shared by every parameter's state; torch
     increments each parameter's step in place, so a shared one would advance once per parameter per step (and the
     bias correction with it). Give every parameter its own."""
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if "step" in state and hasattr(state["step"], "clone"):
-                state["step"] = state["step"].clone()
+    for state in part.optimizer.state.values():
+        if "step" in state and hasattr(state["step"], "clone"):
+            state["step"] = state["step"].clone()
