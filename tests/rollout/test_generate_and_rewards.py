@@ -169,3 +169,20 @@ def test_reward_hook_past_its_time_limit_fails_its_samples_and_is_abandoned():
 
     assert rewards.score(samples, reward, failure_reward=-1.0, timeout_s=60) == 0  # in time: as without a limit
     assert [s.reward for s in samples] == [1.0, 0.0] and samples[0].error == ""
+
+
+def test_split_stop_string_with_the_models_tokenizer(task_assets):
+    """The same with the tiny model's real tokenizer: the split falls inside the stop string's tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(task_assets["model"])
+    detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731 - as the manager's
+    head = tokenizer("say 7 7 </an")["input_ids"]
+    ids = head + tokenizer("swer> 7 7 </answer>")["input_ids"]
+    assert detokenize(ids) == "say 7 7 </answer> 7 7 </answer>"
+    sample = _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[0] * len(ids),
+                     loss_mask=[1] * len(ids), status=Status.TRUNCATED, meta={"segments": 2})
+    finish_multi_segment(sample, ("</answer>",), detokenize)
+    assert detokenize(sample.response_ids) == "say 7 7 </answer>" and sample.response == "say 7 7 "
+    assert len(head) < len(sample.response_ids) < len(ids) and sample.status is Status.COMPLETED
+    sample.check()
