@@ -52,7 +52,14 @@ class Sample:
 
     @property
     def trainable(self) -> bool:
+        """The one place that decides whether a sample trains: its generation ended normally with tokens."""
         return self.status in (Status.COMPLETED, Status.TRUNCATED) and len(self.response_ids) > 0
+
+    @property
+    def train_mask(self) -> list[int]:
+        """The per-token mask every loss term and its normaliser use: `loss_mask` when the sample trains, all zeros
+        when it does not (a sample failed after earlier partial segments keeps their tokens, and none may train)."""
+        return self.loss_mask if self.trainable else [0] * len(self.response_ids)
 
     def check(self) -> None:
         n = len(self.response_ids)

@@ -126,8 +126,9 @@ class RolloutConfig:
     prompts_per_step: int = doc(16, "Prompts drawn per RL step.")
     samples_per_prompt: int = doc(8, "Responses sampled per prompt (the GRPO group size).")
     max_new_tokens: int = doc(16, "Maximum response length in tokens.")
-    temperature: float = doc(1.0, "Sampling temperature.")
-    top_p: float = doc(1.0, "Nucleus sampling threshold.")
+    temperature: float = doc(1.0, "Sampling temperature T (> 0). The trainer's logprobs (old, new, reference, "
+                                  "parity) are of softmax(logits / T), the distribution the engines sample from.")
+    top_p: float = doc(1.0, "Nucleus sampling threshold; only 1.0 (SGLang's logprobs ignore the truncation).")
     stop: list = doc([], "Stop strings: a response ends (status completed) after the first one it produces.")
     max_concurrency: int = doc(64, "Maximum in-flight /generate requests.")
     request_timeout_s: float = doc(600.0, "Timeout of one /generate request.")

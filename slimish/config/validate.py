@@ -52,8 +52,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("rollout.partial.over_sampling",
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "
                           "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
-    if not 0 < ro.top_p <= 1:
-        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    if ro.top_p != 1:
+        # SGLang samples from the top-p-truncated distribution but returns the logprobs of the untruncated
+        # softmax(logits / T): every importance ratio and the parity metric would compare the wrong policy.
+        raise ConfigError("rollout.top_p", f"got {ro.top_p}; only 1.0 is supported: SGLang reports logprobs of the "
+                          "untruncated distribution, not of the top-p one it samples from (use rollout.temperature "
+                          "to sharpen sampling)")
     for key, eps in [("trainer.loss.clip_eps_low", tr.loss.clip_eps_low),
                      ("trainer.loss.clip_eps_high", tr.loss.clip_eps_high)]:
         if not 0 < eps < 1:

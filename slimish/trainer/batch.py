@@ -19,7 +19,7 @@ class MicroBatch:
     tokens: torch.Tensor          # [B, S] int64, right-padded
     position_ids: torch.Tensor    # [B, S]
     attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (causal; padding sits after every real token)
-    loss_mask: torch.Tensor       # [B, S-1] float
+    loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis
     extras: dict                  # per-token [B, S-1] tensors (old_logprobs, ref_logprobs) and [B] advantages
 
@@ -49,7 +49,7 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
         start = len(sample.prompt_ids) - 1
         end = start + len(sample.response_ids)
         spans.append((start, end))
-        loss_mask[row, start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        loss_mask[row, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32)
         for key, values in (per_token or {}).items():
             extras[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32)
     for key, values in (per_sample or {}).items():

@@ -31,6 +31,8 @@ class TrainerWorker:
         self.layout = ParallelLayout(rank=rank, world_size=world_size, tensor_parallel=par.tensor_parallel,
                                      pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel)
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
+        # RL logprobs are of the distribution the engines sampled from: softmax(logits / temperature).
+        self.temperature = cfg.rollout.temperature
         self._rollout: dict | None = None
         self._sender = None
         self._groups_made = 0
@@ -110,7 +112,8 @@ class TrainerWorker:
 
     def _forward_logprobs(self, model, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         def collect(mb, logits):
-            return torch.zeros((), requires_grad=False), {"logprobs": token_logprobs(logits, mb.tokens).detach()}
+            logprobs = token_logprobs(logits, mb.tokens, temperature=self.temperature)
+            return torch.zeros((), requires_grad=False), {"logprobs": logprobs.detach()}
 
         with torch.no_grad():
             outputs = self._run_schedule(model, microbatches, collect, forward_only=True)
@@ -183,7 +186,7 @@ class TrainerWorker:
         offset = 0
         for index, (minibatch, mbs) in enumerate(self._rollout["plan"]):
             n_tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
-            n_seqs = sum(len(chunk) for chunk in minibatch)
+            n_seqs = sum(float((mb.loss_mask.sum(dim=1) > 0).sum()) for mb in mbs)  # samples that train
             denom = self._global_sum(n_tokens if loss_cfg.token_aggregation == "token_mean" else n_seqs)
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
             for chunk, mb, old_lp in zip(minibatch, mbs, self._rollout["old"][index]):
@@ -196,7 +199,7 @@ class TrainerWorker:
 
             def loss_fn(mb, logits, denom=denom, scale=scale):
                 out = losses.policy_loss(
-                    logprobs=token_logprobs(logits, mb.tokens), old_logprobs=mb.extras["old_logprobs"],
+                    logprobs=token_logprobs(logits, mb.tokens, temperature=self.temperature), old_logprobs=mb.extras["old_logprobs"],
                     advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,
                     clip_eps_high=loss_cfg.clip_eps_high, aggregation=loss_cfg.token_aggregation, denom=denom,
                     ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
@@ -311,7 +314,7 @@ def _parity_sums(batches, old, policy_version: int | None) -> torch.Tensor:
             for row, sample in enumerate(chunk):
                 start, end = mb.spans[row]
                 diff = (lp[row, start:end] - torch.tensor(sample.rollout_logprobs, dtype=torch.float32)).abs()
-                mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+                mask = mb.loss_mask[row, start:end].bool()
                 current = torch.ones_like(mask)
                 if policy_version is not None:
                     current = torch.tensor(sample.weight_versions) == policy_version

@@ -20,9 +20,11 @@ REQUIRED = ["step", "reward_mean", "response_len_mean", "ppo_kl", "logprob_abs_d
 
 
 def test_two_real_rl_steps(task_assets, tmp_path):
+    """At sampling temperature 0.7: the engines sample from, and report the logprobs of, softmax(logits / 0.7), and
+    the trainer's logprobs must be of that same distribution (at temperature 1 they differ by up to ~1)."""
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=2", "run.name=e2e",
-                        "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1")
+                        "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1", "rollout.temperature=0.7")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     run_dir = tmp_path / "e2e"
@@ -34,6 +36,7 @@ def test_two_real_rl_steps(task_assets, tmp_path):
         assert record["samples_failed"] == 0
         assert record["sync_buckets"] > 1, "bucketed: the tiny model spans several 0.1 MiB buckets"
     assert records[0]["ppo_kl"] == 0.0
+    assert records[0]["grad_norm"] > 0, "step 2's parity is checked against weights that step 1 changed"
     placement = json.loads((run_dir / "placement.json").read_text())
     assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
         "a local Ray stays on loopback, and so do the engines it places"

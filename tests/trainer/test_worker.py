@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimish.config import load_config
-from slimish.sample import Sample
+from slimish.sample import Sample, Status
 from tests.conftest import REPO
 from tests.trainer.worker_rank import response_logprobs
 
@@ -26,7 +26,8 @@ def worker(task_assets, megatron_world):
 def _samples(n=8, response=(23, 0)):
     return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + (i % 3)],
                    response_ids=list(response), rollout_logprobs=[0.0] * len(response),
-                   weight_versions=[0] * len(response), loss_mask=[1] * len(response)) for i in range(n)]
+                   weight_versions=[0] * len(response), loss_mask=[1] * len(response), status=Status.COMPLETED)
+            for i in range(n)]
 
 
 def _response_logprobs(worker, samples):
@@ -44,11 +45,13 @@ def test_sft_reduces_loss(worker):
 
 def test_engine_logprobs_are_matched_and_first_ppo_kl_is_exactly_zero(worker):
     samples = _samples()
-    exact = _response_logprobs(worker, samples)
-    for s in samples:  # pretend the engine returned exactly what the trainer computes
-        s.rollout_logprobs = [float(exact[0]) / 2] * 2
+    exact = response_logprobs(worker, samples)
+    for sample, row in zip(samples, exact):  # the engine returned exactly what the trainer computes...
+        sample.rollout_logprobs = row.tolist()
+    samples[3].rollout_logprobs[1] += 0.25   # ...but for one token
     metrics = worker.compute_logprobs(samples)
-    assert metrics["logprob_abs_diff_max"] >= 0.0
+    assert metrics["logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-6)
+    assert metrics["logprob_abs_diff_mean"] == pytest.approx(0.25 / 16, abs=1e-6)
     out = worker.train([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
     assert out["ppo_kl"] == 0.0, "same weights, same micro-batches: the ratio must be exactly 1"
 
@@ -82,3 +85,63 @@ def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
     second = w.train(advantages)
     assert first["kl_ref"] == 0.0
     assert second["kl_ref"] > 0.0
+
+
+def test_token_logprobs_are_of_the_temperature_scaled_distribution(megatron_world):
+    """log softmax(logits / T), as SGLang samples and reports them, at several temperatures; the logits are left as
+    they were (the cross-entropy kernel works in place)."""
+    from slimish.trainer.logprobs import token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 13, generator=gen) * 3
+    tokens = torch.randint(0, 13, (2, 6), generator=gen)
+    for batch in (logits, logits[:1]):  # one row: the sliced logits are contiguous, the kernel must get a copy
+        kept = batch.clone()
+        for temperature in (0.3, 0.7, 1.0, 1.6):
+            scaled = batch[:, :-1].double() / temperature
+            by_hand = scaled.gather(-1, tokens[: len(batch), 1:, None]).squeeze(-1) - scaled.logsumexp(dim=-1)
+            got = token_logprobs(batch, tokens[: len(batch)], temperature=temperature)
+            torch.testing.assert_close(got.double(), by_hand, atol=1e-5, rtol=0)
+            assert torch.equal(batch, kept)
+
+
+def test_worker_logprobs_follow_the_sampling_temperature(task_assets, megatron_world):
+    """At rollout.temperature 0.7 the trainer's old logprobs equal log softmax(HF logits / 0.7) of the same model,
+    the distribution the engines sample from; at temperature 1 they would differ by far more than the tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from slimish.trainer.worker import TrainerWorker
+
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", "rollout.temperature=0.7"])
+    w = TrainerWorker(cfg, rank=0, world_size=1)
+    w.setup(master_addr="unused", master_port=0)
+    hf = AutoModelForCausalLM.from_pretrained(task_assets["model"], dtype=torch.float32)
+    samples = _samples()
+    untempered = []
+    with torch.no_grad():
+        for sample in samples:
+            logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1]
+            ids = torch.tensor(sample.response_ids)[:, None]
+            sample.rollout_logprobs = torch.log_softmax(logits / 0.7, -1).gather(-1, ids).squeeze(-1).tolist()
+            untempered.append(torch.log_softmax(logits, -1).gather(-1, ids).squeeze(-1))
+    metrics = w.compute_logprobs(samples)
+    assert metrics["logprob_abs_diff_max"] <= 1e-5
+    tempered = torch.tensor([s.rollout_logprobs for s in samples])
+    assert (tempered - torch.stack(untempered)).abs().max() > 1e-2, "the test's temperature makes no difference"
+
+
+def test_a_sample_that_does_not_train_reaches_no_loss_term(worker):
+    """A sample failed after an earlier partial segment keeps its tokens (loss_mask 1) but trains on nothing: with
+    token_mean its tokens are not in the normaliser (pg_loss at ratio 1 is -mean advantage of the trained tokens),
+    and its mask is 0 in every micro-batch."""
+    samples = _samples()
+    for sample in samples[4:]:
+        sample.status = Status.FAILED
+    worker.compute_logprobs(samples)
+    masks = [mb.loss_mask for _, mbs in worker._rollout["plan"] for mb in mbs]
+    assert torch.cat(masks).sum(dim=1).tolist() == [2.0] * 4 + [0.0] * 4
+    out = worker.train([1.0] * 4 + [0.0] * 4)  # the driver gives a failed sample advantage 0
+    assert out["pg_loss"] == pytest.approx(-1.0, abs=1e-6), "failed samples' tokens diluted the token mean"
+    assert out["ppo_kl"] == 0.0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from slimish.config import load_config
-from slimish.sample import Sample
+from slimish.sample import Sample, Status
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def fixed_samples() -> list[Sample]:
     tokens make consecutive micro-batches (of 2) differ in length, as pipeline stages must cope with."""
     return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3][:2 + i // 2 % 2],
                    response_ids=[23 + i % 2, 0], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0],
-                   loss_mask=[1, 1]) for i in range(8)]
+                   loss_mask=[1, 1], status=Status.COMPLETED) for i in range(8)]
 
 
 def response_logprobs(worker, samples) -> torch.Tensor | None:
