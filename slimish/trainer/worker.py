@@ -199,7 +199,8 @@ class TrainerWorker:
 
             def loss_fn(mb, logits, denom=denom, scale=scale):
                 out = losses.policy_loss(
-                    logprobs=token_logprobs(logits, mb.tokens, temperature=self.temperature), old_logprobs=mb.extras["old_logprobs"],
+                    logprobs=token_logprobs(logits, mb.tokens, temperature=self.temperature),
+                    old_logprobs=mb.extras["old_logprobs"],
                     advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,
                     clip_eps_high=loss_cfg.clip_eps_high, aggregation=loss_cfg.token_aggregation, denom=denom,
                     ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,

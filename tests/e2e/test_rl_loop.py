@@ -36,7 +36,6 @@ def test_two_real_rl_steps(task_assets, tmp_path):
         assert record["samples_failed"] == 0
         assert record["sync_buckets"] > 1, "bucketed: the tiny model spans several 0.1 MiB buckets"
     assert records[0]["ppo_kl"] == 0.0
-    assert records[0]["grad_norm"] > 0, "step 2's parity is checked against weights that step 1 changed"
     placement = json.loads((run_dir / "placement.json").read_text())
     assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
         "a local Ray stays on loopback, and so do the engines it places"
