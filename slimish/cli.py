@@ -5,26 +5,29 @@
   slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
+
+Bad input (a config key, a missing or corrupt file, an unwritable directory, a checkpoint of another model) is
+reported as one line, `error: <what is wrong and what to do>`, with exit status 2: every such error is a
+`slimish.errors.UserError`, raised here or wherever it is found (also inside a Ray actor).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
+
+from slimish.errors import UserError, find_user_error
 
 
 def _load(config: str | None, overrides: list[str]):
-    from slimish.config import ConfigError, load_config
+    from slimish.config import load_config
 
     try:
         return load_config(config, overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
     except FileNotFoundError as exc:
-        print(f"error: config file not found: {exc.filename}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise UserError(f"config file not found: {exc.filename}") from None
 
 
 def cmd_train(args) -> int:
@@ -46,6 +49,7 @@ def cmd_make_tiny(args) -> int:
     from slimish.tasks import echo_digit
     from slimish.tasks.tiny_model import build_tiny_model
 
+    _output_dir(args.out, "--out")
     out = Path(args.out)
     model_dir = build_tiny_model(out / "model", corpus=echo_digit.corpus(), family=args.family, seed=args.seed)
     paths = echo_digit.write_datasets(out, seed=args.seed)
@@ -53,21 +57,46 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def _input_dir(path: str, flag: str, *, holds: str, what: str) -> None:
+    if not (Path(path) / holds).is_file():
+        where = "does not exist" if not Path(path).exists() else f"has no {holds}"
+        raise UserError(f"{flag} {path}: {where}; pass {what}")
+
+
+def _output_dir(path: str, flag: str) -> None:
+    """Prove now, before any work is done, that `path` can be written: the directory itself or, if it does not exist
+    yet, its nearest existing parent (nothing is created; root ignores permission bits, so a file is written and
+    removed rather than os.access asked)."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is a file")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); choose a writable "
+                        "directory") from None
+
+
 def cmd_convert(args) -> int:
     from slimish.megatron_bridge import convert
-    from slimish.megatron_bridge.hf_config import UnsupportedConfig
 
-    try:
-        if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
-                                         pipeline_parallel=args.pp, expert_parallel=args.ep)
-        else:
-            convert.megatron_to_hf(megatron_dir=args.megatron, hf_config_dir=args.hf_config, out_dir=args.out,
-                                   max_shard_bytes=args.max_shard_mb << 20)
-            out = args.out
-    except (UnsupportedConfig, convert.LayoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.direction == "hf-to-megatron":
+        _input_dir(args.hf, "--hf", holds="config.json", what="a Hugging Face model directory (config.json + "
+                   "safetensors)")
+        _output_dir(args.out, "--out")
+        out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
+                                     pipeline_parallel=args.pp, expert_parallel=args.ep)
+    else:
+        _input_dir(args.megatron, "--megatron", holds="metadata.json", what="a Megatron distributed checkpoint "
+                   "(from `slimish convert hf-to-megatron`)")
+        _input_dir(args.hf_config, "--hf-config", holds="config.json", what="the Hugging Face directory of the "
+                   "converted model (config.json + tokenizer files)")
+        _output_dir(args.out, "--out")
+        convert.megatron_to_hf(megatron_dir=args.megatron, hf_config_dir=args.hf_config, out_dir=args.out,
+                               max_shard_bytes=args.max_shard_mb << 20)
+        out = args.out
     print(f"wrote {out}")
     return 0
 
@@ -108,7 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as exc:
+        error = find_user_error(exc)
+        if error is None:
+            raise  # a bug in slimish: keep the traceback
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

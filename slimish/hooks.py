@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from slimish.errors import UserError
 
-class HookError(ValueError):
+
+class HookError(UserError, ValueError):
     """A dotted path that does not resolve to a callable."""
 
 

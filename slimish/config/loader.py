@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from slimish.config.schema import JobConfig
+from slimish.errors import UserError
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -40,7 +41,7 @@ def _yaml_load(text: str):
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An invalid configuration; `key` is the dotted path of the offending entry."""
 
     def __init__(self, key: str, message: str):

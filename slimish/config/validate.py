@@ -103,12 +103,28 @@ def _check_paths(cfg: JobConfig) -> None:
         raise ConfigError("model.hf_path", "is required: a Hugging Face checkpoint directory")
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
+    _check_model(cfg.model.hf_path)
     if not cfg.data.path:
         raise ConfigError("data.path", "is required: a jsonl file of prompts")
     if not Path(cfg.data.path).is_file():
         raise ConfigError("data.path", f"file {cfg.data.path!r} does not exist")
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
         raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
+
+
+def _check_model(path: str) -> None:
+    """The bridge can build the model of config.json, and the safetensors headers read whole (cheap: no weights are
+    loaded), so that a wrong or damaged model directory is reported here rather than by a trainer rank or an
+    engine after start-up."""
+    from slimish.megatron_bridge.errors import CheckpointError, UnsupportedConfig
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+
+    try:
+        architecture_from_hf(read_hf_config(path))
+        HFCheckpoint(path)
+    except (UnsupportedConfig, CheckpointError) as exc:
+        raise ConfigError("model.hf_path", str(exc)) from None
 
 
 def _check_resume(resume: str) -> None:

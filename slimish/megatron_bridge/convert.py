@@ -20,12 +20,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from slimish.errors import UserError
 from slimish.megatron_bridge import dense, dist_ckpt_io, mla
+from slimish.megatron_bridge.errors import CheckpointError, MappingError
 from slimish.megatron_bridge.hf_config import Architecture, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint, write_hf_shards
+from slimish.megatron_bridge.hf_shapes import check_shapes, expected_hf_shapes
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """The model does not split evenly at the requested parallel layout."""
 
 
@@ -48,7 +51,8 @@ def check_layout(arch: Architecture, *, tensor_parallel: int, pipeline_parallel:
         splits += [(what, value, tensor_parallel) for what, value in mla.tp_splits(arch)]
     for what, value, parts in splits:
         if parts < 1 or value % parts:
-            raise LayoutError(f"{what}={value} does not split over {parts} ranks")
+            raise LayoutError(f"config.json {what}={value} does not split over {parts} ranks; choose a parallel size "
+                              "that divides it")
 
 
 def _read_rows(rule: dense.Rule, ckpt: HFCheckpoint, *, shape: tuple[int, ...], rows: tuple[int, int],
@@ -81,14 +85,18 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
 
     Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
     does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole)."""
-    arch = architecture_from_hf(read_hf_config(hf_dir))
+    config = read_hf_config(hf_dir)
+    arch = architecture_from_hf(config)
     check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                  expert_parallel=expert_parallel)
     ckpt = HFCheckpoint(hf_dir)
     rules = dense.model_rules(arch)
+    check_shapes({name: ckpt.shape(name) for rule in rules for name in rule.hf}, expected_hf_shapes(config),
+                 source=str(hf_dir), config=f"{hf_dir}/config.json")
     unmapped = dense.unmapped_hf_names(ckpt.names(), arch)
     if unmapped:
-        raise ValueError(f"HF tensors with no Megatron mapping (would be dropped): {unmapped[:5]}")
+        raise MappingError(f"{hf_dir}: {len(unmapped)} tensors have no Megatron mapping under its config.json and "
+                           f"would be dropped, e.g. {unmapped[:3]}; is config.json the one these weights belong to?")
     bar = tqdm(total=sum(ckpt.nbytes(n) for r in rules for n in r.hf), unit="B", unit_scale=True, desc="hf->megatron",
                disable=not progress)
     buffers = dist_ckpt_io.BufferPool(chunk_bytes)
@@ -111,11 +119,13 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
         full = dense.megatron_shape(rule, [ckpt.shape(name) for name in rule.hf])
         dtype = ckpt.dtype(rule.hf[0])
         if any(ckpt.dtype(name) != dtype for name in rule.hf):
-            raise ValueError(f"{rule.hf}: tensors fused into {rule.megatron} have different dtypes")
+            raise CheckpointError(f"{hf_dir}: {rule.hf} are fused into one Megatron tensor but have different dtypes; "
+                                  "save the checkpoint in one dtype")
         layered = layer is not None
         shape = (count, *full) if layered else full
         if shapes.setdefault(key, shape) != shape or dtypes.setdefault(key, dtype) != dtype:
-            raise ValueError(f"{key}: layers disagree on shape or dtype ({rule.hf[0]} is {full} {dtype})")
+            raise CheckpointError(f"{hf_dir}: layers disagree on the shape or dtype of {key} ({rule.hf[0]} is "
+                                  f"{full} {dtype}); the weights do not fit config.json")
         blocks = _row_blocks(full, dtype.itemsize, chunk_bytes) if dense.stacks_in_order(rule) and full else [None]
         for rows in blocks:
             start, stop = rows or (0, full[0] if full else 0)
@@ -136,20 +146,31 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
                    max_shard_bytes: int = 2 << 30, progress: bool = True) -> list[Path]:
     """Write the torch_dist checkpoint in `megatron_dir` as HF safetensors shards in `out_dir`, with config.json
     and the tokenizer files copied from `hf_config_dir`. Returns the shard files."""
-    arch = architecture_from_hf(read_hf_config(hf_config_dir))
+    config = read_hf_config(hf_config_dir)
+    arch = architecture_from_hf(config)
     ckpt = dist_ckpt_io.DistCheckpoint(megatron_dir)
+    rules = dense.model_rules(arch)
+    # A trainer checkpoint also holds the optimizer's state ("optimizer.*"): not weights.
+    unused = sorted(key for key in ckpt.keys() if not key.startswith("optimizer.")
+                    and key not in {dense.checkpoint_key(rule.megatron, arch)[0] for rule in rules})
+    if unused:
+        raise CheckpointError(f"{megatron_dir}: holds weights that {hf_config_dir}/config.json does not describe, "
+                              f"e.g. {unused[:3]}: pass the config of the model that was converted")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     plan, specs = [], []
-    for rule in dense.model_rules(arch):
+    for rule in rules:
         key, layer, count = dense.checkpoint_key(rule.megatron, arch)
         meta = ckpt.meta(key)
         if layer is not None:
             if meta.shape[0] != count:
-                raise ValueError(f"{key}: checkpoint stacks {meta.shape[0]} tensors, config.json says {count}")
+                raise CheckpointError(f"{megatron_dir}: {key} has {meta.shape[0]} layers, {hf_config_dir}/config.json "
+                                      f"says {count}: pass the config of the model that was converted")
             meta = meta[0]
         plan.append((rule, key, layer, meta))
         specs += zip(rule.hf, dense.to_hf(rule, meta, arch))
+    check_shapes({name: tuple(meta.shape) for name, meta in specs}, expected_hf_shapes(config),
+                 source=str(megatron_dir), config=f"{hf_config_dir}/config.json")
+    out_dir.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=sum(m.numel() * m.element_size() for _, m in specs), unit="B", unit_scale=True,
                desc="megatron->hf", disable=not progress)
 

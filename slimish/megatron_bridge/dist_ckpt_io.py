@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from slimish.megatron_bridge.errors import CheckpointError
+
 MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}
 
@@ -289,18 +291,25 @@ class DistCheckpoint:
         self.path = Path(path)
         config_file = self.path / "metadata.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"{self.path}: no metadata.json; not a Megatron distributed checkpoint")
+            raise CheckpointError(f"{self.path}: no metadata.json; not a Megatron distributed checkpoint (write one "
+                                  "with `slimish convert hf-to-megatron`)")
         config = json.loads(config_file.read_text())
         if config.get("sharded_backend") != "torch_dist":
-            raise ValueError(f"{self.path}: sharded_backend {config.get('sharded_backend')!r}; only torch_dist")
+            raise CheckpointError(f"{self.path}: sharded_backend {config.get('sharded_backend')!r}; only torch_dist "
+                                  "checkpoints are read")
         self._reader = dcp.FileSystemReader(self.path)
         self._tensors = {key: md for key, md in self._reader.read_metadata().state_dict_metadata.items()
                          if hasattr(md, "chunks")}
 
+    def keys(self) -> list[str]:
+        """The keys of every tensor in the checkpoint."""
+        return list(self._tensors)
+
     def meta(self, key: str) -> torch.Tensor:
         """A meta-device tensor with the global shape and stored dtype of `key`."""
         if key not in self._tensors:
-            raise KeyError(f"{self.path}: no tensor {key!r} in the checkpoint")
+            raise CheckpointError(f"{self.path}: no tensor {key!r} in the checkpoint: it holds another model than the "
+                                  "config describes; pass the config of the model that was converted")
         md = self._tensors[key]
         return torch.empty(md.size, dtype=md.properties.dtype, device="meta")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimish.megatron_bridge import mla_config, moe_config
-from slimish.megatron_bridge.errors import UnsupportedConfig
+from slimish.megatron_bridge.errors import CheckpointError, UnsupportedConfig
 from slimish.megatron_bridge.mla_config import MLA
 from slimish.megatron_bridge.moe_config import MoE
 
@@ -52,8 +52,16 @@ class Architecture:
 
 
 def read_hf_config(path: str | Path) -> dict:
+    """config.json of the HF model directory `path` (or the file itself)."""
     path = Path(path)
-    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory (config.json and "
+                              "safetensors weights)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: cannot read it as JSON ({exc}); restore the model's config.json") from None
 
 
 @dataclass(frozen=True, kw_only=True)

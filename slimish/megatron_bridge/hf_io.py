@@ -17,10 +17,7 @@ from pathlib import Path
 
 import torch
 
-
-class CheckpointError(RuntimeError):
-    pass
-
+from slimish.megatron_bridge.errors import CheckpointError  # noqa: F401 - raised here, imported from here by callers
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -48,7 +45,8 @@ def _read_header(file: Path) -> dict[str, _Entry]:
                 raise ValueError(f"header length {length} does not fit a {size}-byte file")
             header = json.loads(f.read(length))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read safetensors shard {file}: {exc}") from None
+        raise CheckpointError(f"cannot read safetensors shard {file}: {exc}; the file is incomplete or corrupt: copy "
+                              "or export it again") from None
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -58,7 +56,7 @@ def _read_header(file: Path) -> dict[str, _Entry]:
             raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
         if 8 + length + end > size:
             raise CheckpointError(f"safetensors shard {file} is truncated ({size} bytes; {name!r} ends at "
-                                  f"{8 + length + end})")
+                                  f"{8 + length + end}): copy or export it again")
         entries[name] = _Entry(file, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + length + begin, end - begin)
     return entries
 

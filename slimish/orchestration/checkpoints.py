@@ -16,6 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
+from slimish.config.loader import ConfigError
+
 DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
 ROLLOUT_BUFFER = "rollout_buffer.jsonl"
@@ -55,7 +57,8 @@ def resume_path(resume: str, run_dir: Path) -> Path | None:
         return found[-1][1] if found else None
     path = Path(resume)
     if not is_complete(path):
-        raise FileNotFoundError(f"checkpoint.resume: {resume!r} is not a complete checkpoint")
+        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete checkpoint (a step_<N> directory with "
+                          "driver.json); use 'auto', 'never' or such a directory")
     return path
 
 

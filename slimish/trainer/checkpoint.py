@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from slimish.megatron_bridge.errors import CheckpointError
+
 # The distributed optimizer's state is saved per parameter (gathered over the data-parallel group on save, sliced on
 # load), so its checkpoints too load at any TP / PP / DP layout; but only by a distributed optimizer again.
 # (Its default format in Megatron-Core 0.16, fully_sharded_model_space, no longer saves: flattened ShardedTensors.)
@@ -54,14 +56,15 @@ def load(module, optimizer, path: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     if not (Path(path) / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Megatron dist checkpoint (no metadata.json)")
+        raise CheckpointError(f"{path}: not a Megatron dist checkpoint (no metadata.json); point checkpoint.resume at "
+                              "a complete checkpoints/step_<N> directory")
     record = Path(path) / OPTIMIZER_FILE
     distributed = json.loads(record.read_text())["distributed"] if record.is_file() else False
     distributed_parts = _distributed_parts(optimizer)
     if distributed != bool(distributed_parts):
-        raise ValueError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
-                         f"trainer.optimizer.distributed={str(distributed).lower()} to resume from it (the two keep "
-                         "Adam's state in different layouts)")
+        raise CheckpointError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
+                              f"trainer.optimizer.distributed={str(distributed).lower()} to resume from it (the two "
+                              "keep Adam's state in different layouts)")
     # Megatron-Core 0.16's distributed optimizer mishandles torch's Adam (used without Transformer Engine / Apex)
     # when it loads; the three helpers below work around it.
     for part in distributed_parts:

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+from safetensors.torch import save_file
 
 from slimish.config import load_config
 from slimish.megatron_bridge.hf_config import architecture_from_hf, transformer_config
@@ -28,6 +29,7 @@ def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config))
+    save_file({}, model_dir / "model.safetensors")  # stands in for the weights: validation reads headers only
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1? Put the final answer in \\boxed{}.", "label": "2"}) + "\n")
     path = REPO / "configs" / "recipes" / f"{name}.yaml"

@@ -11,23 +11,11 @@ import torch
 
 from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.hf_config import architecture_from_hf
+from slimish.megatron_bridge.hf_shapes import expected_hf_shapes
 from tests.megatron_bridge.real_configs import REAL_CONFIGS, trimmed
 
 # Parameters of the whole model (untrimmed), as its model card states them, to the stated precision.
 BILLIONS = {"llama31_405b": (405.85, 0.01), "qwen3_8b": (8.19, 0.01)}
-
-
-def hf_meta_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors transformers writes for `cfg` (save_pretrained's own reversal of its
-    in-memory layout, e.g. fused experts back to one tensor per expert)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype")}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))
-        saved = revert_weight_conversion(model, model.state_dict())
-    return {name: tuple(t.shape) for name, t in saved.items()}
 
 
 def megatron_meta_shapes(arch) -> dict[str, tuple[int, ...]]:
@@ -44,7 +32,7 @@ def megatron_meta_shapes(arch) -> dict[str, tuple[int, ...]]:
 def test_real_config_maps_every_tensor_at_its_shape(name, megatron_world):
     cfg = trimmed(name)
     arch = architecture_from_hf(cfg)
-    hf = hf_meta_shapes(cfg)
+    hf = expected_hf_shapes(cfg)
     megatron = megatron_meta_shapes(arch)
     rules = dense.model_rules(arch)
     assert {r.megatron for r in rules} == set(megatron), "one rule per Megatron weight"

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from slimish.config.loader import ConfigError
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import truncate_metrics
 from slimish.rollout.data import PromptDataset
@@ -38,7 +39,7 @@ def test_an_interrupted_save_is_never_resumed_from_and_is_cleaned_up(tmp_path):
     (root / "step_3").mkdir()  # a directory that merely looks like a checkpoint (no driver.json)
     (root / "step_3" / checkpoints.TRAINER_DIR).mkdir()
     assert checkpoints.resume_path("auto", tmp_path) == root / "step_1"
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
         checkpoints.resume_path(str(root / "step_3"), tmp_path)
     _save(tmp_path, 4)
     assert not staging.exists()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from slimish.config import load_config
+from slimish.megatron_bridge.errors import CheckpointError
 from tests.conftest import REPO
 from tests.multiproc import run_world
 from tests.trainer.worker_rank import fixed_samples
@@ -56,7 +57,7 @@ def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets,
 
 def test_load_of_a_missing_checkpoint_names_the_path(task_assets, megatron_world, tmp_path):
     worker = _worker(task_assets)
-    with pytest.raises(FileNotFoundError, match="nothing-here"):
+    with pytest.raises(CheckpointError, match="nothing-here"):
         worker.load_checkpoint(str(tmp_path / "nothing-here"))
 
 
