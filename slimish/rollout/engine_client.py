@@ -10,7 +10,8 @@ import httpx
 
 
 class EngineError(RuntimeError):
-    pass
+    """Any failed control call: the engine could not be reached, timed out, answered non-200 or success=false.
+    The message names the engine and the endpoint. One type for every cause, so that callers decide on one."""
 
 
 class EngineClient:
@@ -21,8 +22,11 @@ class EngineClient:
     def close(self) -> None:
         self._http.close()
 
-    def _post(self, path: str, body: dict | None = None) -> dict:
-        resp = self._http.post(path, json=body or {})
+    def _request(self, method: str, path: str, body: dict | None = None):
+        try:
+            resp = self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         try:
             payload = resp.json()
         except ValueError:
@@ -31,10 +35,11 @@ class EngineClient:
             raise EngineError(f"{self.url}{path} -> HTTP {resp.status_code}: {payload}")
         return payload
 
+    def _post(self, path: str, body: dict | None = None):
+        return self._request("POST", path, body or {})
+
     def model_info(self) -> dict:
-        resp = self._http.get("/model_info")
-        resp.raise_for_status()
-        return resp.json()
+        return self._request("GET", "/model_info")
 
     def weight_version(self) -> str | None:
         return self.model_info().get("weight_version")
@@ -62,7 +67,7 @@ class EngineClient:
             weight_version=weight_version, load_format=load_format))
 
     def flush_cache(self) -> None:
-        self._http.post("/flush_cache").raise_for_status()
+        self._post("/flush_cache")
 
     def abort(self, rid: str | None = None) -> None:
         self._post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
