@@ -41,7 +41,9 @@ class EngineWatchdog:
             return [url for url, state in self.state.items() if state == LIVE]
 
     def for_sync(self) -> dict:
-        """The engines the next weight sync goes to: live ones and the restarted ones waiting to join."""
+        """The engines the next weight sync goes to: live ones and the restarted ones waiting to join. Looks for dead
+        engines first, so that a sync never begins with an engine that died since the last periodic check."""
+        self.check()
         with self._lock:
             joining = [url for url, state in self.state.items() if state == JOINING]
             urls = [url for url, state in self.state.items() if state in (LIVE, JOINING)]
@@ -71,21 +73,29 @@ class EngineWatchdog:
             thread.join(timeout=1)
 
     # ----------------------------------------------------------------------------------------- the thread
+    def check(self) -> None:
+        """Take every live engine whose process has died out of service and start its restart. Called by the
+        watchdog thread every `interval_s` and by `for_sync`; each death is handled once (claimed under the lock)."""
+        for i, url in enumerate(self.servers.engine_urls):
+            with self._lock:
+                watched = self.state[url] == LIVE
+            if not watched or self.servers.engine_alive(i):
+                continue
+            with self._lock:
+                if self.state[url] != LIVE:  # the other caller claimed it meanwhile
+                    continue
+                self.state[url] = RESTARTING
+                self.counts["deaths"] += 1
+            try:
+                self._on_death(i, url)
+            except Exception:
+                self._fail(url)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for i, url in enumerate(self.servers.engine_urls):
-                with self._lock:
-                    watched = self.state[url] == LIVE
-                if watched and not self.servers.engine_alive(i):
-                    try:
-                        self._on_death(i, url)
-                    except Exception:
-                        self._fail(url)
+            self.check()
 
     def _on_death(self, i: int, url: str) -> None:
-        with self._lock:
-            self.state[url] = RESTARTING
-            self.counts["deaths"] += 1
         print(f"engine {url} died (exit code {self.servers.engine_exit_code(i)}); restarting it; see "
               f"{self.servers.log_dir}/engine{i}.log", flush=True)
         self._on_live_change(self.live())

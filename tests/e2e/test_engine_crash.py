@@ -1,7 +1,10 @@
 """A SGLang engine killed in the middle of a real RL run: the job goes on with the other engine, the requests that
 were on the dead one are retried, the engine is restarted, rejoins the weight-sync group and the router at the next
 weight sync, and then serves the trained weights (the sync verifies every engine reports the new version, and the
-engines' logprobs keep matching the trainer's). Nothing is left running afterwards."""
+engines' logprobs keep matching the trainer's). No sample is lost. Nothing is left running afterwards.
+
+Where the kill lands is made deterministic: the engine is paused in place (its requests freeze, so none can finish
+and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked again."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from tests.e2e.procs import become_subreaper, leftovers, train_command
@@ -33,6 +37,31 @@ def wait_for(proc, predicate, *, timeout_s: float, log) -> list[dict]:
     raise AssertionError(f"timed out; driver log:\n{log.read_text()[-4000:]}")
 
 
+def _requests_on(load: dict | list) -> int:
+    """Running + waiting requests in a /v1/loads answer (summed over its data-parallel ranks)."""
+    if isinstance(load, list):
+        return sum(_requests_on(item) for item in load)
+    if not isinstance(load, dict):
+        return 0
+    return sum(value if key in ("num_running_reqs", "num_waiting_reqs") and isinstance(value, int)
+               else _requests_on(value) for key, value in load.items())
+
+
+def kill_while_generating(url: str, engine_pid: int, *, timeout_s: float) -> int:
+    """SIGKILL the engine's process group at a moment it holds requests; returns how many it held."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
+            held = _requests_on(http.get("/v1/loads").json()["loads"])
+            if held:
+                os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
+                return held
+            http.post("/continue_generation", json={}).raise_for_status()
+            time.sleep(0.05)
+    raise AssertionError(f"{url} held no request for {timeout_s} s")
+
+
 def test_killed_engine_is_restarted_and_rejoins(task_assets, tmp_path):
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
@@ -43,7 +72,8 @@ def test_killed_engine_is_restarted_and_rejoins(task_assets, tmp_path):
     try:
         wait_for(proc, lambda: read_metrics(metrics)[1:], timeout_s=900, log=log)  # two steps done
         engine_pid = json.loads((tmp_path / "crash" / "pids.json").read_text())["servers"][1]
-        os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
+        engine_url = json.loads((tmp_path / "crash" / "placement.json").read_text())["engines"][1]["url"]
+        held = kill_while_generating(engine_url, engine_pid, timeout_s=300)
         killed_at = len(read_metrics(metrics))
 
         def rejoined() -> list[dict]:
@@ -57,6 +87,9 @@ def test_killed_engine_is_restarted_and_rejoins(task_assets, tmp_path):
         proc.wait(timeout=180)
     assert not leftovers(), "processes left running after the job"
     assert records[-1]["engine_deaths"] == 1 and records[-1]["engine_restart_failures"] == 0
+    retried = sum(r.get("requests_retried", 0) for r in records)
+    assert held > 0 and retried > 0, "the requests the killed engine held were retried"
+    assert sum(r.get("samples_failed", 0) for r in records) == 0, "no sample was lost"
     down = [r for r in records[killed_at:] if r["engines_live"] == 1]
     assert down, "steps ran on one engine while the other restarted"
     for record in records:
