@@ -1,14 +1,14 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make test-fast | make lint | make bench
+# Other targets: make venv | make test-fast | make lint | make bench | make bench-partial
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint bench clean
+.PHONY: venv quickstart test test-fast lint bench bench-partial clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,9 @@ test-fast: venv
 
 bench: venv
 	$(BIN)/python bench/convert.py
+
+bench-partial: venv
+	$(BIN)/python bench/partial_rollout.py
 
 clean:
 	rm -rf $(VENV) artifacts runs .pytest_cache

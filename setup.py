@@ -1,7 +1,8 @@
 """slimish: RL post-training native to Megatron-Core (training) and SGLang (rollout).
 
 CPU development stack: `make test` / `make quickstart` install the pinned requirements/cpu-lock.txt first.
-GPU clusters: `pip install -e .[gpu]` on top of a CUDA torch + sglang + megatron-core install.
+GPU clusters: `pip install -e .` on top of a CUDA torch + sglang + megatron-core install (Transformer Engine is not
+used: the model is built from Megatron-Core's local layer spec on every device).
 """
 
 from setuptools import find_packages, setup
@@ -30,8 +31,6 @@ setup(
         "math-verify",  # the math-answer reward hook (slimish.tasks.math_answer)
     ],
     extras_require={
-        # CUDA-only pieces; never install these on a CPU machine (transformer-engine's import fails there).
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["slimish=slimish.cli:main"]},
