@@ -140,6 +140,11 @@ async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params
     if resp.status_code != 200:
         raise RequestError(f"HTTP {resp.status_code}: {resp.text[:300]}", retriable=resp.status_code >= 500)
     try:
-        return append_reply(sample, resp.json())
+        append_reply(sample, resp.json())
     except (ValueError, KeyError, TypeError) as exc:
         raise RequestError(f"malformed reply: {type(exc).__name__}: {exc}", retriable=False) from exc
+    if sample.status is Status.ABORTED and len(sample.response_ids) >= params.max_new_tokens:
+        # The abort landed on the last token of the budget: nothing is left to continue (a continuation would ask
+        # for max_new_tokens=0).
+        sample.status = Status.TRUNCATED
+    return sample

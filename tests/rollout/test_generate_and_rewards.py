@@ -186,3 +186,24 @@ def test_split_stop_string_with_the_models_tokenizer(task_assets):
     assert detokenize(sample.response_ids) == "say 7 7 </answer>" and sample.response == "say 7 7 "
     assert len(head) < len(sample.response_ids) < len(ids) and sample.status is Status.COMPLETED
     sample.check()
+
+
+def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
+    """Nothing is left to continue (a continuation would ask for max_new_tokens=0): the sample is truncated and
+    trains. The engine's HTTP reply is served by httpx's MockTransport (the recorded reply, finish 'abort')."""
+    import asyncio
+
+    import httpx
+
+    from slimish.rollout.generate import generate_one
+
+    aborted = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "abort"}}}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=aborted))
+
+    async def generate(max_new_tokens: int) -> Sample:
+        async with httpx.AsyncClient(transport=transport) as http:
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
+            return await generate_one(http, "http://engine", _sample(), params, rid="r")
+
+    assert asyncio.run(generate(2)).status is Status.TRUNCATED
+    assert asyncio.run(generate(3)).status is Status.ABORTED
