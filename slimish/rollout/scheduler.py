@@ -206,6 +206,9 @@ class RolloutScheduler:
                     if not exc.retriable or attempt == self.max_retries:
                         sample.status, sample.error = Status.FAILED, str(exc)
                         self._counters["requests_failed"] += 1
+                        # Counted in metrics.jsonl; the reason is only here (and in run.save_rollouts files).
+                        print(f"warning: request {rid} failed after {attempt + 1} attempt(s), its sample will not "
+                              f"train: {exc}", flush=True)
                         break
                     self._counters["requests_retried"] += 1
                     await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
