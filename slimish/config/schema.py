@@ -159,7 +159,12 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    transport: Literal["distributed"] = doc("distributed", "How weights reach the engines.")
+    transport: Literal["broadcast", "disk"] = doc(
+        "broadcast", "How buckets reach the engines: 'broadcast' = a torch.distributed group with every engine "
+        "(gloo on CPU, NCCL on GPU); 'disk' = safetensors shards in weight_sync.disk_dir that the engines load (a "
+        "shared filesystem, no network group).")
+    disk_dir: str = doc("", "Directory of the disk transport's shards, readable by every engine; '' = "
+                            "<run dir>/weight_sync.")
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
     master_port: int = doc(29650, "TCP port of the trainer<->engines process-group store (loopback on CPU).")
     verify: bool = doc(True, "Check every engine reports the new weight version after a sync.")

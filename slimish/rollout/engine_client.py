@@ -66,6 +66,11 @@ class EngineClient:
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
             weight_version=weight_version, load_format=load_format))
 
+    def update_weights_from_disk(self, *, model_path: str, weight_version: str | None,
+                                 flush_cache: bool = True) -> dict:
+        return self._post("/update_weights_from_disk", dict(
+            model_path=model_path, weight_version=weight_version, flush_cache=flush_cache))
+
     def flush_cache(self) -> None:
         self._post("/flush_cache")
 

@@ -262,20 +262,29 @@ class TrainerWorker:
         torn down and a new one, under a new name and on a free port, replaces it."""
         if self.layout.rank != 0:
             return {}
-        from slimish.weight_sync.distributed import GROUP_NAME, DistributedWeightSender
+        from slimish.weight_sync.sync import WeightSync
+        from slimish.weight_sync.transport import TransportContext
 
         ws = self.cfg.weight_sync
         self._groups_made += 1
         if self._sender is not None:
             self._sender.close()
-        self._sender = DistributedWeightSender(
-            engine_urls=engine_urls, engine_tp=engine_tp, master_addr=master_addr,
-            master_port=ws.master_port if self._groups_made == 1 else free_port(),
-            backend=resolve_backend(self.cfg.parallel.backend), bucket_bytes=int(ws.bucket_mb * 2**20),
-            verify=ws.verify, group_name=f"{GROUP_NAME}_{self._groups_made}")
+        context = TransportContext(
+            master_addr=master_addr, master_port=ws.master_port if self._groups_made == 1 else free_port(),
+            backend=resolve_backend(self.cfg.parallel.backend), group_name=f"slimish_weight_sync_{self._groups_made}",
+            engine_tp=engine_tp, disk_dir=self.weight_sync_dir())
+        self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
+                                  bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify)
         t0 = time.monotonic()
         self._sender.connect()
         return {"time_connect_s": time.monotonic() - t0}
+
+    def weight_sync_dir(self) -> str:
+        """weight_sync.disk_dir, by default <run dir>/weight_sync (the disk transport's shards)."""
+        from pathlib import Path
+
+        run = self.cfg.run
+        return self.cfg.weight_sync.disk_dir or str(Path(run.output_dir) / run.name / "weight_sync")
 
     def sync_weights(self, version: int) -> dict:
         """Send the current weights to every engine as weight version `version`: rank 0 streams the whole model

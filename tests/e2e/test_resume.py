@@ -1,7 +1,8 @@
 """An RL run stopped after step 2 and started again with more steps resumes at step 3 from its checkpoint: no SFT
 warm-up, the engines get the checkpoint's weights (logprob parity holds), metrics.jsonl holds steps 1-4 once, and
 the partial-rollout buffer saved with the checkpoint (abort mode: the groups finished beyond step 2's batch, and
-those aborted with their tokens) is trained after the resume rather than lost."""
+those aborted with their tokens) is trained after the resume rather than lost. Weights travel by the `disk`
+transport here (several safetensors shards per sync, loaded by the engine, then removed)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path):
     common = ["sft.steps=3", "run.name=resume", "rollout.engine.num_engines=1", "rollout.prompts_per_step=4",
               "checkpoint.save_every=1", "checkpoint.keep_last=2", "rollout.partial.mode=abort",
               "rollout.partial.over_sampling=2", "rollout.max_new_tokens=48",
-              "reward.fn=slimish.tasks.echo_digit.contains_reward", "run.save_rollouts=true"]
+              "reward.fn=slimish.tasks.echo_digit.contains_reward", "run.save_rollouts=true",
+              "weight_sync.transport=disk", "weight_sync.bucket_mb=0.1"]
     first = subprocess.run(train_command(task_assets, tmp_path, *common, "rl.num_steps=2"), capture_output=True,
                            text=True, timeout=1200, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
@@ -40,6 +42,8 @@ def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path):
     assert [r["weight_version"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record  # the engines sample from the loaded weights
+        assert record["sync_buckets"] > 1 and record["time_verify_s"] >= 0
+    assert not any((run_dir / "weight_sync").iterdir()), "every sync's shards are removed once loaded"
     trained = {step: {json.loads(line)["group_id"] for line in (run_dir / f"rollouts/step_{step}.jsonl").open()}
                for step in range(1, 5)}
     finished = {g["group_id"] for g in buffer if all(s["status"] in ("completed", "truncated") for s in g["samples"])}

@@ -15,6 +15,7 @@ USED = {
                                        "backend"},
     "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes", "group_name", "flush_cache",
                                              "weight_version", "load_format"},
+    "UpdateWeightFromDiskReqInput": {"model_path", "weight_version", "flush_cache"},
     "BeginWeightUpdateReqInput": {"selector"},
     "EndWeightUpdateReqInput": set(),
     "DestroyWeightsUpdateGroupReqInput": {"group_name"},

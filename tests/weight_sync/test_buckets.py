@@ -1,7 +1,7 @@
 import torch
 
+from slimish.weight_sync.broadcast import flatten_bucket
 from slimish.weight_sync.buckets import plan_buckets
-from slimish.weight_sync.distributed import flatten_bucket
 
 
 def test_buckets_respect_size_and_order():

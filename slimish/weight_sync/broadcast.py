@@ -1,0 +1,60 @@
+"""`broadcast` transport: a torch.distributed group between the sending trainer rank and every engine rank (gloo on
+CPU, NCCL on GPU: only the backend string differs). Per bucket every engine is told the bucket's names, dtypes and
+shapes over HTTP (`/update_weights_from_distributed`, SGLang's "flattened_bucket" layout) while the sender
+broadcasts one flat uint8 tensor: the tensors' bytes concatenated in order."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from slimish.rollout.engine_client import EngineClient, EngineError
+from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
+from slimish.weight_sync.transport import Transport, tensor_meta
+
+
+def flatten_bucket(bucket: Bucket) -> torch.Tensor:
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors])
+
+
+class BroadcastTransport(Transport):
+    def connect(self, clients: list[EngineClient]) -> None:
+        ctx = self.context
+        self.clients = clients
+        self._pool = ThreadPoolExecutor(max(1, len(clients)))
+        world_size = 1 + len(clients) * ctx.engine_tp
+        joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
+                                   master_port=ctx.master_port, rank_offset=1 + i * ctx.engine_tp,
+                                   world_size=world_size, group_name=ctx.group_name, backend=ctx.backend)
+                 for i, c in enumerate(clients)]
+        self.group = new_weight_update_group(backend=ctx.backend, master_address=ctx.master_addr,
+                                             master_port=ctx.master_port, world_size=world_size, rank=0,
+                                             group_name=ctx.group_name)
+        for join in joins:
+            join.result()
+
+    def push(self, bucket: Bucket, *, version: str | None) -> int:
+        meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
+                    flush_cache=version is not None)
+        calls = [self._pool.submit(c.update_weights_from_distributed, **meta) for c in self.clients]
+        flat = flatten_bucket(bucket)
+        dist.broadcast(flat, src=0, group=self.group)
+        for call in calls:
+            call.result()
+        return flat.numel()
+
+    def close(self) -> None:
+        if getattr(self, "group", None) is None:
+            return
+        for call in [self._pool.submit(c.destroy_weights_update_group, self.context.group_name)
+                     for c in self.clients]:
+            try:
+                call.result()
+            except EngineError as exc:  # an engine that died keeps no group to destroy
+                print(f"warning: {exc}", flush=True)
+        destroy_group(self.group)
+        self.group = None
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,51 @@
+"""`disk` transport: the sender streams each bucket to a safetensors shard in a fresh directory under
+`weight_sync.disk_dir` (one bucket in memory at a time); with the last bucket every engine loads the directory
+(`/update_weights_from_disk`, which loads whatever tensors it finds there) and takes the new version, and the
+directory is removed. For engines that share no network group with the trainer, only a filesystem, and as the path
+that needs nothing but the engine's HTTP port."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from slimish.rollout.engine_client import EngineClient
+from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.transport import Transport
+
+
+class DiskTransport(Transport):
+    bracketed = False  # /update_weights_from_disk is a whole update of its own
+
+    def connect(self, clients: list[EngineClient]) -> None:
+        self.clients = clients
+        self._pool = ThreadPoolExecutor(max(1, len(clients)))
+        self._dir: Path | None = None
+        self._shards = 0
+        Path(self.context.disk_dir).mkdir(parents=True, exist_ok=True)
+
+    def push(self, bucket: Bucket, *, version: str | None) -> int:
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="sync-", dir=self.context.disk_dir))
+        self._shards += 1
+        # Bucket tensors may be views into larger ones: safetensors wants each to own its storage.
+        save_file({name: t.detach().contiguous().clone() for name, t in zip(bucket.names, bucket.tensors)},
+                  str(self._dir / f"model-{self._shards:05d}.safetensors"))
+        if version is not None:
+            try:
+                for call in [self._pool.submit(c.update_weights_from_disk, model_path=str(self._dir),
+                                               weight_version=version) for c in self.clients]:
+                    call.result()
+            finally:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir, self._shards = None, 0
+        return bucket.nbytes
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._pool.shutdown(wait=False)

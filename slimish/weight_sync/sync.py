@@ -1,0 +1,77 @@
+"""The engine side of a weight sync, written once for every transport:
+
+  begin (`/begin_weight_update`, when the transport is bracketed) -> every bucket through the transport, the last one
+  carrying the new weight version (the engines flip to it and flush their KV cache) -> end (`/end_weight_update`)
+  -> verify: every engine reports the new version in `/model_info`.
+
+Pausing generation around it (retract mode) is the rollout side's job (the driver calls it); the engines handed to
+a `WeightSync` are the ones the sync must reach. `TRANSPORTS` maps `weight_sync.transport` to its class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from slimish.rollout.engine_client import EngineClient
+from slimish.weight_sync.broadcast import BroadcastTransport
+from slimish.weight_sync.buckets import plan_buckets
+from slimish.weight_sync.disk import DiskTransport
+from slimish.weight_sync.transport import Transport, TransportContext
+
+TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "disk": DiskTransport}
+
+
+class WeightSyncError(RuntimeError):
+    """The engines do not hold the weights the trainer sent; the message names the engines and what they report."""
+
+
+class WeightSync:
+    def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
+                 verify: bool = True):
+        self.clients = [EngineClient(url) for url in engine_urls]
+        self.transport = TRANSPORTS[transport](context)
+        self.bucket_bytes, self.verify = bucket_bytes, verify
+        self._pool = ThreadPoolExecutor(max(1, len(self.clients)))
+
+    def _on_all(self, fn) -> list:
+        return [f.result() for f in [self._pool.submit(fn, c) for c in self.clients]]
+
+    def connect(self) -> None:
+        self.transport.connect(self.clients)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:
+        """Send the whole model (`named_tensors`, consumed lazily) to every engine as weight version `version`."""
+        t0 = time.monotonic()
+        if self.transport.bracketed:
+            self._on_all(lambda c: c.begin_weight_update())
+        num_buckets, num_bytes = 0, 0
+        pending = None
+        for bucket in plan_buckets(named_tensors, self.bucket_bytes):
+            # Hold one bucket back so the last one, which flips the version, is known when it is sent.
+            if pending is not None:
+                num_bytes += self.transport.push(pending, version=None)
+                num_buckets += 1
+            pending = bucket
+        if pending is not None:
+            num_bytes += self.transport.push(pending, version=version)
+            num_buckets += 1
+        if self.transport.bracketed:
+            self._on_all(lambda c: c.end_weight_update())
+        t1 = time.monotonic()
+        if self.verify:
+            versions = self._on_all(lambda c: c.weight_version())
+            wrong = {c.url: v for c, v in zip(self.clients, versions) if v != version}
+            if wrong:
+                raise WeightSyncError(f"weight sync to version {version}: engines report {wrong}")
+        return {"sync_buckets": num_buckets, "sync_mib": num_bytes / 2**20, "time_transfer_s": t1 - t0,
+                "time_verify_s": time.monotonic() - t1}
+
+    def close(self) -> None:
+        self.transport.close()
+        self._pool.shutdown(wait=False)
+        for client in self.clients:
+            client.close()

@@ -1,0 +1,52 @@
+"""What a weight-sync transport implements: moving one bucket of HF-named tensors into every engine.
+
+The engine protocol around the buckets (begin -> buckets -> the last one flips the version -> end -> verify) is
+written once, in `slimish.weight_sync.sync`; a transport only connects, pushes buckets and closes. Transports are
+chosen by name (`weight_sync.transport`) from `TRANSPORTS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from slimish.rollout.engine_client import EngineClient
+from slimish.weight_sync.buckets import Bucket
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportContext:
+    """Where a transport runs: the trainer's side of the link to the engines."""
+    master_addr: str      # the trainer rank's address, reachable from the engines
+    master_port: int      # a free port there (rendezvous of a process group)
+    backend: str          # torch.distributed backend: gloo on CPU, nccl on GPU
+    group_name: str       # unique per (re)connection
+    engine_tp: int        # tensor-parallel ranks per engine
+    disk_dir: str         # a directory the engines can read (the disk transport)
+
+
+class Transport(ABC):
+    #: The engines must be inside /begin_weight_update ... /end_weight_update around the buckets.
+    bracketed: bool = True
+
+    def __init__(self, context: TransportContext):
+        self.context = context
+
+    @abstractmethod
+    def connect(self, clients: list[EngineClient]) -> None:
+        """Set up the link to the engines behind `clients` (once per set of engines)."""
+
+    @abstractmethod
+    def push(self, bucket: Bucket, *, version: str | None) -> int:
+        """Move `bucket` into every engine; returns its bytes. `version` is given with the last bucket only: the
+        engines then take it as their weight version and flush their KV cache."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tear the link down (engines may already be gone)."""
+
+
+def tensor_meta(bucket: Bucket) -> dict:
+    """The names, dtypes and shapes of a bucket's tensors, as SGLang's update endpoints take them."""
+    return dict(names=bucket.names, dtypes=[str(t.dtype).removeprefix("torch.") for t in bucket.tensors],
+                shapes=[list(t.shape) for t in bucket.tensors])
