@@ -1,7 +1,12 @@
 """`broadcast` transport: a torch.distributed group between the sending trainer rank and every engine rank (gloo on
 CPU, NCCL on GPU: only the backend string differs). Per bucket every engine is told the bucket's names, dtypes and
 shapes over HTTP (`/update_weights_from_distributed`, SGLang's "flattened_bucket" layout) while the sender
-broadcasts one flat uint8 tensor: the tensors' bytes concatenated in order."""
+broadcasts one flat uint8 tensor: the tensors' bytes concatenated in order.
+
+Overlap: `push` returns once its bucket is on the wire, without waiting for the engines to load it; the next
+bucket is exported and flattened meanwhile, and the next `push` waits for the engines' answers before it sends. So
+at most two buckets are alive on the sender (the one being loaded has already left it), and the last bucket, which
+flips the version, is waited for before `push` returns."""
 
 from __future__ import annotations
 
@@ -37,14 +42,24 @@ class BroadcastTransport(Transport):
             join.result()
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
+        with self.phase("flatten"):  # while the engines load the previous bucket
+            flat = flatten_bucket(bucket)
+        self._wait_loaded()
         meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
                     flush_cache=version is not None)
-        calls = [self._pool.submit(c.update_weights_from_distributed, **meta) for c in self.clients]
-        flat = flatten_bucket(bucket)
-        dist.broadcast(flat, src=0, group=self.group)
-        for call in calls:
-            call.result()
+        self._loading = [self._pool.submit(c.update_weights_from_distributed, **meta) for c in self.clients]
+        with self.phase("wire"):
+            dist.broadcast(flat, src=0, group=self.group)
+        if version is not None:
+            self._wait_loaded()
         return flat.numel()
+
+    def _wait_loaded(self) -> None:
+        """Wait for the engines to answer the previous bucket (they copy it into their parameters first)."""
+        with self.phase("engine_load"):
+            calls, self._loading = getattr(self, "_loading", []), []
+            for call in calls:
+                call.result()
 
     def close(self) -> None:
         if getattr(self, "group", None) is None:

@@ -33,13 +33,15 @@ class DiskTransport(Transport):
             self._dir = Path(tempfile.mkdtemp(prefix="sync-", dir=self.context.disk_dir))
         self._shards += 1
         # Bucket tensors may be views into larger ones: safetensors wants each to own its storage.
-        save_file({name: t.detach().contiguous().clone() for name, t in zip(bucket.names, bucket.tensors)},
-                  str(self._dir / f"model-{self._shards:05d}.safetensors"))
+        with self.phase("write"):
+            save_file({name: t.detach().contiguous().clone() for name, t in zip(bucket.names, bucket.tensors)},
+                      str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
             try:
-                for call in [self._pool.submit(c.update_weights_from_disk, model_path=str(self._dir),
-                                               weight_version=version) for c in self.clients]:
-                    call.result()
+                with self.phase("engine_load"):
+                    for call in [self._pool.submit(c.update_weights_from_disk, model_path=str(self._dir),
+                                                   weight_version=version) for c in self.clients]:
+                        call.result()
             finally:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir, self._shards = None, 0

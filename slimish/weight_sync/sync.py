@@ -47,10 +47,11 @@ class WeightSync:
         """Send the whole model (`named_tensors`, consumed lazily) to every engine as weight version `version`."""
         t0 = time.monotonic()
         if self.transport.bracketed:
-            self._on_all(lambda c: c.begin_weight_update())
+            with self.transport.phase("control"):
+                self._on_all(lambda c: c.begin_weight_update())
         num_buckets, num_bytes = 0, 0
         pending = None
-        for bucket in plan_buckets(named_tensors, self.bucket_bytes):
+        for bucket in plan_buckets(self._timed_export(named_tensors), self.bucket_bytes):
             # Hold one bucket back so the last one, which flips the version, is known when it is sent.
             if pending is not None:
                 num_bytes += self.transport.push(pending, version=None)
@@ -60,7 +61,8 @@ class WeightSync:
             num_bytes += self.transport.push(pending, version=version)
             num_buckets += 1
         if self.transport.bracketed:
-            self._on_all(lambda c: c.end_weight_update())
+            with self.transport.phase("control"):
+                self._on_all(lambda c: c.end_weight_update())
         t1 = time.monotonic()
         if self.verify:
             versions = self._on_all(lambda c: c.weight_version())
@@ -68,7 +70,17 @@ class WeightSync:
             if wrong:
                 raise WeightSyncError(f"weight sync to version {version}: engines report {wrong}")
         return {"sync_buckets": num_buckets, "sync_mib": num_bytes / 2**20, "time_transfer_s": t1 - t0,
-                "time_verify_s": time.monotonic() - t1}
+                "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases()}
+
+    def _timed_export(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """`named_tensors`, with the time spent producing them (the export's gathers) counted as phase 'export'."""
+        items = iter(named_tensors)
+        while True:
+            with self.transport.phase("export"):
+                item = next(items, None)
+            if item is None:
+                return
+            yield item
 
     def close(self) -> None:
         self.transport.close()

@@ -7,7 +7,10 @@ chosen by name (`weight_sync.transport`) from `TRANSPORTS`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from slimish.rollout.engine_client import EngineClient
@@ -31,6 +34,21 @@ class Transport(ABC):
 
     def __init__(self, context: TransportContext):
         self.context = context
+        self._phases: Counter = Counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        """Add the time spent in the block to phase `name` (reported by `pop_phases` as time_<name>_s)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._phases[name] += time.monotonic() - t0
+
+    def pop_phases(self) -> dict[str, float]:
+        """Seconds per phase since the last call, e.g. {"time_flatten_s": ..., "time_wire_s": ...}."""
+        phases, self._phases = self._phases, Counter()
+        return {f"time_{name}_s": seconds for name, seconds in phases.items()}
 
     @abstractmethod
     def connect(self, clients: list[EngineClient]) -> None:

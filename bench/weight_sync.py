@@ -1,0 +1,175 @@
+"""Benchmark the weight-sync channel against the raw transport, with real SGLang CPU engines.
+
+    python bench/weight_sync.py [--layers 22] [--rounds 3] [--bucket-mb 64 [256 ...]] [--workdir /tmp]
+    (or: make bench-sync)
+
+Builds a random Qwen3 of >= 1 GiB in fp32 (a real family's names and shapes; 22 layers of hidden 1024 give 1.1 GiB),
+starts 2 SGLang CPU engines on it, and syncs the whole model from this process (the trainer's side: the HF-named
+tensors are in memory, so the export phase is ~0 here) with every transport through `slimish.weight_sync`, the code
+the trainer runs. The baseline, measured in the same run: one torch.distributed broadcast (gloo, like the
+`broadcast` transport on CPU) of the same number of bytes from this process to 2 receiving processes. Per transport
+it prints the best of `--rounds` syncs with its per-phase breakdown, then one line each:
+
+    transport=<name> sync_vs_raw_ratio=<x> model_mib=<m> buckets=<n> sync_s=<s> raw_s=<r> bucket_mb=<b>
+
+ratio = raw time / sync time (1.0: the sync is as fast as the bare wire). Each transport runs at every
+`--bucket-mb` size; the last line is `broadcast` at the first size given.
+Engine start-up is excluded. Needs ~10 GB of memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NUM_ENGINES = 2
+TRANSPORTS = ("disk", "broadcast")  # broadcast last: its line is the figure
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_model(root: Path, layers: int) -> Path:
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(root / "model", corpus=echo_digit.corpus(), family="qwen3", hidden_size=1024,
+                            intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=64)
+
+
+def start_engines(model: Path, log_dir: Path) -> list:
+    from slimish.compat import sglang_cpu
+    from slimish.rollout.engine import engine_argv
+    from slimish.rollout.processes import ManagedProcess
+
+    engines = []
+    for i in range(NUM_ENGINES):
+        port = free_port()
+        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
+                           max_total_tokens=1024, seed=i, extra=[])
+        proc = ManagedProcess(f"engine{i}", argv, env=sglang_cpu.server_env(), log_path=log_dir / f"engine{i}.log")
+        proc.start()
+        engines.append((proc, f"http://127.0.0.1:{port}"))
+    for proc, url in engines:
+        proc.wait_http_ok(f"{url}/health_generate", timeout_s=900)
+    return engines
+
+
+def _receiver(rank: int, port: int, world_size: int, numel: int, rounds: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    buffer = torch.empty(numel, dtype=torch.uint8)
+    for _ in range(rounds):
+        dist.barrier()
+        dist.broadcast(buffer, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def raw_broadcast_s(numel: int, rounds: int) -> float:
+    """Best time of one gloo broadcast of `numel` bytes from this process to NUM_ENGINES receiving processes."""
+    port, world_size = free_port(), 1 + NUM_ENGINES
+    ctx = mp.get_context("spawn")
+    receivers = [ctx.Process(target=_receiver, args=(rank, port, world_size, numel, rounds))
+                 for rank in range(1, world_size)]
+    for proc in receivers:
+        proc.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size)
+    payload = torch.ones(numel, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(payload, src=0)
+        best = min(best, time.perf_counter() - t0)
+    dist.barrier()  # the receivers hold the last bytes too
+    dist.destroy_process_group()
+    for proc in receivers:
+        proc.join(timeout=60)
+    return best
+
+
+def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: float, rounds: int,
+                disk_dir: Path) -> dict:
+    """The fastest of `rounds` whole-model syncs through `transport`, with its phase breakdown."""
+    from slimish.weight_sync.sync import WeightSync
+    from slimish.weight_sync.transport import TransportContext
+
+    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
+                               group_name=f"bench_{transport}", engine_tp=1, disk_dir=str(disk_dir))
+    sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20))
+    sync.connect()
+    best = None
+    try:
+        for round_ in range(rounds):
+            t0 = time.perf_counter()
+            metrics = sync.send(iter(tensors), version=f"{transport}-{round_}")
+            metrics["sync_s"] = time.perf_counter() - t0
+            if best is None or metrics["sync_s"] < best["sync_s"]:
+                best = metrics
+    finally:
+        sync.close()
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: 1.1 GiB in fp32)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0])
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+
+    root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=args.workdir))
+    engines = []
+    try:
+        model = build_model(root, args.layers)
+        ckpt = HFCheckpoint(model)
+        tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        print(f"model: qwen3, {args.layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
+        t0 = time.monotonic()
+        engines = start_engines(model, root)
+        print(f"{NUM_ENGINES} engines up in {time.monotonic() - t0:.0f}s", flush=True)
+        raw_s = raw_broadcast_s(nbytes, args.rounds)
+        print(f"raw gloo broadcast of {nbytes / 2**20:.0f} MiB to {NUM_ENGINES} processes: {raw_s:.2f}s "
+              f"({nbytes / 2**30 / raw_s:.2f} GiB/s)", flush=True)
+        runs = [(transport, size) for transport in TRANSPORTS for size in reversed(args.bucket_mb)]
+        results = {}
+        for transport, size in runs:
+            best = sync_rounds(transport, [url for _, url in engines], tensors, bucket_mb=size,
+                               rounds=args.rounds, disk_dir=root / "disk")
+            results[transport, size] = best
+            phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
+                              for key, value in sorted(best.items()) if key.startswith("time_"))
+            print(f"{transport} bucket_mb={size:g}: {best['sync_s']:.2f}s | {phases}", flush=True)
+        for transport, size in runs:
+            best = results[transport, size]
+            print(f"transport={transport} sync_vs_raw_ratio={raw_s / best['sync_s']:.2f} "
+                  f"model_mib={nbytes / 2**20:.0f} buckets={best['sync_buckets']} sync_s={best['sync_s']:.2f} "
+                  f"raw_s={raw_s:.2f} bucket_mb={size:g}", flush=True)
+    finally:
+        for proc, _ in engines:
+            proc.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
