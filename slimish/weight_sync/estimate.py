@@ -1,0 +1,34 @@
+"""Sync time on paper: what each transport would take for a model on a stated cluster, from the bytes each link
+carries and its bandwidth (for the planning tools and the README's scale table; nothing here has run on a GPU).
+
+The model is the wire only: control calls, export gathers and the engines' copy into their parameters come on top
+(measured on CPU in bench/weight_sync.py, where they dominate; on GPU they overlap with the wire, see broadcast.py).
+
+  broadcast  every byte leaves through the sending ranks' NICs; an NCCL broadcast pipelines it to all receivers,
+             so the time is bytes per sender / NIC bandwidth, whatever the number of engines. Today one rank sends
+             the whole model (`senders=1`); with one sender per pipeline stage, `senders=pipeline_parallel`.
+  disk       the sender writes every byte to a shared filesystem, then every engine reads it all: bytes / write
+             bandwidth + bytes / (read bandwidth per engine), engines reading in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    nic_gbit_s: float = 400.0        # per GPU (H100/H200 nodes: one 400 Gb/s NIC per GPU)
+    fs_write_gbyte_s: float = 10.0   # one writer to a parallel filesystem
+    fs_read_gbyte_s: float = 10.0    # one engine reading from it
+
+
+def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), senders: int = 1) -> float:
+    """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring)."""
+    if transport == "broadcast":
+        return model_bytes / senders / (cluster.nic_gbit_s / 8 * GB)
+    if transport == "disk":
+        return model_bytes / (cluster.fs_write_gbyte_s * GB) + model_bytes / (cluster.fs_read_gbyte_s * GB)
+    raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
