@@ -105,6 +105,12 @@ def test_config_errors(capsys, tiny_models, tmp_path):
     save_file({}, damaged / "model.safetensors")
     (damaged / "model.safetensors").write_bytes(b"\x00" * 4)
     _fails(capsys, ["check-config", config, f"model.hf_path={damaged}"], "model.hf_path", "model.safetensors")
+    incomplete = _model_copy(tiny_models, tmp_path, "incomplete")
+    fields = json.loads((incomplete / "config.json").read_text())
+    del fields["hidden_size"]
+    (incomplete / "config.json").write_text(json.dumps(fields))
+    _fails(capsys, ["check-config", config, f"model.hf_path={incomplete}"], "model.hf_path", "'hidden_size'",
+           "missing")
 
 
 def test_user_errors_are_found_behind_other_errors():

@@ -141,16 +141,13 @@ def _check_resume(resume: str) -> None:
 
 def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
     """Expert parallelism splits a mixture-of-experts model's experts, and Megatron carves it out of the
-    data-parallel ranks. A config.json the bridge cannot read is left for the bridge to report."""
-    from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
+    data-parallel ranks. (`_check_model` has already shown that the bridge reads config.json.)"""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 
     ep = cfg.parallel.expert_parallel
     if ep == 1:
         return
-    try:
-        moe = architecture_from_hf(read_hf_config(cfg.model.hf_path)).moe
-    except (UnsupportedConfig, KeyError, ValueError):
-        return
+    moe = architecture_from_hf(read_hf_config(cfg.model.hf_path)).moe
     if moe is None:
         raise ConfigError("parallel.expert_parallel", f"got {ep}; expert parallelism needs a mixture-of-experts "
                                                       f"model, {cfg.model.hf_path!r} is dense: use 1")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from slimish.megatron_bridge import dense, moe, sharding
-from slimish.megatron_bridge.errors import MappingError  # noqa: F401 - raised here, imported from here by callers
+from slimish.megatron_bridge.errors import MappingError
 from slimish.megatron_bridge.hf_config import Architecture
 from slimish.megatron_bridge.hf_io import HFCheckpoint
 

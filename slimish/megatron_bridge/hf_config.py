@@ -137,6 +137,15 @@ def _check_common(cfg: dict) -> None:
 
 
 def architecture_from_hf(cfg: dict) -> Architecture:
+    """The Megatron architecture of config.json `cfg`; anything the bridge cannot honour, or a field its family needs
+    that is missing, is an `UnsupportedConfig` naming the field."""
+    try:
+        return _architecture(cfg)
+    except KeyError as exc:
+        raise UnsupportedConfig(exc.args[0], None, "missing; every config.json of this model type has it") from None
+
+
+def _architecture(cfg: dict) -> Architecture:
     family = cfg.get("model_type")
     if family not in DENSE_FAMILIES | set(MOE_FAMILIES):
         raise UnsupportedConfig("model_type", family,

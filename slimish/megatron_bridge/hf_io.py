@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from slimish.megatron_bridge.errors import CheckpointError  # noqa: F401 - raised here, imported from here by callers
+from slimish.megatron_bridge.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -18,7 +18,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: f
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    shifted = logits[:, :-1, :].float()
-    # The CE kernel works in place on its input: it gets a fresh tensor either way.
-    shifted = shifted / temperature if temperature != 1.0 else shifted.contiguous().clone()
+    # One fresh contiguous tensor whatever the dtype and layout (the CE kernel works in place on its input); x / 1.0
+    # is x exactly, so temperature 1 changes no bit.
+    shifted = (logits[:, :-1, :].float() / temperature).contiguous()
     return -vocab_parallel_cross_entropy(shifted, tokens[:, 1:].contiguous())

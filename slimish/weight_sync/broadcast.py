@@ -10,8 +10,6 @@ flips the version, is waited for before `push` returns."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.distributed as dist
 
@@ -27,9 +25,10 @@ def flatten_bucket(bucket: Bucket) -> torch.Tensor:
 
 class BroadcastTransport(Transport):
     def connect(self, clients: list[EngineClient]) -> None:
+        super().connect(clients)
         ctx = self.context
-        self.clients = clients
-        self._pool = ThreadPoolExecutor(max(1, len(clients)))
+        self.group = None
+        self._loading = []  # the engines' answers to the bucket they are loading
         world_size = 1 + len(clients) * ctx.engine_tp
         joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
                                    master_port=ctx.master_port, rank_offset=1 + i * ctx.engine_tp,
@@ -47,7 +46,7 @@ class BroadcastTransport(Transport):
         self._wait_loaded()
         meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
                     flush_cache=version is not None)
-        self._loading = [self._pool.submit(c.update_weights_from_distributed, **meta) for c in self.clients]
+        self._loading = self.on_all(lambda c: c.update_weights_from_distributed(**meta))
         with self.phase("wire"):
             dist.broadcast(flat, src=0, group=self.group)
         if version is not None:
@@ -57,19 +56,17 @@ class BroadcastTransport(Transport):
     def _wait_loaded(self) -> None:
         """Wait for the engines to answer the previous bucket (they copy it into their parameters first)."""
         with self.phase("engine_load"):
-            calls, self._loading = getattr(self, "_loading", []), []
+            calls, self._loading = self._loading, []
             for call in calls:
                 call.result()
 
     def close(self) -> None:
-        if getattr(self, "group", None) is None:
-            return
-        for call in [self._pool.submit(c.destroy_weights_update_group, self.context.group_name)
-                     for c in self.clients]:
-            try:
-                call.result()
-            except EngineError as exc:  # an engine that died keeps no group to destroy
-                print(f"warning: {exc}", flush=True)
-        destroy_group(self.group)
-        self.group = None
-        self._pool.shutdown(wait=False)
+        if self.group is not None:
+            for call in self.on_all(lambda c: c.destroy_weights_update_group(self.context.group_name)):
+                try:
+                    call.result()
+                except EngineError as exc:  # an engine that died keeps no group to destroy
+                    print(f"warning: {exc}", flush=True)
+            destroy_group(self.group)
+            self.group = None
+        super().close()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from slimish.rollout.engine_client import EngineClient
@@ -22,8 +22,7 @@ class DiskTransport(Transport):
     bracketed = False  # /update_weights_from_disk is a whole update of its own
 
     def connect(self, clients: list[EngineClient]) -> None:
-        self.clients = clients
-        self._pool = ThreadPoolExecutor(max(1, len(clients)))
+        super().connect(clients)
         self._dir: Path | None = None
         self._shards = 0
         Path(self.context.disk_dir).mkdir(parents=True, exist_ok=True)
@@ -32,15 +31,17 @@ class DiskTransport(Transport):
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="sync-", dir=self.context.disk_dir))
         self._shards += 1
-        # Bucket tensors may be views into larger ones: safetensors wants each to own its storage.
+        # Bucket tensors may be views into larger ones: safetensors wants each contiguous and owning its storage.
         with self.phase("write"):
-            save_file({name: t.detach().contiguous().clone() for name, t in zip(bucket.names, bucket.tensors)},
+            save_file({name: t.detach().clone(memory_format=torch.contiguous_format)
+                       for name, t in zip(bucket.names, bucket.tensors)},
                       str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
             try:
                 with self.phase("engine_load"):
-                    for call in [self._pool.submit(c.update_weights_from_disk, model_path=str(self._dir),
-                                                   weight_version=version) for c in self.clients]:
+                    path = str(self._dir)
+                    for call in self.on_all(lambda c: c.update_weights_from_disk(model_path=path,
+                                                                                 weight_version=version)):
                         call.result()
             finally:
                 shutil.rmtree(self._dir, ignore_errors=True)
@@ -50,4 +51,4 @@ class DiskTransport(Transport):
     def close(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._pool.shutdown(wait=False)
+        super().close()

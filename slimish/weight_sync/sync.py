@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,10 +34,9 @@ class WeightSync:
         self.clients = [EngineClient(url) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         self.bucket_bytes, self.verify = bucket_bytes, verify
-        self._pool = ThreadPoolExecutor(max(1, len(self.clients)))
 
     def _on_all(self, fn) -> list:
-        return [f.result() for f in [self._pool.submit(fn, c) for c in self.clients]]
+        return [future.result() for future in self.transport.on_all(fn)]
 
     def connect(self) -> None:
         self.transport.connect(self.clients)
@@ -84,6 +82,5 @@ class WeightSync:
 
     def close(self) -> None:
         self.transport.close()
-        self._pool.shutdown(wait=False)
         for client in self.clients:
             client.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -50,18 +52,23 @@ class Transport(ABC):
         phases, self._phases = self._phases, Counter()
         return {f"time_{name}_s": seconds for name, seconds in phases.items()}
 
-    @abstractmethod
     def connect(self, clients: list[EngineClient]) -> None:
-        """Set up the link to the engines behind `clients` (once per set of engines)."""
+        """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
+        self.clients = clients
+        self._pool = ThreadPoolExecutor(max(1, len(clients)))
+
+    def on_all(self, fn: Callable[[EngineClient], object]) -> list[Future]:
+        """Start `fn(client)` for every engine at once; the futures in engine order."""
+        return [self._pool.submit(fn, client) for client in self.clients]
 
     @abstractmethod
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         """Move `bucket` into every engine; returns its bytes. `version` is given with the last bucket only: the
         engines then take it as their weight version and flush their KV cache."""
 
-    @abstractmethod
     def close(self) -> None:
-        """Tear the link down (engines may already be gone)."""
+        """Tear the link down (engines may already be gone). Subclasses extend it."""
+        self._pool.shutdown(wait=False)
 
 
 def tensor_meta(bucket: Bucket) -> dict:
