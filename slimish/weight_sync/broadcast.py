@@ -10,6 +10,7 @@ flips the version, is waited for before `push` returns."""
 
 from __future__ import annotations
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -65,8 +66,11 @@ class BroadcastTransport(Transport):
             for call in self.on_all(lambda c: c.destroy_weights_update_group(self.context.group_name)):
                 try:
                     call.result()
-                except EngineError as exc:  # an engine that died keeps no group to destroy
-                    print(f"warning: {exc}", flush=True)
+                except EngineError as exc:
+                    # An engine that is gone (it died, or the job is stopping its engines) keeps no group to destroy;
+                    # anything else is worth a word.
+                    if not isinstance(exc.__cause__, httpx.TransportError):
+                        print(f"warning: {exc}", flush=True)
             destroy_group(self.group)
             self.group = None
         super().close()
