@@ -167,7 +167,9 @@ class WeightSyncConfig:
                             "<run dir>/weight_sync.")
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
     master_port: int = doc(29650, "TCP port of the trainer<->engines process-group store (loopback on CPU).")
-    verify: bool = doc(True, "Check every engine reports the new weight version after a sync.")
+    verify: bool = doc(True, "After every sync check that each engine reports the new weight version and holds, in "
+                             "every parameter, the values the trainer sent (SGLang /weights_checker checksums); a "
+                             "mismatch names the parameter and stops the job.")
 
 
 @dataclass(kw_only=True)

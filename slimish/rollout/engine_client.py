@@ -71,6 +71,13 @@ class EngineClient:
         return self._post("/update_weights_from_disk", dict(
             model_path=model_path, weight_version=weight_version, flush_cache=flush_cache))
 
+    def weight_checksums(self) -> list[dict[str, str]]:
+        """Per tensor-parallel rank of the engine, {parameter name: checksum} of every weight it holds
+        (`/weights_checker`, action "checksum"; the hash is `slimish.weight_sync.checksums.tensor_checksum`)."""
+        ranks = self._post("/weights_checker", {"action": "checksum"})["ranks"]
+        places = [(r["parallelism_info"][0]["pp_rank"], r["parallelism_info"][0]["tp_rank"]) for r in ranks]
+        return [rank["checksums"] for _, rank in sorted(zip(places, ranks), key=lambda pair: pair[0])]
+
     def flush_cache(self) -> None:
         self._post("/flush_cache")
 

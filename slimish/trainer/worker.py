@@ -262,6 +262,7 @@ class TrainerWorker:
         torn down and a new one, under a new name and on a free port, replaces it."""
         if self.layout.rank != 0:
             return {}
+        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
         from slimish.weight_sync.sync import WeightSync
         from slimish.weight_sync.transport import TransportContext
 
@@ -273,8 +274,13 @@ class TrainerWorker:
             master_addr=master_addr, master_port=ws.master_port if self._groups_made == 1 else free_port(),
             backend=resolve_backend(self.cfg.parallel.backend), group_name=f"slimish_weight_sync_{self._groups_made}",
             engine_tp=engine_tp, disk_dir=self.weight_sync_dir())
+        expected = None
+        if layout_supported(self.arch, engine_tp):
+            engine_dtype = getattr(torch, self.cfg.model.dtype)
+            expected = functools.partial(ExpectedChecksums, self.arch, engine_dtype)
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
-                                  bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify)
+                                  bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
+                                  expected_checksums=expected)
         t0 = time.monotonic()
         self._sender.connect()
         return {"time_connect_s": time.monotonic() - t0}

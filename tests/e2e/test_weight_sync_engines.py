@@ -1,5 +1,6 @@
 """A weight sync writes every parameter of a real SGLang engine, for a dense and an MoE family, with every
-transport; and a corrupted bucket is caught, naming the tensor.
+transport; the checksums the sender predicts are the engine's; and a bucket corrupted on its way is caught by the
+sync's own verification, naming the tensor.
 
 With SGLang's `/weights_checker`: per-parameter checksums of the engine as it loaded the model from disk ->
 `reset_tensors` (every parameter random) -> sync the same checkpoint's tensors through `slimish.weight_sync` -> every
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import free_port
 
@@ -27,6 +29,7 @@ FAMILIES = ["qwen3", "glm4_moe"]
 def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded): one engine per family."""
     from slimish.compat import sglang_cpu
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.rollout.engine import engine_argv
     from slimish.rollout.processes import ManagedProcess
@@ -45,7 +48,8 @@ def engine(request, tmp_path_factory):
     try:
         proc.wait_http_ok(f"{url}/health_generate", timeout_s=600)
         ckpt = HFCheckpoint(model)
-        yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root
+        arch = architecture_from_hf(read_hf_config(model))
+        yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root, arch
     finally:
         proc.stop()
 
@@ -66,14 +70,24 @@ def differ(a: dict[str, str], b: dict[str, str]) -> list[str]:
     return sorted(name for name in a if a[name] != b[name])
 
 
-def sync(url: str, tensors, *, transport: str, workdir, version: str) -> dict:
+def sync(url: str, tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None) -> dict:
+    """Send `tensors` to the engine; with `arch`, verified against the checksums predicted from them. `in_transit`
+    may alter each bucket after the sender hashed it."""
+    import functools
+
+    from slimish.weight_sync.checksums import ExpectedChecksums
     from slimish.weight_sync.sync import WeightSync
     from slimish.weight_sync.transport import TransportContext
 
     context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
                                group_name=f"test_{transport}_{version}", engine_tp=1, disk_dir=str(workdir / "disk"))
     # Small buckets: the model spans several, so the flip on the last one and the overlap are exercised.
-    weight_sync = WeightSync(transport=transport, context=context, engine_urls=[url], bucket_bytes=64 << 10)
+    expected = functools.partial(ExpectedChecksums, arch, torch.float32) if arch else None
+    weight_sync = WeightSync(transport=transport, context=context, engine_urls=[url], bucket_bytes=64 << 10,
+                             expected_checksums=expected)
+    if in_transit is not None:
+        push = weight_sync.transport.push
+        weight_sync.transport.push = lambda bucket, version: push(in_transit(bucket), version=version)
     weight_sync.connect()
     try:
         return weight_sync.send(iter(tensors), version=version)
@@ -81,25 +95,43 @@ def sync(url: str, tensors, *, transport: str, workdir, version: str) -> dict:
         weight_sync.close()
 
 
+def test_the_sender_predicts_every_engine_checksum(engine):
+    """The checksums computed from the HF tensors (fused q/k/v, gate/up, experts) are the engine's own, for every
+    parameter, as it loaded them from the checkpoint."""
+    from slimish.weight_sync.checksums import ExpectedChecksums, differing
+
+    family, url, tensors, _, arch = engine
+    expected = ExpectedChecksums(arch, torch.float32)
+    for name, tensor in tensors:
+        expected.add(name, tensor)
+    assert differing(expected.result(), checksums(url)) == []
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "disk"])
 def test_a_sync_writes_every_engine_parameter(engine, transport):
-    family, url, tensors, workdir = engine
+    family, url, tensors, workdir, arch = engine
     loaded = checksums(url)
     weights_checker(url, "reset_tensors")
     assert len(differ(loaded, checksums(url))) == len(loaded), "reset_tensors changed every parameter"
-    metrics = sync(url, tensors, transport=transport, workdir=workdir, version=f"{transport}-1")
-    assert metrics["sync_buckets"] > 1
+    metrics = sync(url, tensors, transport=transport, workdir=workdir, version=f"{transport}-1", arch=arch)
+    assert metrics["sync_buckets"] > 1 and metrics["time_verify_s"] > 0
     assert differ(loaded, checksums(url)) == [], f"{family}/{transport}: parameters the sync did not write"
 
 
-def test_a_corrupted_bucket_is_caught_naming_the_tensor(engine):
-    """One tensor altered on its way (+1e-3 on every element): the engine's weights no longer equal the checkpoint's,
-    and the check names the engine parameter that holds it."""
-    family, url, tensors, workdir = engine
+def test_a_bucket_corrupted_on_its_way_fails_the_sync_naming_the_tensor(engine):
+    """One tensor altered after the sender hashed it (+1e-3 on every element): the sync's verification fails and
+    names the engine parameter that holds it."""
+    from slimish.weight_sync.buckets import Bucket
+    from slimish.weight_sync.sync import WeightSyncError
+
+    family, url, tensors, workdir, arch = engine
     victim = next(name for name, _ in tensors if name.endswith("layers.1.post_attention_layernorm.weight"))
-    corrupted = [(name, t + 1e-3 if name == victim else t) for name, t in tensors]
-    loaded = checksums(url)
-    sync(url, corrupted, transport="broadcast", workdir=workdir, version="corrupted")
-    assert differ(loaded, checksums(url)) == ["model.layers.1.post_attention_layernorm.weight"]
-    sync(url, tensors, transport="broadcast", workdir=workdir, version="restored")  # leave the engine as loaded
-    assert differ(loaded, checksums(url)) == []
+
+    def corrupt(bucket):
+        return Bucket(names=bucket.names,
+                      tensors=[t + 1e-3 if n == victim else t for n, t in zip(bucket.names, bucket.tensors)],
+                      nbytes=bucket.nbytes)
+
+    with pytest.raises(WeightSyncError, match=r"1 parameter\(s\): model\.layers\.1\.post_attention_layernorm\.weight$"):
+        sync(url, tensors, transport="broadcast", workdir=workdir, version="corrupted", arch=arch, in_transit=corrupt)
+    sync(url, tensors, transport="broadcast", workdir=workdir, version="restored", arch=arch)  # as loaded again
