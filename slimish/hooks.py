@@ -3,6 +3,10 @@
 Hooks and their contracts (see README "Hooks"):
   reward.fn   fn(completions: list[str], **kwargs) -> list[float]
               kwargs: prompts (list[str]), labels (list), samples (list[Sample])
+  weight_sync.after_bucket_hook
+              fn(version: str, bucket: int, engine_urls: list[str]) -> None
+              on the sending trainer rank, after bucket number `bucket` (0-based; not the last) of the sync to
+              `version` is on its way to `engine_urls`
 """
 
 from __future__ import annotations

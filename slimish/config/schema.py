@@ -170,6 +170,9 @@ class WeightSyncConfig:
     verify: bool = doc(True, "After every sync check that each engine reports the new weight version and holds, in "
                              "every parameter, the values the trainer sent (SGLang /weights_checker checksums); a "
                              "mismatch names the parameter and stops the job.")
+    after_bucket_hook: str = doc("", "Dotted path of fn(version: str, bucket: int, engine_urls: list[str]) -> None, "
+                                     "called on the sending rank after each bucket but the last is on its way "
+                                     "(tracing; fault-injection tests); '' = none.")
 
 
 @dataclass(kw_only=True)

@@ -96,6 +96,8 @@ def validate(cfg: JobConfig) -> None:
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_hook("reward.fn", cfg.reward.fn)
+    if cfg.weight_sync.after_bucket_hook:
+        _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
 
 
 def _check_paths(cfg: JobConfig) -> None:

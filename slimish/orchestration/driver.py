@@ -144,14 +144,29 @@ class RLJob:
         """Send the trainer's weights to the engines as `version`. In retract mode the engines are generating: they
         are paused around the sync, and running requests continue with the new weights. When an engine died or a
         restarted one is ready, the weight-sync group is rebuilt first; a restarted engine is routed to again only
-        once it holds these weights."""
+        once it holds these weights. An engine that dies during the sync is restarted like any dead engine, and the
+        sync starts over, whole, to the others (`weight_sync_retries`); a sync that fails with every engine alive
+        fails the job."""
         ray.get(self.rollout_manager.pause.remote())
-        engines = ray.get(self.rollout_manager.engines_for_sync.remote())
-        if engines["urls"] != self.synced_engines:
-            self.connect_engines(engines["urls"])
-        metrics = self.trainer.call("sync_weights", version)
+        retries = 0
+        while True:
+            engines = ray.get(self.rollout_manager.engines_for_sync.remote())
+            if engines["urls"] != self.synced_engines:
+                self.connect_engines(engines["urls"])
+            try:
+                metrics = self.trainer.call("sync_weights", version)
+                break
+            except Exception as exc:
+                lost = ray.get(self.rollout_manager.engines_lost.remote(engines["urls"]))
+                if not lost:
+                    raise
+                retries += 1
+                reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+                print(f"engine(s) {', '.join(lost)} died during the weight sync to version {version} ({reason}); "
+                      "syncing again to the others", flush=True)
+                self.synced_engines = []  # that group held the dead engine: build a new one
         ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
-        return metrics
+        return {**metrics, "weight_sync_retries": retries}
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:

@@ -108,6 +108,20 @@ class RolloutManager:
             return {"urls": self.servers.engine_urls, "joining": []}
         return self.watchdog.for_sync()
 
+    def engines_lost(self, urls: list[str], wait_s: float = 10.0) -> list[str]:
+        """After a weight sync to `urls` failed: those of them that died (their restart has begun). An engine's
+        death can reach the sender (its sockets closed) a moment before its process is seen to exit, so this looks
+        again until one is found or `wait_s` has passed; [] means the sync failed for another reason."""
+        if self.watchdog is None:
+            return []
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.watchdog.check()
+            lost = self.watchdog.lost(urls)
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.2)
+
     def resume(self, *, policy_version: int, joined: list[str] = ()) -> None:
         """After a weight sync to `policy_version`: restarted engines that received it are routed to again, and
         (retract mode) retracted requests continue."""

@@ -51,6 +51,11 @@ class EngineWatchdog:
             raise RuntimeError(f"no SGLang engine is left: {self.state}; see the engine logs")
         return {"urls": urls, "joining": joining}
 
+    def lost(self, urls: list[str]) -> list[str]:
+        """Those of `urls` that are neither live nor waiting to join (dead, restarting or failed)."""
+        with self._lock:
+            return [url for url in urls if self.state[url] not in (LIVE, JOINING)]
+
     def admit(self, urls: list[str]) -> None:
         """`urls` now hold the trained weights: route requests to them again."""
         for url in urls:

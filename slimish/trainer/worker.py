@@ -262,6 +262,7 @@ class TrainerWorker:
         torn down and a new one, under a new name and on a free port, replaces it."""
         if self.layout.rank != 0:
             return {}
+        from slimish.hooks import load_function
         from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
         from slimish.weight_sync.sync import WeightSync
         from slimish.weight_sync.transport import TransportContext
@@ -280,7 +281,8 @@ class TrainerWorker:
             expected = functools.partial(ExpectedChecksums, self.arch, engine_dtype)
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
                                   bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
-                                  expected_checksums=expected)
+                                  expected_checksums=expected,
+                                  after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None)
         t0 = time.monotonic()
         self._sender.connect()
         return {"time_connect_s": time.monotonic() - t0}
@@ -303,7 +305,12 @@ class TrainerWorker:
             for _ in tensors:  # ranks other than 0 only feed the gathers
                 pass
             return {}
-        return self._sender.send(tensors, version=str(version))
+        try:
+            return self._sender.send(tensors, version=str(version))
+        except BaseException:
+            for _ in tensors:  # the other ranks are inside the export's collectives: let them finish
+                pass
+            raise
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """HF-named copy of the whole model on rank 0 (empty elsewhere); every rank must call it. For tests."""

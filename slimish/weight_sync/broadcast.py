@@ -19,6 +19,8 @@ from slimish.weight_sync.buckets import Bucket
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import Transport, tensor_meta
 
+ABORT_WAIT_S = 60.0  # how long an aborted sync waits for the engines to give up the bucket they were receiving
+
 
 def flatten_bucket(bucket: Bucket) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors])
@@ -28,7 +30,7 @@ class BroadcastTransport(Transport):
     def connect(self, clients: list[EngineClient]) -> None:
         super().connect(clients)
         ctx = self.context
-        self.group = None
+        self.group, self._joined = None, False
         self._loading = []  # the engines' answers to the bucket they are loading
         world_size = 1 + len(clients) * ctx.engine_tp
         joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
@@ -40,6 +42,7 @@ class BroadcastTransport(Transport):
                                              group_name=ctx.group_name)
         for join in joins:
             join.result()
+        self._joined = True
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
@@ -61,8 +64,21 @@ class BroadcastTransport(Transport):
             for call in calls:
                 call.result()
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        # Closing the sender's side of the group makes an engine blocked receiving a bucket fail that receive (its
+        # /update_weights_from_distributed answers success=false) instead of waiting out the group's timeout.
         if self.group is not None:
+            destroy_group(self.group)
+            self.group = None
+        calls, self._loading = self._loading, []
+        for call in calls:
+            try:
+                call.result(timeout=ABORT_WAIT_S)
+            except Exception:  # the sync has failed already: this only waits for the engines to give up
+                pass
+
+    def close(self) -> None:
+        if self._joined:
             for call in self.on_all(lambda c: c.destroy_weights_update_group(self.context.group_name)):
                 try:
                     call.result()
@@ -71,6 +87,8 @@ class BroadcastTransport(Transport):
                     # anything else is worth a word.
                     if not isinstance(exc.__cause__, httpx.TransportError):
                         print(f"warning: {exc}", flush=True)
+            self._joined = False
+        if self.group is not None:
             destroy_group(self.group)
             self.group = None
         super().close()

@@ -48,7 +48,11 @@ class DiskTransport(Transport):
                 self._dir, self._shards = None, 0
         return bucket.nbytes
 
-    def close(self) -> None:
+    def abort(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir, self._shards = None, 0
+
+    def close(self) -> None:
+        self.abort()
         super().close()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from slimish.rollout.engine_client import EngineClient
+from slimish.rollout.engine_client import EngineClient, EngineError
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing
@@ -34,14 +34,18 @@ class WeightSyncError(RuntimeError):
 class WeightSync:
     """`verify`: check the engines after every sync. `expected_checksums`: makes the object that computes, from the
     tensors sent, every engine parameter's checksum (None when the engines' layout is not known to
-    `slimish.weight_sync.checksums`: the engines are then checked against each other)."""
+    `slimish.weight_sync.checksums`: the engines are then checked against each other). `after_bucket(version,
+    index, engine_urls)` is called after each bucket but the last is on its way (the weight_sync.after_bucket_hook)."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
-                 verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None):
+                 verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
+                 after_bucket: Callable[[str, int, list[str]], None] | None = None):
         self.clients = [EngineClient(url) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
+        self.after_bucket = after_bucket
+        self.broken = False
 
     def _on_all(self, fn) -> list:
         return [future.result() for future in self.transport.on_all(fn)]
@@ -50,7 +54,29 @@ class WeightSync:
         self.transport.connect(self.clients)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:
-        """Send the whole model (`named_tensors`, consumed lazily) to every engine as weight version `version`."""
+        """Send the whole model (`named_tensors`, consumed lazily) to every engine as weight version `version`.
+
+        If an engine fails during it (it died), the engines still waiting for a bucket are released, every engine's
+        update session is ended, and the error is raised: this object is then only good for `close`, and the caller
+        syncs again with a new one to the engines that are left. `named_tensors` may be left part-consumed."""
+        if self.broken:
+            raise RuntimeError("this WeightSync failed during an earlier sync: connect a new one")
+        try:
+            return self._send(named_tensors, version=version)
+        except WeightSyncError:
+            raise  # the engines answered, with the wrong weights: nothing to release
+        except BaseException:
+            self.broken = True
+            self.transport.abort()
+            if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
+                for call in self.transport.on_all(lambda c: c.end_weight_update()):
+                    try:
+                        call.result()
+                    except EngineError:
+                        pass
+            raise
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:
         t0 = time.monotonic()
         if self.transport.bracketed:
             with self.transport.phase("control"):
@@ -65,6 +91,8 @@ class WeightSync:
             # Hold one bucket back so the last one, which flips the version, is known when it is sent.
             if pending is not None:
                 num_bytes += self.transport.push(pending, version=None)
+                if self.after_bucket is not None:
+                    self.after_bucket(version, num_buckets, [c.url for c in self.clients])
                 num_buckets += 1
             pending = bucket
         if pending is not None:

@@ -1,10 +1,14 @@
-"""A SGLang engine killed in the middle of a real RL run: the job goes on with the other engine, the requests that
-were on the dead one are retried, the engine is restarted, rejoins the weight-sync group and the router at the next
-weight sync, and then serves the trained weights (the sync verifies every engine reports the new version, and the
-engines' logprobs keep matching the trainer's). No sample is lost. Nothing is left running afterwards.
+"""SGLang engines killed in a real RL run, twice, in one job (sharing its start-up): engine 1 in the middle of a
+rollout, then engine 0 in the middle of a weight sync, between two buckets. Each time the job goes on with the other
+engine: the requests that were on the dead one are retried, the interrupted sync starts over to the survivor, the
+engine is restarted, rejoins the weight-sync group and the router at the next weight sync, and then serves the
+trained weights (every sync verifies every engine's parameters, and the engines' logprobs keep matching the
+trainer's). No sample is lost. Nothing is left running afterwards.
 
-Where the kill lands is made deterministic: the engine is paused in place (its requests freeze, so none can finish
-and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked again."""
+Where each kill lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none can
+finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked again.
+Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync is on
+its way, once the test arms it."""
 
 from __future__ import annotations
 
@@ -62,31 +66,46 @@ def kill_while_generating(url: str, engine_pid: int, *, timeout_s: float) -> int
     raise AssertionError(f"{url} held no request for {timeout_s} s")
 
 
-def test_killed_engine_is_restarted_and_rejoins(task_assets, tmp_path):
+def rejoined_after(metrics, restarts: int):
+    """A predicate: the records, once `restarts` restarts are done, both engines are live and 3 more steps ran."""
+    def predicate() -> list[dict]:
+        records = read_metrics(metrics)
+        back = [i for i, r in enumerate(records) if r["engine_restarts"] >= restarts and r["engines_live"] == 2]
+        return records if back and len(records) >= back[0] + 3 else []
+    return predicate
+
+
+def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
+    from tests.conftest import REPO
+    from tests.e2e import hooks
+
     become_subreaper()
+    run_dir = tmp_path / "crash"
+    # Small buckets: a sync spans several (the quickstart model is 0.44 MiB), so there is a "between two buckets".
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
-                        "rollout.prompts_per_step=8", "rollout.max_new_tokens=32")
+                        "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.kill_engine_between_buckets")
     log = tmp_path / "driver.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path)
-    metrics = tmp_path / "crash" / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+                            env={**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir),  # the hook imports tests.*
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    metrics = run_dir / "metrics.jsonl"
     try:
         wait_for(proc, lambda: read_metrics(metrics)[1:], timeout_s=900, log=log)  # two steps done
-        engine_pid = json.loads((tmp_path / "crash" / "pids.json").read_text())["servers"][1]
-        engine_url = json.loads((tmp_path / "crash" / "placement.json").read_text())["engines"][1]["url"]
+        # 1. Engine 1, mid-rollout.
+        engine_pid = json.loads((run_dir / "pids.json").read_text())["servers"][1]
+        engine_url = json.loads((run_dir / "placement.json").read_text())["engines"][1]["url"]
         held = kill_while_generating(engine_url, engine_pid, timeout_s=300)
         killed_at = len(read_metrics(metrics))
-
-        def rejoined() -> list[dict]:
-            records = read_metrics(metrics)
-            back = [i for i, r in enumerate(records) if r["engine_restarts"] >= 1 and r["engines_live"] == 2]
-            return records if back and len(records) >= back[0] + 3 else []
-
-        records = wait_for(proc, rejoined, timeout_s=900, log=log)
+        wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
+        # 2. Engine 0, between two buckets of the next sync.
+        (run_dir / hooks.TRIGGER).touch()
+        records = wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=180)
     assert not leftovers(), "processes left running after the job"
-    assert records[-1]["engine_deaths"] == 1 and records[-1]["engine_restart_failures"] == 0
+    assert records[-1]["engine_deaths"] == 2 and records[-1]["engine_restart_failures"] == 0
     retried = sum(r.get("requests_retried", 0) for r in records)
     assert held > 0 and retried > 0, "the requests the killed engine held were retried"
     assert sum(r.get("samples_failed", 0) for r in records) == 0, "no sample was lost"
@@ -95,7 +114,13 @@ def test_killed_engine_is_restarted_and_rejoins(task_assets, tmp_path):
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_completed"] + record["samples_truncated"] > 0, "every step trained"
-    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 1)
+    # The sync engine 0 died in was done again, to engine 1, within the same step.
+    interrupted = int((run_dir / hooks.DONE).read_text())
+    by_step = {r["step"]: r for r in records}
+    assert by_step[interrupted]["weight_sync_retries"] == 1
+    assert sum(r["weight_sync_retries"] for r in records) == 1
+    assert by_step[interrupted + 1]["engines_live"] == 1, "the next rollout ran on engine 1 alone"
+    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 2)
     assert all(r["engines_live"] == 2 for r in records[first_back:])
     text = log.read_text()
-    assert "died" in text and "restarted in" in text
+    assert "died during the weight sync" in text and text.count("restarted in") == 2
