@@ -98,6 +98,10 @@ class EngineConfig:
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
     restart_dead: bool = doc(True, "Restart an engine whose process died; it rejoins at the next weight sync.")
     watch_interval_s: float = doc(2.0, "Seconds between checks that every engine process is alive.")
+    health_interval_s: float = doc(30.0, "Seconds between probes of every live engine's /health_generate (0 = no "
+                                         "probes); one that fails the probe is hung: it is killed and restarted.")
+    hang_timeout_s: float = doc(60.0, "Seconds a /health_generate probe may take before its engine counts as hung "
+                                      "(SGLang itself answers 503 after 20 s without scheduler progress).")
     extra_args: list = doc([], "Extra command-line arguments passed verbatim to sglang.launch_server.")
 
 

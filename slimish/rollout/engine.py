@@ -66,6 +66,11 @@ class EngineProcess:
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
+    def kill(self) -> None:
+        """Kill the server's process group at once (no SIGTERM grace: it is hung) and reap it."""
+        if self.proc is not None:
+            self.proc.stop(grace_s=0)
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self.proc is not None:
             self.proc.stop(grace_s)

@@ -46,7 +46,9 @@ class RolloutManager:
             score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         if ro.engine.restart_dead:
             self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
-                                           on_live_change=self.scheduler.set_engine_urls)
+                                           on_live_change=self.scheduler.set_engine_urls,
+                                           health_interval_s=ro.engine.health_interval_s,
+                                           hang_timeout_s=ro.engine.hang_timeout_s)
             self.watchdog.start()
         return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
                 "router_url": self.servers.router_url, "pids": self.servers.pids(),
@@ -100,6 +102,8 @@ class RolloutManager:
         return samples, metrics
 
     def pause(self) -> None:
+        if self.watchdog is not None:  # a paused engine does not answer /health_generate: no hang probes
+            self.watchdog.pause_probes()
         self.scheduler.pause()
 
     def engines_for_sync(self) -> dict:
@@ -128,6 +132,8 @@ class RolloutManager:
         if self.watchdog is not None:
             self.watchdog.admit(list(joined))
         self.scheduler.resume(policy_version=policy_version)
+        if self.watchdog is not None:
+            self.watchdog.resume_probes()
 
     def state(self) -> dict:
         """What a resumed run needs so that no prompt is skipped or drawn twice: the prompt stream's position (the

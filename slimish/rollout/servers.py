@@ -99,6 +99,10 @@ class RolloutServers:
         weights."""
         ray.get(self.engines[i].respawn.remote())
 
+    def kill_engine(self, i: int) -> None:
+        """SIGKILL engine i's whole process group (a hung engine); the watchdog then sees it dead."""
+        ray.get(self.engines[i].kill.remote(), timeout=60)
+
     def wait_engine(self, i: int) -> None:
         ray.get(self.engines[i].wait_healthy.remote())
 

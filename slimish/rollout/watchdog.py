@@ -1,5 +1,6 @@
 """Engine fault tolerance: notice a dead SGLang engine, take it out of the router, restart it, and let it back in
-only once it holds the trained weights.
+only once it holds the trained weights. An engine that is alive but hung (its `/health_generate` does not answer
+within `hang_timeout_s`) is killed first, and then handled as a dead one.
 
 States of an engine: live (in the router and in the weight-sync group) -> dead -> restarting -> joining (healthy,
 serving the initial checkpoint: not routed to) -> live again after the next weight sync, which rebuilds the
@@ -15,6 +16,9 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 from slimish.rollout.servers import RolloutServers
 
@@ -22,19 +26,35 @@ LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
 
 
 class EngineWatchdog:
-    def __init__(self, servers: RolloutServers, *, interval_s: float, on_live_change: Callable[[list[str]], None]):
+    def __init__(self, servers: RolloutServers, *, interval_s: float, on_live_change: Callable[[list[str]], None],
+                 health_interval_s: float = 0.0, hang_timeout_s: float = 0.0):
         self.servers = servers
         self.interval_s = interval_s
+        self.health_interval_s, self.hang_timeout_s = health_interval_s, hang_timeout_s
         self._on_live_change = on_live_change
         self.state = {url: LIVE for url in servers.engine_urls}
         self.counts: Counter = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
+        self._prober = threading.Thread(target=self._probe_loop, name="engine-prober", daemon=True)
         self._restarts: list[threading.Thread] = []
+        # Health probes are off while the job pauses the engines (a paused engine does not answer /health_generate);
+        # a probe that overlapped a pause is discarded: `_pauses` tells.
+        self._paused, self._pauses = False, 0
 
     def start(self) -> None:
         self._thread.start()
+        if self.health_interval_s > 0 and self.hang_timeout_s > 0:
+            self._prober.start()
+
+    def pause_probes(self) -> None:
+        with self._lock:
+            self._paused, self._pauses = True, self._pauses + 1
+
+    def resume_probes(self) -> None:
+        with self._lock:
+            self._paused = False
 
     def live(self) -> list[str]:
         with self._lock:
@@ -69,11 +89,14 @@ class EngineWatchdog:
         with self._lock:
             states = Counter(self.state.values())
         return {"engines_live": states[LIVE], "engine_deaths": self.counts["deaths"],
+                "engine_hangs": self.counts["hangs"],
                 "engine_restarts": self.counts["restarts"], "engine_restart_failures": self.counts["failures"]}
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self._prober.is_alive():
+            self._prober.join(timeout=self.hang_timeout_s + 10)
         for thread in self._restarts:
             thread.join(timeout=1)
 
@@ -99,6 +122,35 @@ class EngineWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.check()
+
+    def probe(self) -> list[str]:
+        """Kill every live engine whose `/health_generate` does not answer 200 within `hang_timeout_s` (SGLang's own
+        check answers 503 when its scheduler has produced nothing for 20 s; a stopped process does not answer), then
+        `check()` handles it as dead. Returns the engines killed. Nothing is killed on the strength of a probe that
+        overlapped a pause of the engines."""
+        with self._lock:
+            if self._paused:
+                return []
+            pauses = self._pauses
+            urls = [url for url, state in self.state.items() if state == LIVE]
+        healthy = dict(zip(urls, _in_parallel(lambda url: _answers_health(url, self.hang_timeout_s), urls)))
+        hung = []
+        for i, url in enumerate(self.servers.engine_urls):
+            with self._lock:
+                if healthy.get(url, True) or self._paused or self._pauses != pauses or self.state[url] != LIVE:
+                    continue
+                self.counts["hangs"] += 1
+            print(f"engine {url} is hung: /health_generate gave no answer in {self.hang_timeout_s:.0f}s; killing it",
+                  flush=True)
+            self.servers.kill_engine(i)
+            hung.append(url)
+        if hung:
+            self.check()
+        return hung
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            self.probe()
 
     def _on_death(self, i: int, url: str) -> None:
         print(f"engine {url} died (exit code {self.servers.engine_exit_code(i)}); restarting it; see "
@@ -132,3 +184,15 @@ class EngineWatchdog:
             self.counts["restarts"] += 1
         print(f"engine {url} restarted in {time.monotonic() - t0:.0f}s; it joins at the next weight sync",
               flush=True)
+
+
+def _answers_health(url: str, timeout_s: float) -> bool:
+    try:
+        return httpx.get(f"{url}/health_generate", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _in_parallel(fn: Callable, items: list) -> list:
+    with ThreadPoolExecutor(max(1, len(items))) as pool:
+        return list(pool.map(fn, items))

@@ -1,5 +1,5 @@
-"""SGLang engines killed in a real RL run, twice, in one job (sharing its start-up): engine 1 in the middle of a
-rollout, then engine 0 in the middle of a weight sync, between two buckets. Each time the job goes on with the other
+"""SGLang engines killed in a real RL run, three times, in one job (sharing its start-up): engine 1 in the middle
+of a rollout, then engine 0 in the middle of a weight sync, between two buckets, then engine 1 hung. Each time the job goes on with the other
 engine: the requests that were on the dead one are retried, the interrupted sync starts over to the survivor, the
 engine is restarted, rejoins the weight-sync group and the router at the next weight sync, and then serves the
 trained weights (every sync verifies every engine's parameters, and the engines' logprobs keep matching the
@@ -8,7 +8,8 @@ trainer's). No sample is lost. Nothing is left running afterwards.
 Where each kill lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none can
 finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked again.
 Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync is on
-its way, once the test arms it."""
+its way, once the test arms it. Then engine 1, restarted by now, is frozen (SIGSTOP): alive but hung, until the
+watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others."""
 
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def kill_while_generating(url: str, engine_pid: int, *, timeout_s: float) -> int
     raise AssertionError(f"{url} held no request for {timeout_s} s")
 
 
+def listening_pid(url: str) -> int:
+    """The PID of the process listening on `url`'s port (a restarted engine's server: pids.json has the first)."""
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
+
+
 def rejoined_after(metrics, restarts: int):
     """A predicate: the records, once `restarts` restarts are done, both engines are live and 3 more steps ran."""
     def predicate() -> list[dict]:
@@ -82,7 +92,9 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     become_subreaper()
     run_dir = tmp_path / "crash"
     # Small buckets: a sync spans several (the quickstart model is 0.44 MiB), so there is a "between two buckets".
+    # Hang probes every 5 s, hung after 15 s without an answer.
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
+                        "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=15",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
                         "weight_sync.after_bucket_hook=tests.e2e.hooks.kill_engine_between_buckets")
     log = tmp_path / "driver.log"
@@ -100,12 +112,16 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
         # 2. Engine 0, between two buckets of the next sync.
         (run_dir / hooks.TRIGGER).touch()
-        records = wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
+        wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
+        # 3. Engine 1 (its restarted server) hung.
+        os.killpg(os.getpgid(listening_pid(engine_url)), signal.SIGSTOP)
+        records = wait_for(proc, rejoined_after(metrics, 3), timeout_s=900, log=log)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=180)
     assert not leftovers(), "processes left running after the job"
-    assert records[-1]["engine_deaths"] == 2 and records[-1]["engine_restart_failures"] == 0
+    assert records[-1]["engine_deaths"] == 3 and records[-1]["engine_restart_failures"] == 0
+    assert records[-1]["engine_hangs"] == 1
     retried = sum(r.get("requests_retried", 0) for r in records)
     assert held > 0 and retried > 0, "the requests the killed engine held were retried"
     assert sum(r.get("samples_failed", 0) for r in records) == 0, "no sample was lost"
@@ -120,7 +136,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     assert by_step[interrupted]["weight_sync_retries"] == 1
     assert sum(r["weight_sync_retries"] for r in records) == 1
     assert by_step[interrupted + 1]["engines_live"] == 1, "the next rollout ran on engine 1 alone"
-    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 2)
+    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 3)
     assert all(r["engines_live"] == 2 for r in records[first_back:])
     text = log.read_text()
-    assert "died during the weight sync" in text and text.count("restarted in") == 2
+    assert "died during the weight sync" in text and "is hung" in text and text.count("restarted in") == 3
