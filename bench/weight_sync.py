@@ -12,7 +12,9 @@ it prints the best of `--rounds` syncs with its per-phase breakdown, then one li
 
     transport=<name> sync_vs_raw_ratio=<x> model_mib=<m> buckets=<n> sync_s=<s> raw_s=<r> bucket_mb=<b>
 
-ratio = raw time / sync time (1.0: the sync is as fast as the bare wire). Each transport runs at every
+ratio = raw time / sync time (1.0: the sync is as fast as the bare wire). A sync is timed as a job pays for it,
+verification included (the sender's hashes and the engines' /weights_checker checksums: phases `hash` and
+`verify`). Each transport runs at every
 `--bucket-mb` size; the last line is `broadcast` at the first size given.
 Engine start-up is excluded. Needs ~10 GB of memory.
 """
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 NUM_ENGINES = 2
-TRANSPORTS = ("disk", "broadcast")  # broadcast last: its line is the figure
+TRANSPORTS = ("disk", "tensor", "broadcast")  # broadcast last: its line is the figure
 
 
 def free_port() -> int:
@@ -105,14 +107,19 @@ def raw_broadcast_s(numel: int, rounds: int) -> float:
 
 
 def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: float, rounds: int,
-                disk_dir: Path) -> dict:
-    """The fastest of `rounds` whole-model syncs through `transport`, with its phase breakdown."""
+                disk_dir: Path, arch) -> dict:
+    """The fastest of `rounds` whole-model syncs through `transport`, verified as a job verifies them (every engine
+    parameter's checksum against the sender's), with its phase breakdown."""
+    import functools
+
+    from slimish.weight_sync.checksums import ExpectedChecksums
     from slimish.weight_sync.sync import WeightSync
     from slimish.weight_sync.transport import TransportContext
 
     context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
                                group_name=f"bench_{transport}", engine_tp=1, disk_dir=str(disk_dir))
-    sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20))
+    sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
+                      expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
     sync.connect()
     best = None
     try:
@@ -135,6 +142,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
 
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
 
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=args.workdir))
@@ -142,6 +150,7 @@ def main() -> None:
     try:
         model = build_model(root, args.layers)
         ckpt = HFCheckpoint(model)
+        arch = architecture_from_hf(read_hf_config(model))
         tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         print(f"model: qwen3, {args.layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
@@ -155,7 +164,7 @@ def main() -> None:
         results = {}
         for transport, size in runs:
             best = sync_rounds(transport, [url for _, url in engines], tensors, bucket_mb=size,
-                               rounds=args.rounds, disk_dir=root / "disk")
+                               rounds=args.rounds, disk_dir=root / "disk", arch=arch)
             results[transport, size] = best
             phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
                               for key, value in sorted(best.items()) if key.startswith("time_"))

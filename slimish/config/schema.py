@@ -163,10 +163,11 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    transport: Literal["broadcast", "disk"] = doc(
+    transport: Literal["broadcast", "tensor", "disk"] = doc(
         "broadcast", "How buckets reach the engines: 'broadcast' = a torch.distributed group with every engine "
-        "(gloo on CPU, NCCL on GPU); 'disk' = safetensors shards in weight_sync.disk_dir that the engines load (a "
-        "shared filesystem, no network group).")
+        "(gloo on CPU, NCCL on GPU); 'tensor' = engines on the sending rank's node map each bucket from its memory "
+        "(shared memory on CPU, CUDA IPC on GPU); 'disk' = safetensors shards in weight_sync.disk_dir that the "
+        "engines load (a shared filesystem, no network group).")
     disk_dir: str = doc("", "Directory of the disk transport's shards, readable by every engine; '' = "
                             "<run dir>/weight_sync.")
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")

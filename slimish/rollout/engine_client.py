@@ -66,6 +66,13 @@ class EngineClient:
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
             weight_version=weight_version, load_format=load_format))
 
+    def update_weights_from_tensor(self, *, serialized: list[str], load_format: str | None,
+                                   weight_version: str | None, flush_cache: bool) -> dict:
+        """`serialized`: one base64 ForkingPickler payload per tensor-parallel rank of the engine."""
+        return self._post("/update_weights_from_tensor", dict(
+            serialized_named_tensors=serialized, load_format=load_format, flush_cache=flush_cache,
+            weight_version=weight_version))
+
     def update_weights_from_disk(self, *, model_path: str, weight_version: str | None,
                                  flush_cache: bool = True) -> dict:
         return self._post("/update_weights_from_disk", dict(

@@ -50,7 +50,7 @@ class _Sha:
     def __init__(self, dtype: torch.dtype):
         self.dtype, self._sha = dtype, hashlib.sha256()
 
-    def update(self, tensor: torch.Tensor) -> "_Sha":
+    def update(self, tensor: torch.Tensor) -> _Sha:
         tensor = tensor.detach().to(dtype=self.dtype, device="cpu").contiguous()
         self._sha.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
         return self

@@ -22,9 +22,11 @@ from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
+from slimish.weight_sync.tensor import TensorTransport
 from slimish.weight_sync.transport import Transport, TransportContext
 
-TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "disk": DiskTransport}
+TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "tensor": TensorTransport,
+                                          "disk": DiskTransport}
 
 
 class WeightSyncError(RuntimeError):

@@ -66,6 +66,7 @@ class Transport(ABC):
         """Move `bucket` into every engine; returns its bytes. `version` is given with the last bucket only: the
         engines then take it as their weight version and flush their KV cache."""
 
+    @abstractmethod
     def abort(self) -> None:
         """After a failed push (an engine died): release the engines still waiting for a bucket and drop what the
         sync had staged. The transport is then only good for `close`."""

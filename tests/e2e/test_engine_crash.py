@@ -1,15 +1,15 @@
-"""SGLang engines killed in a real RL run, three times, in one job (sharing its start-up): engine 1 in the middle
-of a rollout, then engine 0 in the middle of a weight sync, between two buckets, then engine 1 hung. Each time the job goes on with the other
-engine: the requests that were on the dead one are retried, the interrupted sync starts over to the survivor, the
-engine is restarted, rejoins the weight-sync group and the router at the next weight sync, and then serves the
-trained weights (every sync verifies every engine's parameters, and the engines' logprobs keep matching the
-trainer's). No sample is lost. Nothing is left running afterwards.
+"""SGLang engines killed in a real RL run, three times, in one job (sharing its start-up): engine 1 in the
+middle of a rollout, then engine 0 in the middle of a weight sync, between two buckets, then engine 1 hung. Each
+time the job goes on with the other engine: the requests that were on the dead one are retried, the interrupted
+sync starts over to the survivor, the engine is restarted, rejoins the weight-sync group and the router at the next
+weight sync, and then serves the trained weights (every sync verifies every engine's parameters, and the engines'
+logprobs keep matching the trainer's). No sample is lost. Nothing is left running afterwards.
 
-Where each kill lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none can
-finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked again.
-Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync is on
-its way, once the test arms it. Then engine 1, restarted by now, is frozen (SIGSTOP): alive but hung, until the
-watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others."""
+Where each kill lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
+can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
+again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync
+is on its way, once the test arms it. Then engine 1, restarted by now, is frozen (SIGSTOP): alive but hung, until
+the watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others."""
 
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
                         "weight_sync.after_bucket_hook=tests.e2e.hooks.kill_engine_between_buckets")
     log = tmp_path / "driver.log"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the hook is in tests/
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
-                            env={**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir),  # the hook imports tests.*
-                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                            env={**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir), "PYTHONPATH": pythonpath})
     metrics = run_dir / "metrics.jsonl"
     try:
         wait_for(proc, lambda: read_metrics(metrics)[1:], timeout_s=900, log=log)  # two steps done

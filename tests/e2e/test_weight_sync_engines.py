@@ -107,7 +107,7 @@ def test_the_sender_predicts_every_engine_checksum(engine):
     assert differing(expected.result(), checksums(url)) == []
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk"])
 def test_a_sync_writes_every_engine_parameter(engine, transport):
     family, url, tensors, workdir, arch = engine
     loaded = checksums(url)

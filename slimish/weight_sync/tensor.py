@@ -1,0 +1,118 @@
+"""`tensor` transport: engines on the sender's own node read each bucket straight from the sender's memory.
+
+Per bucket the sender copies the tensors into one flat buffer that other processes can map (a CUDA allocation on
+GPU, a shared-memory segment on CPU), pickles a handle to it with torch's multiprocessing reductions, and posts the
+handle to every engine (`/update_weights_from_tensor`, SGLang's "flattened_bucket" layout: the buffer plus each
+tensor's name, dtype, shape and byte range). The engine maps the buffer and loads the tensors from it; no byte
+crosses a socket. The buffer is kept alive until every engine has answered.
+
+CPU: the buffer must be shared with torch's `file_system` strategy (a named segment the engine opens by name).
+Under the default `file_descriptor` strategy the handle is a file descriptor handed over a multiprocessing
+connection whose authentication key the engine process does not have: SGLang 0.5.23's receive fails with
+"AuthenticationError: digest sent was rejected" and the server goes down. GPU: the handle is a CUDA IPC handle;
+only the device differs.
+
+Overlap as in `broadcast`: the next bucket is exported and copied while the engines load the previous one, so at
+most two buffers are alive.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import types
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+from urllib.parse import urlparse
+
+import torch
+import torch.multiprocessing
+
+from slimish.config.loader import ConfigError
+from slimish.rollout.engine_client import EngineClient
+from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.transport import Transport
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class TensorTransport(Transport):
+    def connect(self, clients: list[EngineClient]) -> None:
+        away = [c.url for c in clients if not _same_host(urlparse(c.url).hostname, self.context.master_addr)]
+        if away:
+            raise ConfigError("weight_sync.transport",
+                              f"'tensor' needs every engine on the sending trainer rank's node "
+                              f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
+        super().connect(clients)
+        self._loading = []  # (the engines' answers, the buffer they read) of the bucket being loaded
+
+    def push(self, bucket: Bucket, *, version: str | None) -> int:
+        with self.phase("flatten"):  # while the engines load the previous bucket
+            flat, metadata = _shared_flat(bucket)
+            payload = _serialize({"flattened_tensor": flat, "metadata": metadata})
+        self._wait_loaded()
+        tp = self.context.engine_tp
+        calls = self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=[payload] * tp, load_format="flattened_bucket", weight_version=version,
+            flush_cache=version is not None))
+        self._loading = [(calls, flat)]
+        if version is not None:
+            self._wait_loaded()
+        return flat.numel()
+
+    def _wait_loaded(self) -> None:
+        with self.phase("engine_load"):
+            loading, self._loading = self._loading, []
+            for calls, _buffer in loading:  # the buffer is released only after the engines have read it
+                for call in calls:
+                    call.result()
+
+    def abort(self) -> None:
+        loading, self._loading = self._loading, []
+        for calls, _buffer in loading:
+            for call in calls:
+                try:
+                    call.result(timeout=60)
+                except Exception:  # the sync has failed already: this only waits for the engines to let go
+                    pass
+
+
+def _same_host(engine_host: str | None, sender_host: str) -> bool:
+    return engine_host == sender_host or (engine_host in LOOPBACK and sender_host in LOOPBACK)
+
+
+def _shared_flat(bucket: Bucket) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
+    """The bucket's bytes in one buffer other processes can map, and SGLang's metadata for each tensor.
+    (SimpleNamespace: SGLang's unpickler admits it, and it carries the fields SGLang reads.)"""
+    device = bucket.tensors[0].device
+    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        with _file_system_sharing():
+            flat.share_memory_()
+    metadata, offset = [], 0
+    for name, tensor in zip(bucket.names, bucket.tensors):
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+        metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                              start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return flat, metadata
+
+
+def _serialize(obj) -> str:
+    """What SGLang's MultiprocessingSerializer makes: a ForkingPickler pickle (tensors by handle), base64."""
+    buffer = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@contextmanager
+def _file_system_sharing():
+    """torch's sharing strategy is process-wide: switch it only around our own sharing."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)

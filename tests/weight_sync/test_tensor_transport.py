@@ -1,0 +1,42 @@
+"""The `tensor` transport's own logic, without an engine (tests/e2e/test_weight_sync_engines.py runs it against real
+SGLang engines): its bucket buffer is shareable by name and carries SGLang's flattened-bucket metadata, and an engine
+on another host is refused naming the config key."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+
+import pytest
+import torch
+
+from slimish.config.loader import ConfigError
+from slimish.rollout.engine_client import EngineClient
+from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.tensor import TensorTransport, _serialize, _shared_flat
+from slimish.weight_sync.transport import TransportContext
+
+
+def context(master_addr: str) -> TransportContext:
+    return TransportContext(master_addr=master_addr, master_port=0, backend="gloo", group_name="g", engine_tp=1,
+                            disk_dir="")
+
+
+def test_an_engine_on_another_host_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"weight_sync.transport.*http://10.1.2.3:30000 is not: use 'broadcast'"):
+        TensorTransport(context("127.0.0.1")).connect([EngineClient("http://10.1.2.3:30000")])
+
+
+def test_the_bucket_buffer_is_shared_by_name_with_sglang_metadata():
+    bucket = Bucket()
+    bucket.add("a", torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    bucket.add("b", torch.tensor([1, 2], dtype=torch.bfloat16))
+    flat, metadata = _shared_flat(bucket)
+    assert flat.is_shared() and flat.numel() == bucket.nbytes
+    assert [(m.name, m.start_idx, m.end_idx) for m in metadata] == [("a", 0, 24), ("b", 24, 28)]
+    for m, tensor in zip(metadata, bucket.tensors):
+        assert torch.equal(flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape), tensor)
+    payload = base64.b64decode(_serialize({"flattened_tensor": flat, "metadata": metadata}))
+    assert b"rebuild_storage_filename" in payload  # by name (file_system), not by file descriptor
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # left as it was
+    assert pickle.loads(payload)["metadata"][1].name == "b"
