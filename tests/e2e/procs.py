@@ -2,7 +2,9 @@
 
 The test process makes itself a child subreaper, so every process the job started that outlives its parent is
 re-parented to the test process instead of PID 1: its descendants are then exactly what the job left behind,
-whatever else runs on the machine.
+whatever else runs on the machine, less those it already had when it became one (its own helpers: e.g. the
+`torch_shm_manager` torch starts for a process that shares memory by name, here when an earlier test ran the
+`tensor` weight-sync transport in the test process; it lives as long as that process).
 """
 
 from __future__ import annotations
@@ -14,19 +16,26 @@ import time
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
+_already_running: set[int] = set()  # this process's descendants when the job under test had not started yet
 
 
 def become_subreaper() -> None:
+    """Call before starting the job under test."""
     if ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    _already_running.clear()
+    _already_running.update(child.pid for child in psutil.Process(os.getpid()).children(recursive=True))
 
 
 def leftovers(*, wait_s: float = 30.0) -> list[str]:
-    """Live descendants of this process, after waiting up to `wait_s` for them to exit (zombies are reaped)."""
+    """Live descendants of this process that it did not have at `become_subreaper()`, after waiting up to `wait_s`
+    for them to exit (zombies are reaped)."""
     deadline = time.monotonic() + wait_s
     while True:
         found = []
         for child in psutil.Process(os.getpid()).children(recursive=True):
+            if child.pid in _already_running:
+                continue
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
                     child.wait(timeout=0)
