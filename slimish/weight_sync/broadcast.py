@@ -19,8 +19,6 @@ from slimish.weight_sync.buckets import Bucket
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import Transport, tensor_meta
 
-ABORT_WAIT_S = 60.0  # how long an aborted sync waits for the engines to give up the bucket they were receiving
-
 
 def flatten_bucket(bucket: Bucket) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors])
@@ -31,7 +29,6 @@ class BroadcastTransport(Transport):
         super().connect(clients)
         ctx = self.context
         self.group, self._joined = None, False
-        self._loading = []  # the engines' answers to the bucket they are loading
         world_size = 1 + len(clients) * ctx.engine_tp
         joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
                                    master_port=ctx.master_port, rank_offset=1 + i * ctx.engine_tp,
@@ -47,22 +44,15 @@ class BroadcastTransport(Transport):
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
             flat = flatten_bucket(bucket)
-        self._wait_loaded()
+        self.wait_loaded()
         meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
                     flush_cache=version is not None)
-        self._loading = self.on_all(lambda c: c.update_weights_from_distributed(**meta))
+        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**meta)))
         with self.phase("wire"):
             dist.broadcast(flat, src=0, group=self.group)
         if version is not None:
-            self._wait_loaded()
+            self.wait_loaded()
         return flat.numel()
-
-    def _wait_loaded(self) -> None:
-        """Wait for the engines to answer the previous bucket (they copy it into their parameters first)."""
-        with self.phase("engine_load"):
-            calls, self._loading = self._loading, []
-            for call in calls:
-                call.result()
 
     def abort(self) -> None:
         # Closing the sender's side of the group makes an engine blocked receiving a bucket fail that receive (its
@@ -70,12 +60,7 @@ class BroadcastTransport(Transport):
         if self.group is not None:
             destroy_group(self.group)
             self.group = None
-        calls, self._loading = self._loading, []
-        for call in calls:
-            try:
-                call.result(timeout=ABORT_WAIT_S)
-            except Exception:  # the sync has failed already: this only waits for the engines to give up
-                pass
+        self.let_go()
 
     def close(self) -> None:
         if self._joined:

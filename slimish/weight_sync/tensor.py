@@ -44,37 +44,23 @@ class TensorTransport(Transport):
                               f"'tensor' needs every engine on the sending trainer rank's node "
                               f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
         super().connect(clients)
-        self._loading = []  # (the engines' answers, the buffer they read) of the bucket being loaded
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
             flat, metadata = _shared_flat(bucket)
             payload = _serialize({"flattened_tensor": flat, "metadata": metadata})
-        self._wait_loaded()
+        self.wait_loaded()
         tp = self.context.engine_tp
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=[payload] * tp, load_format="flattened_bucket", weight_version=version,
             flush_cache=version is not None))
-        self._loading = [(calls, flat)]
+        self.loading(calls, keep=flat)  # the buffer lives until the engines have read it
         if version is not None:
-            self._wait_loaded()
+            self.wait_loaded()
         return flat.numel()
 
-    def _wait_loaded(self) -> None:
-        with self.phase("engine_load"):
-            loading, self._loading = self._loading, []
-            for calls, _buffer in loading:  # the buffer is released only after the engines have read it
-                for call in calls:
-                    call.result()
-
     def abort(self) -> None:
-        loading, self._loading = self._loading, []
-        for calls, _buffer in loading:
-            for call in calls:
-                try:
-                    call.result(timeout=60)
-                except Exception:  # the sync has failed already: this only waits for the engines to let go
-                    pass
+        self.let_go()
 
 
 def _same_host(engine_host: str | None, sender_host: str) -> bool:

@@ -56,10 +56,36 @@ class Transport(ABC):
         """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
         self.clients = clients
         self._pool = ThreadPoolExecutor(max(1, len(clients)))
+        self._loading: list[Future] = []  # the engines' answers to the bucket they are loading
+        self._loading_keep: object = None  # what must stay alive until they have answered (a shared buffer)
 
     def on_all(self, fn: Callable[[EngineClient], object]) -> list[Future]:
         """Start `fn(client)` for every engine at once; the futures in engine order."""
         return [self._pool.submit(fn, client) for client in self.clients]
+
+    def loading(self, calls: list[Future], *, keep: object = None) -> None:
+        """The engines are loading a bucket (`calls`: their answers to come; `keep`: held until then). Overlapping
+        transports call it after starting a bucket and `wait_loaded` before starting the next."""
+        self._loading, self._loading_keep = calls, keep
+
+    def wait_loaded(self) -> None:
+        """Wait for the engines to answer the bucket they are loading (phase 'engine_load')."""
+        with self.phase("engine_load"):
+            calls, self._loading = self._loading, []
+            for call in calls:
+                call.result()
+            self._loading_keep = None
+
+    def let_go(self, timeout_s: float = 60.0) -> None:
+        """After a failure: wait up to `timeout_s` for each engine to finish or give up the bucket it was loading,
+        whatever it answers (the sync has failed already)."""
+        calls, self._loading = self._loading, []
+        for call in calls:
+            try:
+                call.result(timeout=timeout_s)
+            except Exception:  # its failure is not news: only its end is awaited
+                pass
+        self._loading_keep = None
 
     @abstractmethod
     def push(self, bucket: Bucket, *, version: str | None) -> int:
