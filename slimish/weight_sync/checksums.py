@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,11 @@ class _Fused:
 
 class ExpectedChecksums:
     """Feed every HF tensor of a sync (`add`); `result()` is then {engine parameter name: checksum} for an engine
-    of tensor-parallel size 1 holding `dtype` weights."""
+    of tensor-parallel size 1 holding `dtype` weights.
+
+    CPU tensors are hashed on a thread of their own (SHA-256 releases the GIL), in the order they were added, so
+    hashing overlaps the transfer instead of lengthening it; a tensor is held until it is hashed. CUDA tensors are
+    hashed where they are added."""
 
     def __init__(self, arch: Architecture, dtype: torch.dtype):
         if arch.mla is not None:
@@ -79,14 +84,16 @@ class ExpectedChecksums:
         self.arch, self.dtype = arch, dtype
         self.num_experts = arch.moe.num_experts if arch.moe else 0
         self._fused: dict[str, _Fused] = {}
-        self._done: dict[str, str] = {}
+        self._done: dict[str, str | Future] = {}
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checksums")  # one thread: hashes in order
 
     def add(self, hf_name: str, tensor: torch.Tensor) -> None:
         engine_name, part, num_parts = self.engine_slot(hf_name)
         if hf_name in VOCAB_TENSORS:
             tensor = _pad_rows(tensor, VOCAB_PADDING)
         if num_parts == 1:
-            self._done[engine_name] = _checksum_as(tensor, self.dtype)
+            self._done[engine_name] = (tensor_checksum(tensor.to(self.dtype)) if tensor.is_cuda else
+                                       self._hasher.submit(_checksum_as, tensor, self.dtype))
             return
         fused = self._fused.setdefault(engine_name, _Fused(num_parts, _Sha(self.dtype)))
         fused.waiting[part] = tensor
@@ -95,19 +102,20 @@ class ExpectedChecksums:
             if piece.is_cuda:
                 fused.parts.append(piece.to(self.dtype))
             else:
-                fused.hasher.update(piece)
+                self._hasher.submit(fused.hasher.update, piece)
             fused.next_part += 1
         if fused.next_part == fused.num_parts:
             del self._fused[engine_name]
             self._done[engine_name] = (tensor_checksum(torch.cat([p.reshape(-1) for p in fused.parts]))
-                                       if fused.parts else fused.hasher.hexdigest())
+                                       if fused.parts else self._hasher.submit(fused.hasher.hexdigest))
 
     def result(self) -> dict[str, str]:
         """The checksums; raises if an engine parameter got only some of its parts (the export missed a tensor)."""
+        self._hasher.shutdown(wait=True)
         if self._fused:
             missing = {name: f"{f.next_part + len(f.waiting)}/{f.num_parts} parts" for name, f in self._fused.items()}
             raise RuntimeError(f"the sync sent only some parts of these engine parameters: {missing}")
-        return dict(self._done)
+        return {name: value.result() if isinstance(value, Future) else value for name, value in self._done.items()}
 
     def engine_slot(self, hf_name: str) -> tuple[str, int, int]:
         """(engine parameter, index of this tensor among its parts, number of parts) of HF tensor `hf_name`."""
