@@ -117,12 +117,10 @@ class WeightSync:
         if wrong:
             raise WeightSyncError(f"weight sync to version {version}: engines report {wrong}")
         held = self._on_all(lambda c: c.weight_checksums())
-        reference, against = (expected, "the trainer sent") if expected is not None else (held[0][0], "engine 0 holds")
+        against = "the trainer sent" if expected is not None else "engine 0 holds"
         for client, ranks in zip(self.clients, held):
             for tp_rank, checksums in enumerate(ranks):
-                if expected is None and tp_rank:
-                    reference = held[0][tp_rank]
-                bad = differing(reference, checksums)
+                bad = differing(expected if expected is not None else held[0][tp_rank], checksums)
                 if bad:
                     shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
                     raise WeightSyncError(
