@@ -1,0 +1,49 @@
+"""`WeightSync`'s verification logic over stand-in engines (what /model_info and /weights_checker answer): against the
+sender's predicted checksums, and, for layouts it cannot predict, every engine's tensor-parallel rank against the
+same rank of engine 0. Real engines: tests/e2e/test_weight_sync_engines.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimish.weight_sync.sync import WeightSync, WeightSyncError
+from slimish.weight_sync.transport import TransportContext
+
+
+class StandInEngine:
+    def __init__(self, url: str, version: str, ranks: list[dict[str, str]]):
+        self.url, self.version, self.ranks = url, version, ranks
+
+    def weight_version(self):
+        return self.version
+
+    def weight_checksums(self):
+        return self.ranks
+
+
+def weight_sync(tmp_path, engines) -> WeightSync:
+    context = TransportContext(master_addr="127.0.0.1", master_port=0, backend="gloo", group_name="g", engine_tp=2,
+                               disk_dir=str(tmp_path))
+    sync = WeightSync(transport="disk", context=context, engine_urls=[e.url for e in engines], bucket_bytes=1 << 20)
+    sync.clients = engines
+    sync.connect()
+    return sync
+
+
+def test_tensor_parallel_ranks_are_compared_with_the_same_rank_of_engine_0(tmp_path):
+    rank0, rank1 = {"a": "1", "b": "2"}, {"a": "3", "b": "4"}
+    same = [StandInEngine(f"http://e{i}", "7", [dict(rank0), dict(rank1)]) for i in range(3)]
+    weight_sync(tmp_path, same)._verify("7", None)  # ranks differ from each other, not across engines
+    odd = same[:2] + [StandInEngine("http://e2", "7", [dict(rank0), {"a": "3", "b": "x"}])]
+    with pytest.raises(WeightSyncError, match=r"engine http://e2 \(tensor-parallel rank 1\) holds other values than "
+                                              r"engine 0 holds in 1 parameter\(s\): b$"):
+        weight_sync(tmp_path, odd)._verify("7", None)
+
+
+def test_engines_are_compared_with_the_sender_and_the_version(tmp_path):
+    engines = [StandInEngine("http://e0", "7", [{"a": "1"}]), StandInEngine("http://e1", "7", [{"a": "2"}])]
+    with pytest.raises(WeightSyncError, match=r"http://e0 .* than the trainer sent in 1 parameter\(s\): a$"):
+        weight_sync(tmp_path, engines)._verify("7", {"a": "9"})
+    engines[1].version = "6"
+    with pytest.raises(WeightSyncError, match=r"engines report \{'http://e1': '6'\}"):
+        weight_sync(tmp_path, engines)._verify("7", None)
