@@ -161,7 +161,8 @@ class RLJob:
                 if not lost:
                     raise
                 retries += 1
-                reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+                text = str(exc).strip()
+                reason = text.splitlines()[-1][:300] if text else type(exc).__name__
                 print(f"engine(s) {', '.join(lost)} died during the weight sync to version {version} ({reason}); "
                       "syncing again to the others", flush=True)
                 self.synced_engines = []  # that group held the dead engine: build a new one

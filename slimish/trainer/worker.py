@@ -301,16 +301,13 @@ class TrainerWorker:
         if not in_source_replica():
             return {}
         tensors = export_full_hf_tensors(self.module, self.arch)
-        if self._sender is None:
-            for _ in tensors:  # ranks other than 0 only feed the gathers
-                pass
-            return {}
         try:
-            return self._sender.send(tensors, version=str(version))
-        except BaseException:
-            for _ in tensors:  # the other ranks are inside the export's collectives: let them finish
+            return self._sender.send(tensors, version=str(version)) if self._sender is not None else {}
+        finally:
+            # Ranks other than 0 only feed the export's gathers; after a failed send rank 0 finishes them too, so
+            # the other ranks are not left inside a collective. (After a whole send there is nothing left.)
+            for _ in tensors:
                 pass
-            raise
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """HF-named copy of the whole model on rank 0 (empty elsewhere); every rank must call it. For tests."""

@@ -92,7 +92,7 @@ class ExpectedChecksums:
         if hf_name in VOCAB_TENSORS:
             tensor = _pad_rows(tensor, VOCAB_PADDING)
         if num_parts == 1:
-            self._done[engine_name] = (tensor_checksum(tensor.to(self.dtype)) if tensor.is_cuda else
+            self._done[engine_name] = (_checksum_as(tensor, self.dtype) if tensor.is_cuda else
                                        self._hasher.submit(_checksum_as, tensor, self.dtype))
             return
         fused = self._fused.setdefault(engine_name, _Fused(num_parts, _Sha(self.dtype)))

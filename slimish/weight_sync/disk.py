@@ -44,8 +44,7 @@ class DiskTransport(Transport):
                                                                                  weight_version=version)):
                         call.result()
             finally:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir, self._shards = None, 0
+                self.abort()  # loaded or not, this sync's shards are done with
         return bucket.nbytes
 
     def abort(self) -> None:

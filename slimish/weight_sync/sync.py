@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from slimish.rollout.engine_client import EngineClient, EngineError
+from slimish.rollout.engine_client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
 from slimish.weight_sync.tensor import TensorTransport
-from slimish.weight_sync.transport import Transport, TransportContext
+from slimish.weight_sync.transport import Transport, TransportContext, settle
 
 TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "tensor": TensorTransport,
                                           "disk": DiskTransport}
@@ -71,11 +71,7 @@ class WeightSync:
             self.broken = True
             self.transport.abort()
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
-                for call in self.transport.on_all(lambda c: c.end_weight_update()):
-                    try:
-                        call.result()
-                    except EngineError:
-                        pass
+                settle(self.transport.on_all(lambda c: c.end_weight_update()))
             raise
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:

@@ -80,11 +80,7 @@ class Transport(ABC):
         """After a failure: wait up to `timeout_s` for each engine to finish or give up the bucket it was loading,
         whatever it answers (the sync has failed already)."""
         calls, self._loading = self._loading, []
-        for call in calls:
-            try:
-                call.result(timeout=timeout_s)
-            except Exception:  # its failure is not news: only its end is awaited
-                pass
+        settle(calls, timeout_s)
         self._loading_keep = None
 
     @abstractmethod
@@ -100,6 +96,16 @@ class Transport(ABC):
     def close(self) -> None:
         """Tear the link down (engines may already be gone). Subclasses extend it."""
         self._pool.shutdown(wait=False)
+
+
+def settle(calls: list[Future], timeout_s: float = 60.0) -> None:
+    """Wait up to `timeout_s` for each of `calls` to end, whatever it answers: after a failure, when only the end
+    of the engines' part is awaited, not its outcome."""
+    for call in calls:
+        try:
+            call.result(timeout=timeout_s)
+        except Exception:  # its failure is not news
+            pass
 
 
 def tensor_meta(bucket: Bucket) -> dict:
