@@ -171,13 +171,17 @@ class WeightSyncConfig:
     disk_dir: str = doc("", "Directory of the disk transport's shards, readable by every engine; '' = "
                             "<run dir>/weight_sync.")
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
+    stage_senders: bool = doc(True, "With the 'broadcast' transport and parallel.pipeline_parallel > 1, every "
+                                    "pipeline stage broadcasts its own layers over a group of its own (the stages take "
+                                    "turns on the wire); false = the later stages send theirs through trainer rank 0. "
+                                    "The other transports always send through rank 0.")
     master_port: int = doc(29650, "TCP port of the trainer<->engines process-group store (loopback on CPU).")
     verify: bool = doc(True, "After every sync check that each engine reports the new weight version and holds, in "
                              "every parameter, the values the trainer sent (SGLang /weights_checker checksums); a "
                              "mismatch names the parameter and stops the job.")
     after_bucket_hook: str = doc("", "Dotted path of fn(version: str, bucket: int, engine_urls: list[str]) -> None, "
-                                     "called on the sending rank after each bucket but the last is on its way "
-                                     "(tracing; fault-injection tests); '' = none.")
+                                     "called on trainer rank 0 after each bucket (any stage's) but the last is on "
+                                     "its way (tracing; fault-injection tests); '' = none.")
 
 
 @dataclass(kw_only=True)

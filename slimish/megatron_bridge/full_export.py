@@ -124,6 +124,41 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
             yield from zip(names, dense.to_hf(rule, full, arch))
 
 
+def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks):
+    """(this stage's stream of HF tensors, on its leader only; the stage's plan: every (name, shape, dtype) in
+    stream order). Collective over the stage's EP group (the expert names) when expert-parallel."""
+    entries = list(export_entries(model, arch))
+    local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
+    metas = [local_metas]
+    if ranks.ep_size > 1:  # the leader needs the other ranks' expert names (one message per rank)
+        metas = [None] * ranks.ep_size
+        dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
+    order = _stage_order(entries, ranks.ep_size)
+    plan = [meta for src, index in order for meta in metas[src or 0][index]]
+    return _stage_tensors(entries, order, metas, ranks, arch), plan
+
+
+@torch.no_grad()
+def export_stage_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) of this rank's pipeline stage on the stage's leader (tp = ep = 0), each exactly once;
+    nothing on the stage's other ranks. A collective over the stage's TP and EP groups: all of them iterate it.
+    Without pipeline parallelism this is the whole model (`export_full_hf_tensors`)."""
+    ranks = _Ranks.current()
+    if ranks is None:
+        yield from export_hf_tensors(model, arch)
+        return
+    yield from _stage_stream(model, arch, ranks)[0]
+
+
+def stage_leader_rank(stage: int) -> int:
+    """Global rank of the leader of pipeline stage `stage` in this rank's pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0
+    return dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
+
+
 @torch.no_grad()
 def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) of the whole model on the source rank (tp = pp = ep = 0), each HF tensor exactly once;
@@ -132,20 +167,12 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
     if ranks is None:
         yield from export_hf_tensors(model, arch)
         return
-    entries = list(export_entries(model, arch))
-    local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
-    metas = [local_metas]
-    if ranks.ep_size > 1:  # the source needs the other ranks' expert names (one message per rank)
-        metas = [None] * ranks.ep_size
-        dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
-    order = _stage_order(entries, ranks.ep_size)
-    stage = _stage_tensors(entries, order, metas, ranks, arch)
+    stage, plan = _stage_stream(model, arch, ranks)
     if ranks.pp_size == 1 or not ranks.stage_leader:
         yield from stage  # items only on the source (without PP the stage leader is the source)
         return
     source = ranks.pp_ranks[0]
     if ranks.pp != 0:
-        plan = [meta for src, index in order for meta in metas[src or 0][index]]
         dist.send_object_list([plan], dst=source, group=ranks.pp_group)
         for item, meta in itertools.zip_longest(stage, plan):
             if item is None or meta is None or item[0] != meta[0]:

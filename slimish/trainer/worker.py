@@ -15,7 +15,7 @@ import torch
 
 from slimish.config.schema import JobConfig
 from slimish.megatron_bridge.bridge import load_hf_weights
-from slimish.megatron_bridge.full_export import export_full_hf_tensors, in_source_replica
+from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.sample import Sample
 from slimish.trainer import losses
@@ -34,7 +34,9 @@ class TrainerWorker:
         # RL logprobs are of the distribution the engines sampled from: softmax(logits / temperature).
         self.temperature = cfg.rollout.temperature
         self._rollout: dict | None = None
-        self._sender = None
+        self._sender = None        # rank 0: the engine protocol (slimish.weight_sync.sync.WeightSync)
+        self._stage_sender = None  # a later pipeline stage's leader, with stage senders
+        self._stage_links: list = []
         self._groups_made = 0
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -257,31 +259,79 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Rank 0 joins a process group with every engine in `engine_urls`; other ranks only take part in the
-        export's gathers. Called again when the engines change (one died, a restarted one joins): the old group is
-        torn down and a new one, under a new name and on a free port, replaces it."""
-        if self.layout.rank != 0:
-            return {}
-        from slimish.hooks import load_function
-        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
-        from slimish.weight_sync.sync import WeightSync
+        """Rank 0 joins a process group with every engine in `engine_urls` (at `master_addr`); with stage senders
+        (`weight_sync.stage_senders`) so does every later pipeline stage's leader, each with a group of its own.
+        Other ranks only take part in the export's gathers. Every rank calls it. Called again when the engines
+        change (one died, a restarted one joins): the old groups are torn down and new ones, under new names and
+        on free ports, replace them."""
+        self._groups_made += 1
+        for sender in (self._sender, self._stage_sender):
+            if sender is not None:
+                sender.close()
+        self._sender = self._stage_sender = None
+        if not self._stage_senders():
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.layout.rank == 0 else {}
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from slimish.megatron_bridge.full_export import stage_leader_rank
+        from slimish.weight_sync.stages import StageLink, StageSender
+
+        stage, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+        leader = in_source_replica() and ps.get_tensor_model_parallel_rank() == 0 \
+            and ps.get_expert_model_parallel_rank() == 0
+        metrics: dict = {}
+        for turn in range(self.layout.pipeline_parallel):
+            # One stage's group at a time: an engine joins groups in the order their requests reach it, and a
+            # group's rendezvous needs every engine.
+            if leader and stage == turn == 0:
+                links = [StageLink(stage=s, rank=stage_leader_rank(s), group=pp_group, group_name=self._group_name(s))
+                         for s in range(1, self.layout.pipeline_parallel)]
+                metrics = self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
+            elif leader and stage == turn:
+                context = self._transport_context(engine_tp, node_ip(), free_port(), self._group_name(stage))
+                self._stage_sender = StageSender(
+                    stage=stage, context=context, engine_urls=engine_urls,
+                    bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20), coordinator=stage_leader_rank(0),
+                    group=pp_group, expected_checksums=self._expected_checksums(engine_tp))
+                self._stage_sender.connect()
+            dist.barrier()
+        return metrics
+
+    def _stage_senders(self) -> bool:
+        ws = self.cfg.weight_sync
+        return ws.transport == "broadcast" and ws.stage_senders and self.layout.pipeline_parallel > 1
+
+    def _group_name(self, stage: int = 0) -> str:
+        suffix = f"_stage{stage}" if stage else ""
+        return f"slimish_weight_sync_{self._groups_made}{suffix}"
+
+    def _transport_context(self, engine_tp: int, master_addr: str, master_port: int, group_name: str):
         from slimish.weight_sync.transport import TransportContext
 
+        return TransportContext(master_addr=master_addr, master_port=master_port,
+                                backend=resolve_backend(self.cfg.parallel.backend), group_name=group_name,
+                                engine_tp=engine_tp, disk_dir=self.weight_sync_dir())
+
+    def _expected_checksums(self, engine_tp: int):
+        """What makes the expected engine checksums of the tensors a sender sends (None: layout not predicted)."""
+        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
+
+        if not (self.cfg.weight_sync.verify and layout_supported(self.arch, engine_tp)):
+            return None
+        return functools.partial(ExpectedChecksums, self.arch, getattr(torch, self.cfg.model.dtype))
+
+    def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
+        from slimish.hooks import load_function
+        from slimish.weight_sync.sync import WeightSync
+
         ws = self.cfg.weight_sync
-        self._groups_made += 1
-        if self._sender is not None:
-            self._sender.close()
-        context = TransportContext(
-            master_addr=master_addr, master_port=ws.master_port if self._groups_made == 1 else free_port(),
-            backend=resolve_backend(self.cfg.parallel.backend), group_name=f"slimish_weight_sync_{self._groups_made}",
-            engine_tp=engine_tp, disk_dir=self.weight_sync_dir())
-        expected = None
-        if layout_supported(self.arch, engine_tp):
-            engine_dtype = getattr(torch, self.cfg.model.dtype)
-            expected = functools.partial(ExpectedChecksums, self.arch, engine_dtype)
+        port = ws.master_port if self._groups_made == 1 else free_port()
+        context = self._transport_context(engine_tp, master_addr, port, self._group_name())
+        self._stage_links = stages
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
                                   bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
-                                  expected_checksums=expected,
+                                  expected_checksums=self._expected_checksums(engine_tp),
                                   after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None)
         t0 = time.monotonic()
         self._sender.connect()
@@ -295,17 +345,25 @@ class TrainerWorker:
         return self.cfg.weight_sync.disk_dir or str(Path(run.output_dir) / run.name / "weight_sync")
 
     def sync_weights(self, version: int) -> dict:
-        """Send the current weights to every engine as weight version `version`: rank 0 streams the whole model
-        (`export_full_hf_tensors`), whose TP / PP / EP gathers every rank of its replica joins; other data-parallel
-        replicas hold the same weights and sit out."""
+        """Send the current weights to every engine as weight version `version`. Rank 0 sends the whole model
+        (`export_full_hf_tensors`: the later stages' layers reach it over the pipeline group), or with stage senders
+        its own stage while every later stage's leader sends its own (`export_stage_hf_tensors`); the TP / EP
+        gathers involve every rank of the replica. Other data-parallel replicas hold the same weights and sit out."""
         if not in_source_replica():
             return {}
-        tensors = export_full_hf_tensors(self.module, self.arch)
+        if not self._stage_senders():
+            tensors = export_full_hf_tensors(self.module, self.arch)
+        else:
+            tensors = export_stage_hf_tensors(self.module, self.arch)
         try:
-            return self._sender.send(tensors, version=str(version)) if self._sender is not None else {}
+            if self._sender is not None:
+                return self._sender.send(tensors, version=str(version), stages=self._stage_links)
+            if self._stage_sender is not None:
+                self._stage_sender.send(tensors)
+            return {}
         finally:
-            # Ranks other than 0 only feed the export's gathers; after a failed send rank 0 finishes them too, so
-            # the other ranks are not left inside a collective. (After a whole send there is nothing left.)
+            # Ranks that send nothing only feed the export's gathers; after a failed send the senders finish them
+            # too, so no rank is left inside a collective. (After a whole send there is nothing left.)
             for _ in tensors:
                 pass
 
@@ -318,8 +376,9 @@ class TrainerWorker:
     def shutdown(self) -> None:
         from slimish.trainer.parallel import shutdown_parallel
 
-        if self._sender is not None:
-            self._sender.close()
+        for sender in (self._sender, self._stage_sender):
+            if sender is not None:
+                sender.close()
         shutdown_parallel()
 
 

@@ -10,6 +10,8 @@ flips the version, is waited for before `push` returns."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import torch
 import torch.distributed as dist
@@ -53,6 +55,15 @@ class BroadcastTransport(Transport):
         if version is not None:
             self.wait_loaded()
         return flat.numel()
+
+    def push_remote(self, meta: dict, *, group_name: str, go: Callable[[], None]) -> None:
+        """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
+        stage's sender, `slimish.weight_sync.stages`), then `go()` tells that rank to send it. Ordered and
+        overlapped like `push`: the engines' answers are awaited before the next bucket is asked for."""
+        self.wait_loaded()
+        request = dict(**meta, group_name=group_name, weight_version=None, flush_cache=False)
+        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**request)))
+        go()
 
     def abort(self) -> None:
         # Closing the sender's side of the group makes an engine blocked receiving a bucket fail that receive (its

@@ -22,6 +22,7 @@ from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
+from slimish.weight_sync.stages import StageLink
 from slimish.weight_sync.tensor import TensorTransport
 from slimish.weight_sync.transport import Transport, TransportContext, settle
 
@@ -55,55 +56,96 @@ class WeightSync:
     def connect(self) -> None:
         self.transport.connect(self.clients)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:
-        """Send the whole model (`named_tensors`, consumed lazily) to every engine as weight version `version`.
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str,
+             stages: list[StageLink] = ()) -> dict:
+        """Send the whole model to every engine as weight version `version`: `named_tensors` (consumed lazily), and
+        with `stages` (broadcast transport only) the buckets each later pipeline stage's sender broadcasts itself,
+        taking turns with this rank's (`slimish.weight_sync.stages`).
 
         If an engine fails during it (it died), the engines still waiting for a bucket are released, every engine's
         update session is ended, and the error is raised: this object is then only good for `close`, and the caller
         syncs again with a new one to the engines that are left. `named_tensors` may be left part-consumed."""
         if self.broken:
             raise RuntimeError("this WeightSync failed during an earlier sync: connect a new one")
+        for link in stages:
+            link.start()
         try:
-            return self._send(named_tensors, version=version)
+            return self._send(named_tensors, version=version, stages=list(stages))
         except WeightSyncError:
             raise  # the engines answered, with the wrong weights: nothing to release
-        except BaseException:
+        except BaseException as exc:
             self.broken = True
             self.transport.abort()
+            stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
                 settle(self.transport.on_all(lambda c: c.end_weight_update()))
+            if stage_failures:  # the cause, rather than the engines' failed receive it led to
+                raise RuntimeError("; ".join(stage_failures)) from exc
             raise
 
-    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str) -> dict:
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str,
+              stages: list[StageLink]) -> dict:
         t0 = time.monotonic()
         if self.transport.bracketed:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.begin_weight_update())
-        num_buckets, num_bytes = 0, 0
-        pending = None
+        sent = {"buckets": 0, "bytes": 0}
+
+        def count(nbytes: int) -> None:
+            if self.after_bucket is not None:
+                self.after_bucket(version, sent["buckets"], [c.url for c in self.clients])
+            sent["buckets"] += 1
+            sent["bytes"] += nbytes
+
         expected = self.expected_checksums() if self.expected_checksums else None
         tensors = self._timed_export(named_tensors)
         if expected is not None:
             tensors = self._hashed(tensors, expected)
-        for bucket in plan_buckets(tensors, self.bucket_bytes):
-            # Hold one bucket back so the last one, which flips the version, is known when it is sent.
-            if pending is not None:
-                num_bytes += self.transport.push(pending, version=None)
-                if self.after_bucket is not None:
-                    self.after_bucket(version, num_buckets, [c.url for c in self.clients])
-                num_buckets += 1
-            pending = bucket
+        own = plan_buckets(tensors, self.bucket_bytes)
+        stage_checksums, stage_phases = [], []
+        pending, own_left, remote = None, True, list(stages)
+        while own_left or remote:
+            # One bucket of this rank's, then one of each later stage's, in turn (every engine sees this order).
+            if own_left:
+                bucket = next(own, None)
+                own_left = bucket is not None
+                if own_left:
+                    # Hold one bucket back so the last one, which flips the version, is known when it is sent.
+                    if pending is not None:
+                        count(self.transport.push(pending, version=None))
+                    pending = bucket
+            for link in list(remote):
+                message = link.next()
+                if "bucket" in message:
+                    self.transport.push_remote(message["bucket"], group_name=link.group_name,
+                                               go=lambda link=link: link.reply(True))
+                    count(message["nbytes"])
+                elif "done" in message:
+                    remote.remove(link)
+                    stage_checksums.append(message["done"])
+                    stage_phases.append((link.stage, message["phases"]))
+                else:
+                    raise RuntimeError(message["failed"])
         if pending is not None:
-            num_bytes += self.transport.push(pending, version=version)
-            num_buckets += 1
+            self.transport.push(pending, version=version)
+            sent["buckets"] += 1
+            sent["bytes"] += pending.nbytes
         if self.transport.bracketed:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.end_weight_update())
         t1 = time.monotonic()
         if self.verify:
-            self._verify(version, expected.result() if expected is not None else None)
-        return {"sync_buckets": num_buckets, "sync_mib": num_bytes / 2**20, "time_transfer_s": t1 - t0,
-                "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases()}
+            checksums = None
+            if expected is not None:
+                checksums = expected.result()
+                for part in stage_checksums:
+                    checksums.update(part)
+            self._verify(version, checksums)
+        stage_metrics = {f"time_{phase}_stage{stage}_s": seconds
+                         for stage, phases in stage_phases for phase, seconds in phases.items()}
+        return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
+                "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
+                **stage_metrics}
 
     def _verify(self, version: str, expected: dict[str, str] | None) -> None:
         """Raise WeightSyncError unless every engine reports `version` and holds `expected` (or, when None, what the
