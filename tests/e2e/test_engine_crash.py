@@ -9,7 +9,10 @@ Where each kill lands is deterministic. Mid-rollout: the engine is paused in pla
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
 again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync
 is on its way, once the test arms it. Then engine 1, restarted by now, is frozen (SIGSTOP): alive but hung, until
-the watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others."""
+the watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others.
+
+The trainer runs at pipeline-parallel 2, so every sync has two senders taking turns (`slimish.weight_sync.stages`):
+the sync interrupted between two buckets is released on both of them, and rebuilt with new groups for both."""
 
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     # Small buckets: a sync spans several (the quickstart model is 0.44 MiB), so there is a "between two buckets".
     # Hang probes every 5 s, hung after 15 s without an answer.
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
+                        "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2",
                         "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=15",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
                         "weight_sync.after_bucket_hook=tests.e2e.hooks.kill_engine_between_buckets")

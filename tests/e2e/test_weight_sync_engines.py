@@ -135,3 +135,95 @@ def test_a_bucket_corrupted_on_its_way_fails_the_sync_naming_the_tensor(engine):
     with pytest.raises(WeightSyncError, match=r"1 parameter\(s\): model\.layers\.1\.post_attention_layernorm\.weight$"):
         sync(url, tensors, transport="broadcast", workdir=workdir, version="corrupted", arch=arch, in_transit=corrupt)
     sync(url, tensors, transport="broadcast", workdir=workdir, version="restored", arch=arch)  # as loaded again
+
+
+def _stage_sender_process(rank: int, port: int, model: str, url: str, rounds: list[str], results) -> None:
+    """One of two pipeline-stage leaders (rank 0: stage 0 and the engine protocol; rank 1: stage 1's StageSender),
+    syncing `model`'s checkpoint split in two stages once per entry of `rounds`: 'ok', 'stage0_fails' (rank 0's
+    own tensors run out with an error after its first bucket) or 'stage1_fails' (the same on stage 1). Each round
+    connects anew, as the trainer does after a failed sync. Rank 0 puts each round's outcome in `results`."""
+    import functools
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.stages import StageLink, StageSender
+    from slimish.weight_sync.sync import WeightSync
+    from slimish.weight_sync.transport import TransportContext
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ckpt = HFCheckpoint(Path(model))
+    arch = architecture_from_hf(read_hf_config(Path(model)))
+    names = ckpt.names()
+    mine = [n for n in names if (n.startswith("model.layers.1.") or not n.startswith(("model.layers.",
+                                                                                       "model.embed")))]
+    if rank == 0:
+        mine = [n for n in names if n not in mine]
+    expected = functools.partial(ExpectedChecksums, arch, torch.float32)
+
+    def tensors(fail: bool):
+        for index, name in enumerate(mine):
+            if fail and index == len(mine) // 2:
+                raise RuntimeError(f"stage {rank} export failed")
+            yield name, ckpt.get(name)
+
+    for round_, outcome in enumerate(rounds):
+        context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
+                                   group_name=f"stages_{round_}_{rank}", engine_tp=1, disk_dir="")
+        if rank == 0:
+            sender = WeightSync(transport="broadcast", context=context, engine_urls=[url], bucket_bytes=16 << 10,
+                                expected_checksums=expected)
+            link = StageLink(stage=1, rank=1, group=dist.group.WORLD, group_name=f"stages_{round_}_1")
+        else:
+            sender = StageSender(stage=1, context=context, engine_urls=[url], bucket_bytes=16 << 10, coordinator=0,
+                                 group=dist.group.WORLD, expected_checksums=expected)
+        for turn in range(2):  # one group at a time, as the trainer connects them
+            if turn == rank:
+                sender.connect()
+            dist.barrier()
+        stream = tensors(fail=outcome == f"stage{rank}_fails")
+        if rank == 0:
+            try:
+                results.put(("ok", sender.send(stream, version=f"stages-{round_}", stages=[link])))
+            except Exception as exc:  # noqa: BLE001 - the outcome is the test's to judge
+                results.put(("failed", f"{type(exc).__name__}: {exc}"))
+        else:
+            sender.send(stream)  # reports a failure to rank 0 rather than raising it
+        sender.close()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_stage_senders_write_every_engine_parameter_and_survive_a_failing_stage(engine):
+    """Two pipeline stages, each broadcasting its own layers on its own group while rank 0 posts the engine's
+    requests (`slimish.weight_sync.stages`): after a sync every engine parameter is back (reset_tensors first), and
+    verification passes with checksums from both stages. A stage whose export fails mid-sync (either stage) fails the
+    sync, naming the stage, without leaving the engine or the other stage stuck: the next sync, on new groups,
+    succeeds."""
+    import multiprocessing
+
+    family, url, tensors, workdir, arch = engine
+    loaded = checksums(url)
+    weights_checker(url, "reset_tensors")
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    rounds = ["ok", "stage1_fails", "stage0_fails", "ok"]
+    port = free_port()
+    procs = [ctx.Process(target=_stage_sender_process, args=(rank, port, str(workdir / "model"), url, rounds, results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=600) for _ in rounds]
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    (first, metrics), (second, why1), (third, why0), (last, final) = outcomes
+    assert first == "ok" and metrics["sync_senders"] == 2 and metrics["time_wire_stage1_s"] > 0, outcomes[0]
+    assert metrics["sync_buckets"] > 2
+    assert second == "failed" and "pipeline stage 1" in why1 and "stage 1 export failed" in why1, why1
+    assert third == "failed" and "stage 0 export failed" in why0, why0
+    assert last == "ok", final
+    assert differ(loaded, checksums(url)) == [], f"{family}: parameters the stage senders did not write"
