@@ -16,6 +16,11 @@ ratio = raw time / sync time (1.0: the sync is as fast as the bare wire). A sync
 verification included (the sender's hashes and the engines' /weights_checker checksums: phases `hash` and
 `verify`). Each transport runs at every
 `--bucket-mb` size; the last line is `broadcast` at the first size given.
+
+The PP2 case: two sender processes stand in for a pipeline-parallel-2 trainer's stage leaders (stage 0: the
+embedding and the first half of the layers; stage 1: the rest) and sync with `broadcast`, once through rank 0 (stage
+1's tensors travel to rank 0 first: `funnel`) and once with stage senders (`stages`: stage 1 flattens, hashes and
+broadcasts its own buckets on its own group, the two taking turns on the wire); it prints both and their ratio.
 Engine start-up is excluded. Needs ~10 GB of memory.
 """
 
@@ -134,6 +139,105 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     return best
 
 
+def split_stages(names: list[str], layers: int) -> tuple[list[str], list[str]]:
+    """A PP2 trainer's stages: the embedding and the first half of the layers; the rest, the norm and the head."""
+    def stage(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(int(name.split(".")[2]) >= layers // 2)
+        return 0 if name.startswith("model.embed_tokens") else 1
+    return [n for n in names if stage(n) == 0], [n for n in names if stage(n) == 1]
+
+
+def _stage1_process(port: int, model: str, names: list[str], urls: list[str], bucket_mb: float, rounds: int,
+                    mode: str) -> None:
+    """Pipeline stage 1's leader: with mode 'stages' its own StageSender (as the trainer runs it), with mode
+    'funnel' it sends each tensor to rank 0 (as `export_full_hf_tensors` does without stage senders)."""
+    import functools
+
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.stages import StageSender
+    from slimish.weight_sync.transport import TransportContext
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    ckpt = HFCheckpoint(Path(model))
+    tensors = [(name, ckpt.get(name)) for name in names]
+    if mode == "stages":
+        arch = architecture_from_hf(read_hf_config(Path(model)))
+        context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
+                                   group_name="bench_pp2_stage1", engine_tp=1, disk_dir="")
+        sender = StageSender(stage=1, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
+                             coordinator=0, group=dist.group.WORLD,
+                             expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
+        dist.barrier()  # rank 0's group first: the engines join one group at a time
+        sender.connect()
+        dist.barrier()
+        for _ in range(rounds):
+            sender.send(iter(tensors))
+        sender.close()
+    else:
+        for _ in range(rounds):
+            for _, tensor in tensors:
+                dist.send(tensor, dst=0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: int, *, bucket_mb: float,
+               rounds: int, arch) -> dict:
+    """The fastest of `rounds` syncs from two sender processes standing in for a PP2 trainer's stage leaders:
+    `stages` = each stage broadcasts its own buckets (`slimish.weight_sync.stages`), `funnel` = stage 1's tensors
+    reach rank 0 first, which sends everything."""
+    import functools
+
+    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.stages import StageLink
+    from slimish.weight_sync.sync import WeightSync
+    from slimish.weight_sync.transport import TransportContext
+
+    by_name = dict(tensors)
+    stage0, stage1 = split_stages([name for name, _ in tensors], layers)
+    port = free_port()
+    child = mp.get_context("spawn").Process(target=_stage1_process,
+                                            args=(port, str(model), stage1, urls, bucket_mb, rounds, mode))
+    child.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
+                               group_name=f"bench_pp2_{mode}", engine_tp=1, disk_dir="")
+    sync = WeightSync(transport="broadcast", context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
+                      expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
+    sync.connect()
+    links = []
+    if mode == "stages":
+        links = [StageLink(stage=1, rank=1, group=dist.group.WORLD, group_name="bench_pp2_stage1")]
+        dist.barrier()
+        dist.barrier()  # stage 1 has connected
+
+    def funnel():
+        yield from ((name, by_name[name]) for name in stage0)
+        for name in stage1:
+            tensor = torch.empty_like(by_name[name])
+            dist.recv(tensor, src=1)
+            yield name, tensor
+
+    best = None
+    try:
+        for round_ in range(rounds):
+            own = funnel() if mode == "funnel" else ((name, by_name[name]) for name in stage0)
+            t0 = time.perf_counter()
+            metrics = sync.send(own, version=f"pp2-{mode}-{round_}", stages=links)
+            metrics["sync_s"] = time.perf_counter() - t0
+            if best is None or metrics["sync_s"] < best["sync_s"]:
+                best = metrics
+    finally:
+        sync.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        child.join(timeout=120)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: 1.1 GiB in fp32)")
@@ -169,6 +273,18 @@ def main() -> None:
             phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
                               for key, value in sorted(best.items()) if key.startswith("time_"))
             print(f"{transport} bucket_mb={size:g}: {best['sync_s']:.2f}s | {phases}", flush=True)
+        pp2 = {}
+        for mode in ("funnel", "stages"):
+            pp2[mode] = pp2_rounds(mode, [url for _, url in engines], model, tensors, args.layers,
+                                   bucket_mb=args.bucket_mb[0], rounds=args.rounds, arch=arch)
+            phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
+                              for key, value in sorted(pp2[mode].items()) if key.startswith("time_"))
+            print(f"pp2 {mode} bucket_mb={args.bucket_mb[0]:g}: {pp2[mode]['sync_s']:.2f}s "
+                  f"senders={pp2[mode]['sync_senders']} | {phases}", flush=True)
+        stage1_busy = sum(v for k, v in pp2["stages"].items() if k.endswith("_stage1_s") and "wire" not in k)
+        print(f"pp2 stage_senders_vs_funnel={pp2['funnel']['sync_s'] / pp2['stages']['sync_s']:.2f} "
+              f"funnel_s={pp2['funnel']['sync_s']:.2f} stages_s={pp2['stages']['sync_s']:.2f} "
+              f"stage1_flatten_and_hash_s={stage1_busy:.2f} (done on stage 1 while rank 0 worked)", flush=True)
         for transport, size in runs:
             best = results[transport, size]
             print(f"transport={transport} sync_vs_raw_ratio={raw_s / best['sync_s']:.2f} "

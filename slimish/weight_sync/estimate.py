@@ -4,9 +4,13 @@ carries and its bandwidth (for the planning tools and the README's scale table; 
 The model is the wire only: control calls, export gathers and the engines' copy into their parameters come on top
 (measured on CPU in bench/weight_sync.py, where they dominate; on GPU they overlap with the wire, see broadcast.py).
 
-  broadcast  every byte leaves through the sending ranks' NICs; an NCCL broadcast pipelines it to all receivers,
-             so the time is bytes per sender / NIC bandwidth, whatever the number of engines. Today one rank sends
-             the whole model (`senders=1`); with one sender per pipeline stage, `senders=pipeline_parallel`.
+  broadcast  every engine rank receives every byte (SGLang's /update_weights_from_distributed hands full tensors to
+             each tensor-parallel rank), one bucket at a time (an engine serves one update request at a time): an
+             NCCL broadcast pipelines a bucket to all receivers, so a sync takes model bytes / NIC bandwidth,
+             whatever the number of engines, and whatever the number of senders: stage senders
+             (slimish.weight_sync.stages) take turns on the wire. Without them (`stage_senders=False`) trainer rank 0
+             first takes in the later pipeline stages' share of the model, on the thread that sends (counted here as
+             not overlapped).
   disk       the sender writes every byte to a shared filesystem, then every engine reads it all: bytes / write
              bandwidth + bytes / (read bandwidth per engine), engines reading in parallel.
 """
@@ -25,10 +29,13 @@ class Cluster:
     fs_read_gbyte_s: float = 10.0    # one engine reading from it
 
 
-def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), senders: int = 1) -> float:
+def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), pipeline_parallel: int = 1,
+                 stage_senders: bool = True) -> float:
     """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring)."""
     if transport == "broadcast":
-        return model_bytes / senders / (cluster.nic_gbit_s / 8 * GB)
+        link = cluster.nic_gbit_s / 8 * GB
+        funnel = 0.0 if stage_senders else model_bytes * (pipeline_parallel - 1) / pipeline_parallel / link
+        return model_bytes / link + funnel
     if transport == "disk":
         return model_bytes / (cluster.fs_write_gbyte_s * GB) + model_bytes / (cluster.fs_read_gbyte_s * GB)
     raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
