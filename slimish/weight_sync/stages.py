@@ -18,7 +18,6 @@ Messages over the pipeline group, between rank 0 and a later stage's leader:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,7 +27,6 @@ from slimish.rollout.engine_client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport, flatten_bucket
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums
-from slimish.weight_sync.process_group import destroy_group
 from slimish.weight_sync.transport import TransportContext, tensor_meta
 
 
@@ -97,11 +95,10 @@ class StageSender:
         """Send this stage's tensors (`named_tensors`, consumed lazily, may be left part-consumed), bucket by bucket
         as rank 0 allows. A failure is reported to rank 0, not raised: rank 0 fails the sync."""
         reply_owed = False
-        phases = {"flatten": 0.0, "wire": 0.0, "hash": 0.0}
         try:
             expected = self.expected_checksums() if self.expected_checksums else None
-            tensors = named_tensors if expected is None else self._hashed(named_tensors, expected, phases)
-            flattened = self._flattened(plan_buckets(tensors, self.bucket_bytes), phases)
+            tensors = named_tensors if expected is None else self.transport.hashing(named_tensors, expected)
+            flattened = self._flattened(plan_buckets(tensors, self.bucket_bytes))
             current = next(flattened, None)
             while current is not None:
                 bucket, flat = current
@@ -111,36 +108,24 @@ class StageSender:
                 go, reply_owed = _recv(source=self.coordinator, group=self.group), False
                 if not go:
                     return  # rank 0 failed: it releases the engines
-                t0 = time.monotonic()
-                dist.broadcast(flat, src=0, group=self.transport.group)
-                phases["wire"] += time.monotonic() - t0
+                with self.transport.phase("wire"):
+                    dist.broadcast(flat, src=0, group=self.transport.group)
                 current = upcoming
             checksums = expected.result() if expected is not None else None
-            _send({"done": checksums, "phases": phases}, to=self.coordinator, group=self.group)
+            _send({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator, group=self.group)
         except Exception as exc:
             if reply_owed and _recv(source=self.coordinator, group=self.group):
                 pass  # the engines were asked for this bucket: closing the group below releases them
             # Engines blocked receiving one of this stage's buckets fail that receive once the group is gone.
-            if self.transport.group is not None:
-                destroy_group(self.transport.group)
-                self.transport.group = None
+            self.transport.abort()
+            self.transport.pop_phases()
             _send({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
                   group=self.group)
 
-    @staticmethod
-    def _hashed(tensors, expected: ExpectedChecksums, phases: dict):
-        for name, tensor in tensors:
-            t0 = time.monotonic()
-            expected.add(name, tensor)
-            phases["hash"] += time.monotonic() - t0
-            yield name, tensor
-
-    @staticmethod
-    def _flattened(buckets, phases: dict):
+    def _flattened(self, buckets):
         for bucket in buckets:
-            t0 = time.monotonic()
-            flat = flatten_bucket(bucket)
-            phases["flatten"] += time.monotonic() - t0
+            with self.transport.phase("flatten"):
+                flat = flatten_bucket(bucket)
             yield bucket, flat
 
     def close(self) -> None:

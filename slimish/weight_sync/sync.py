@@ -100,7 +100,7 @@ class WeightSync:
         expected = self.expected_checksums() if self.expected_checksums else None
         tensors = self._timed_export(named_tensors)
         if expected is not None:
-            tensors = self._hashed(tensors, expected)
+            tensors = self.transport.hashing(tensors, expected)
         own = plan_buckets(tensors, self.bucket_bytes)
         stage_checksums, stage_phases = [], []
         pending, own_left, remote = None, True, list(stages)
@@ -141,8 +141,8 @@ class WeightSync:
                 for part in stage_checksums:
                     checksums.update(part)
             self._verify(version, checksums)
-        stage_metrics = {f"time_{phase}_stage{stage}_s": seconds
-                         for stage, phases in stage_phases for phase, seconds in phases.items()}
+        stage_metrics = {f"{key.removesuffix('_s')}_stage{stage}_s": seconds
+                         for stage, phases in stage_phases for key, seconds in phases.items()}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}
@@ -164,13 +164,6 @@ class WeightSync:
                     raise WeightSyncError(
                         f"weight sync to version {version}: engine {client.url} (tensor-parallel rank {tp_rank}) "
                         f"holds other values than {against} in {len(bad)} parameter(s): {shown}")
-
-    def _hashed(self, tensors, expected: ExpectedChecksums):
-        """`tensors`, each also fed to `expected` (phase 'hash')."""
-        for name, tensor in tensors:
-            with self.transport.phase("hash"):
-                expected.add(name, tensor)
-            yield name, tensor
 
     def _timed_export(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
         """`named_tensors`, with the time spent producing them (the export's gathers) counted as phase 'export'."""

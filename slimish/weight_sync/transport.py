@@ -52,6 +52,13 @@ class Transport(ABC):
         phases, self._phases = self._phases, Counter()
         return {f"time_{name}_s": seconds for name, seconds in phases.items()}
 
+    def hashing(self, named_tensors, expected):
+        """`named_tensors`, each also fed to `expected` (an `ExpectedChecksums`), that time counted as phase 'hash'."""
+        for name, tensor in named_tensors:
+            with self.phase("hash"):
+                expected.add(name, tensor)
+            yield name, tensor
+
     def connect(self, clients: list[EngineClient]) -> None:
         """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
         self.clients = clients
