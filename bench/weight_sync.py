@@ -238,6 +238,12 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
     return best
 
 
+def phase_line(metrics: dict) -> str:
+    """A sync's phases, e.g. 'flatten=1.45s wire=1.48s'."""
+    return " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
+                    for key, value in sorted(metrics.items()) if key.startswith("time_"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: 1.1 GiB in fp32)")
@@ -270,17 +276,13 @@ def main() -> None:
             best = sync_rounds(transport, [url for _, url in engines], tensors, bucket_mb=size,
                                rounds=args.rounds, disk_dir=root / "disk", arch=arch)
             results[transport, size] = best
-            phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
-                              for key, value in sorted(best.items()) if key.startswith("time_"))
-            print(f"{transport} bucket_mb={size:g}: {best['sync_s']:.2f}s | {phases}", flush=True)
+            print(f"{transport} bucket_mb={size:g}: {best['sync_s']:.2f}s | {phase_line(best)}", flush=True)
         pp2 = {}
         for mode in ("funnel", "stages"):
             pp2[mode] = pp2_rounds(mode, [url for _, url in engines], model, tensors, args.layers,
                                    bucket_mb=args.bucket_mb[0], rounds=args.rounds, arch=arch)
-            phases = " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
-                              for key, value in sorted(pp2[mode].items()) if key.startswith("time_"))
             print(f"pp2 {mode} bucket_mb={args.bucket_mb[0]:g}: {pp2[mode]['sync_s']:.2f}s "
-                  f"senders={pp2[mode]['sync_senders']} | {phases}", flush=True)
+                  f"senders={pp2[mode]['sync_senders']} | {phase_line(pp2[mode])}", flush=True)
         stage1_busy = sum(v for k, v in pp2["stages"].items() if k.endswith("_stage1_s") and "wire" not in k)
         print(f"pp2 stage_senders_vs_funnel={pp2['funnel']['sync_s'] / pp2['stages']['sync_s']:.2f} "
               f"funnel_s={pp2['funnel']['sync_s']:.2f} stages_s={pp2['stages']['sync_s']:.2f} "

@@ -150,6 +150,12 @@ def export_stage_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Itera
     yield from _stage_stream(model, arch, ranks)[0]
 
 
+def is_stage_leader() -> bool:
+    """True on the rank that holds its pipeline stage's tensors at the end of `export_stage_hf_tensors`."""
+    ranks = _Ranks.current()
+    return ranks is None or ranks.stage_leader
+
+
 def stage_leader_rank(stage: int) -> int:
     """Global rank of the leader of pipeline stage `stage` in this rank's pipeline group."""
     from megatron.core import parallel_state as ps

@@ -274,12 +274,11 @@ class TrainerWorker:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from slimish.megatron_bridge.full_export import stage_leader_rank
+        from slimish.megatron_bridge.full_export import is_stage_leader, stage_leader_rank
         from slimish.weight_sync.stages import StageLink, StageSender
 
         stage, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
-        leader = in_source_replica() and ps.get_tensor_model_parallel_rank() == 0 \
-            and ps.get_expert_model_parallel_rank() == 0
+        leader = in_source_replica() and is_stage_leader()
         metrics: dict = {}
         for turn in range(self.layout.pipeline_parallel):
             # One stage's group at a time: an engine joins groups in the order their requests reach it, and a

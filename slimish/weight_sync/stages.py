@@ -46,9 +46,10 @@ class StageLink:
 
     def __init__(self, *, stage: int, rank: int, group, group_name: str):
         self.stage, self.rank, self.group, self.group_name = stage, rank, group, group_name
-        self.reply_owed = self.finished = False
+        self.start()
 
     def start(self) -> None:
+        """Before each sync: nothing exchanged yet."""
         self.reply_owed = self.finished = False
 
     def next(self) -> dict:
@@ -114,8 +115,8 @@ class StageSender:
             checksums = expected.result() if expected is not None else None
             _send({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator, group=self.group)
         except Exception as exc:
-            if reply_owed and _recv(source=self.coordinator, group=self.group):
-                pass  # the engines were asked for this bucket: closing the group below releases them
+            if reply_owed:  # rank 0 answers the bucket this stage announced; if it asked the engines for it,
+                _recv(source=self.coordinator, group=self.group)  # closing the group below releases them
             # Engines blocked receiving one of this stage's buckets fail that receive once the group is gone.
             self.transport.abort()
             self.transport.pop_phases()

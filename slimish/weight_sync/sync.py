@@ -91,8 +91,8 @@ class WeightSync:
                 self._on_all(lambda c: c.begin_weight_update())
         sent = {"buckets": 0, "bytes": 0}
 
-        def count(nbytes: int) -> None:
-            if self.after_bucket is not None:
+        def count(nbytes: int, *, last: bool = False) -> None:
+            if self.after_bucket is not None and not last:
                 self.after_bucket(version, sent["buckets"], [c.url for c in self.clients])
             sent["buckets"] += 1
             sent["bytes"] += nbytes
@@ -127,9 +127,7 @@ class WeightSync:
                 else:
                     raise RuntimeError(message["failed"])
         if pending is not None:
-            self.transport.push(pending, version=version)
-            sent["buckets"] += 1
-            sent["bytes"] += pending.nbytes
+            count(self.transport.push(pending, version=version), last=True)
         if self.transport.bracketed:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.end_weight_update())
