@@ -145,8 +145,8 @@ class RLJob:
         are paused around the sync, and running requests continue with the new weights. When an engine died or a
         restarted one is ready, the weight-sync group is rebuilt first; a restarted engine is routed to again only
         once it holds these weights. An engine that dies during the sync is restarted like any dead engine, and the
-        sync starts over, whole, to the others (`weight_sync_retries`); a sync that fails with every engine alive
-        fails the job."""
+        sync starts over, whole, to the others (`weight_sync_retries`); so does one that hangs (it is killed: see
+        `EngineWatchdog.lost_after_failure`); a sync that fails with every engine alive and answering fails the job."""
         ray.get(self.rollout_manager.pause.remote())
         retries = 0
         while True:
@@ -163,8 +163,8 @@ class RLJob:
                 retries += 1
                 text = str(exc).strip()
                 reason = text.splitlines()[-1][:300] if text else type(exc).__name__
-                print(f"engine(s) {', '.join(lost)} died during the weight sync to version {version} ({reason}); "
-                      "syncing again to the others", flush=True)
+                print(f"engine(s) {', '.join(lost)} died or hung during the weight sync to version {version} "
+                      f"({reason}); syncing again to the others", flush=True)
                 self.synced_engines = []  # that group held the dead engine: build a new one
         ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
         return {**metrics, "weight_sync_retries": retries}

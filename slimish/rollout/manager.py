@@ -102,7 +102,7 @@ class RolloutManager:
         return samples, metrics
 
     def pause(self) -> None:
-        if self.watchdog is not None:  # a paused engine does not answer /health_generate: no hang probes
+        if self.watchdog is not None:  # a paused engine does not answer /health_generate: probe /model_info
             self.watchdog.pause_probes()
         self.scheduler.pause()
 
@@ -113,18 +113,11 @@ class RolloutManager:
         return self.watchdog.for_sync()
 
     def engines_lost(self, urls: list[str], wait_s: float = 10.0) -> list[str]:
-        """After a weight sync to `urls` failed: those of them that died (their restart has begun). An engine's
-        death can reach the sender (its sockets closed) a moment before its process is seen to exit, so this looks
-        again until one is found or `wait_s` has passed; [] means the sync failed for another reason."""
+        """After a weight sync to `urls` failed: those of them that died, or hung and were killed (their restart has
+        begun); [] means the sync failed for another reason. See `EngineWatchdog.lost_after_failure`."""
         if self.watchdog is None:
             return []
-        deadline = time.monotonic() + wait_s
-        while True:
-            self.watchdog.check()
-            lost = self.watchdog.lost(urls)
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.2)
+        return self.watchdog.lost_after_failure(urls, wait_s)
 
     def resume(self, *, policy_version: int, joined: list[str] = ()) -> None:
         """After a weight sync to `policy_version`: restarted engines that received it are routed to again, and

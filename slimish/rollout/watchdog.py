@@ -1,6 +1,9 @@
 """Engine fault tolerance: notice a dead SGLang engine, take it out of the router, restart it, and let it back in
-only once it holds the trained weights. An engine that is alive but hung (its `/health_generate` does not answer
-within `hang_timeout_s`) is killed first, and then handled as a dead one.
+only once it holds the trained weights. An engine that is alive but hung is killed first, and then handled as a dead
+one. Hung means: its `/health_generate` does not answer within `hang_timeout_s`; while the job pauses the engines
+(a weight sync: a paused engine generates nothing, so that probe would fail), its `/model_info` does not answer
+within `hang_timeout_s` (the HTTP process serves it without the scheduler, so a paused engine or one loading a
+bucket answers at once, and a frozen one does not).
 
 States of an engine: live (in the router and in the weight-sync group) -> dead -> restarting -> joining (healthy,
 serving the initial checkpoint: not routed to) -> live again after the next weight sync, which rebuilds the
@@ -39,9 +42,10 @@ class EngineWatchdog:
         self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
         self._prober = threading.Thread(target=self._probe_loop, name="engine-prober", daemon=True)
         self._restarts: list[threading.Thread] = []
-        # Health probes are off while the job pauses the engines (a paused engine does not answer /health_generate);
-        # a probe that overlapped a pause is discarded: `_pauses` tells.
+        # While the job pauses the engines the probe asks /model_info instead of /health_generate (which a paused
+        # engine does not answer); a /health_generate probe that overlapped a pause is discarded: `_pauses` tells.
         self._paused, self._pauses = False, 0
+        self._killing: set[str] = set()  # hung engines being killed: each is killed (and counted) once
 
     def start(self) -> None:
         self._thread.start()
@@ -76,6 +80,23 @@ class EngineWatchdog:
         with self._lock:
             return [url for url in urls if self.state[url] not in (LIVE, JOINING)]
 
+    def lost_after_failure(self, urls: list[str], wait_s: float) -> list[str]:
+        """After a weight sync to `urls` failed: those of them that died or hung (their restart has begun); []
+        means the sync failed for another reason. Those that do not answer `/model_info` within `hang_timeout_s`
+        are killed here, whether or not the prober got to them first. A death can reach the sender (its sockets
+        closed) a moment before the process is seen to exit, so this looks again until one is found or `wait_s`
+        has passed."""
+        deadline = time.monotonic() + wait_s
+        self.check()
+        if not self.lost(urls) and self.hang_timeout_s > 0:
+            self._kill_unresponsive(urls, paused=True)
+        while True:
+            self.check()
+            lost = self.lost(urls)
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.2)
+
     def admit(self, urls: list[str]) -> None:
         """`urls` now hold the trained weights: route requests to them again."""
         for url in urls:
@@ -102,16 +123,18 @@ class EngineWatchdog:
 
     # ----------------------------------------------------------------------------------------- the thread
     def check(self) -> None:
-        """Take every live engine whose process has died out of service and start its restart. Called by the
-        watchdog thread every `interval_s` and by `for_sync`; each death is handled once (claimed under the lock)."""
+        """Take every live or joining engine whose process has died out of service and start its restart. Called
+        by the watchdog thread every `interval_s`, by `for_sync` and after a failed sync; each death is handled once
+        (claimed under the lock)."""
         for i, url in enumerate(self.servers.engine_urls):
             with self._lock:
-                watched = self.state[url] == LIVE
+                watched = self.state[url] in (LIVE, JOINING)
             if not watched or self.servers.engine_alive(i):
                 continue
             with self._lock:
-                if self.state[url] != LIVE:  # the other caller claimed it meanwhile
+                if self.state[url] not in (LIVE, JOINING):  # the other caller claimed it meanwhile
                     continue
+                self._killing.discard(url)
                 self.state[url] = RESTARTING
                 self.counts["deaths"] += 1
             try:
@@ -124,23 +147,30 @@ class EngineWatchdog:
             self.check()
 
     def probe(self) -> list[str]:
-        """Kill every live engine whose `/health_generate` does not answer 200 within `hang_timeout_s` (SGLang's own
-        check answers 503 when its scheduler has produced nothing for 20 s; a stopped process does not answer), then
-        `check()` handles it as dead. Returns the engines killed. Nothing is killed on the strength of a probe that
-        overlapped a pause of the engines."""
+        """Kill every live or joining engine that does not answer its probe within `hang_timeout_s`, then `check()`
+        handles it as dead; returns the engines killed. Unpaused, the probe is `/health_generate` (SGLang's own check
+        answers 503 when its scheduler has produced nothing for 20 s; a stopped process does not answer), and nothing
+        is killed on the strength of one that overlapped a pause. Paused, it is `/model_info`."""
         with self._lock:
-            if self._paused:
-                return []
-            pauses = self._pauses
-            urls = [url for url, state in self.state.items() if state == LIVE]
-        healthy = dict(zip(urls, _in_parallel(lambda url: _answers_health(url, self.hang_timeout_s), urls)))
+            paused, pauses = self._paused, self._pauses
+            urls = [url for url, state in self.state.items() if state in (LIVE, JOINING)]
+        return self._kill_unresponsive(urls, paused=paused, pauses=pauses)
+
+    def _kill_unresponsive(self, urls: list[str], *, paused: bool, pauses: int = 0) -> list[str]:
+        """Kill those of `urls` that do not answer the probe (`/model_info` when `paused`, else `/health_generate`,
+        discarded if the job has paused the engines since the `pauses`-th pause); returns them."""
+        path = "/model_info" if paused else "/health_generate"
+        answered = dict(zip(urls, _in_parallel(lambda url: _answers(url, path, self.hang_timeout_s), urls)))
         hung = []
         for i, url in enumerate(self.servers.engine_urls):
             with self._lock:
-                if healthy.get(url, True) or self._paused or self._pauses != pauses or self.state[url] != LIVE:
+                if answered.get(url, True) or self.state[url] not in (LIVE, JOINING) or url in self._killing:
                     continue
+                if not paused and (self._paused or self._pauses != pauses):  # /health_generate met a pause
+                    continue
+                self._killing.add(url)
                 self.counts["hangs"] += 1
-            print(f"engine {url} is hung: /health_generate gave no answer in {self.hang_timeout_s:.0f}s; killing it",
+            print(f"engine {url} is hung: {path} gave no answer in {self.hang_timeout_s:.0f}s; killing it",
                   flush=True)
             self.servers.kill_engine(i)
             hung.append(url)
@@ -186,9 +216,9 @@ class EngineWatchdog:
               flush=True)
 
 
-def _answers_health(url: str, timeout_s: float) -> bool:
+def _answers(url: str, path: str, timeout_s: float) -> bool:
     try:
-        return httpx.get(f"{url}/health_generate", timeout=timeout_s).status_code == 200
+        return httpx.get(f"{url}{path}", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -7,22 +7,42 @@ import os
 import signal
 from pathlib import Path
 
-TRIGGER = "kill_between_buckets"  # created by the test in the run directory to arm the hook
-DONE = "killed_between_buckets"   # written by the hook: the weight version whose sync it interrupted
+TRIGGER = "fault_between_buckets"  # {"engine": i, "signal": "SIGKILL" | "SIGSTOP"}: the test writes it to arm the hook
+DONE = "faults_between_buckets.jsonl"  # the hook appends {"version", "engine", "signal"} for each fault it made
 
 
-def kill_engine_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> None:
+def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str) -> None:
+    (run_dir / TRIGGER).write_text(json.dumps({"engine": engine, "signal": signal_name}))
+
+
+def faults_made(run_dir: Path) -> list[dict]:
+    path = run_dir / DONE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def listening_pid(url: str) -> int:
+    """The PID of the process listening on `url`'s port (a restarted engine's server: pids.json has the first)."""
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
+
+
+def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> None:
     """`weight_sync.after_bucket_hook`: once armed (the file TRIGGER in the run directory named by the environment
-    variable SLIMISH_TEST_RUN_DIR), SIGKILL engine 0's process group right after bucket 1 of a sync is on its way,
-    so the kill lands between two buckets by construction. Engine 0's PID is the one in pids.json: the test never
-    restarts engine 0 before this."""
+    variable SLIMISH_TEST_RUN_DIR), send the armed signal to the armed engine's process group right after bucket 1
+    of a sync is on its way, so the fault lands between two buckets by construction: SIGKILL (the engine dies) or
+    SIGSTOP (it hangs)."""
     run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
     trigger = run_dir / TRIGGER
     if bucket != 1 or not trigger.exists():
         return
-    engine0 = json.loads((run_dir / "placement.json").read_text())["engines"][0]["url"]
-    if engine0 not in engine_urls:
+    armed = json.loads(trigger.read_text())
+    url = json.loads((run_dir / "placement.json").read_text())["engines"][armed["engine"]]["url"]
+    if url not in engine_urls:
         return
     trigger.unlink()
-    os.killpg(json.loads((run_dir / "pids.json").read_text())["servers"][0], signal.SIGKILL)
-    (run_dir / DONE).write_text(version)
+    os.killpg(os.getpgid(listening_pid(url)), getattr(signal, armed["signal"]))
+    with (run_dir / DONE).open("a") as f:
+        f.write(json.dumps({"version": int(version), **armed}) + "\n")

@@ -1,15 +1,17 @@
 """SGLang engines killed in a real RL run, three times, in one job (sharing its start-up): engine 1 in the
-middle of a rollout, then engine 0 in the middle of a weight sync, between two buckets, then engine 1 hung. Each
-time the job goes on with the other engine: the requests that were on the dead one are retried, the interrupted
-sync starts over to the survivor, the engine is restarted, rejoins the weight-sync group and the router at the next
-weight sync, and then serves the trained weights (every sync verifies every engine's parameters, and the engines'
-logprobs keep matching the trainer's). No sample is lost. Nothing is left running afterwards.
+middle of a rollout, then engine 0 in the middle of a weight sync, between two buckets, then engine 1 hung in the
+middle of a weight sync. Each time the job goes on with the other engine: the requests that were on the dead one
+are retried, the interrupted sync starts over to the survivor, the engine is restarted, rejoins the weight-sync
+group and the router at the next weight sync, and then serves the trained weights (every sync verifies every
+engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost. Nothing is left
+running afterwards.
 
-Where each kill lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
+Where each fault lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
-again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py kills it right after bucket 1 of a sync
-is on its way, once the test arms it. Then engine 1, restarted by now, is frozen (SIGSTOP): alive but hung, until
-the watchdog's /health_generate probe gives up on it, kills it, and it is restarted like the others.
+again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py sends the signal the test armed right
+after bucket 1 of a sync is on its way: SIGKILL to engine 0, later SIGSTOP to engine 1 (restarted by then): alive
+but hung, with the sync waiting on it, until the watchdog's probe (/model_info while the job pauses the engines)
+gives up on it and kills it; the sync then starts over to engine 0 and engine 1 is restarted like the others.
 
 The trainer runs at pipeline-parallel 2, so every sync has two senders taking turns (`slimish.weight_sync.stages`):
 the sync interrupted between two buckets is released on both of them, and rebuilt with new groups for both."""
@@ -70,15 +72,6 @@ def kill_while_generating(url: str, engine_pid: int, *, timeout_s: float) -> int
     raise AssertionError(f"{url} held no request for {timeout_s} s")
 
 
-def listening_pid(url: str) -> int:
-    """The PID of the process listening on `url`'s port (a restarted engine's server: pids.json has the first)."""
-    import psutil
-
-    port = int(url.rsplit(":", 1)[1])
-    return next(c.pid for c in psutil.net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
-
-
 def rejoined_after(metrics, restarts: int):
     """A predicate: the records, once `restarts` restarts are done, both engines are live and 3 more steps ran."""
     def predicate() -> list[dict]:
@@ -100,7 +93,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
                         "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2",
                         "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=15",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
-                        "weight_sync.after_bucket_hook=tests.e2e.hooks.kill_engine_between_buckets")
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets")
     log = tmp_path / "driver.log"
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the hook is in tests/
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
@@ -114,11 +107,11 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         held = kill_while_generating(engine_url, engine_pid, timeout_s=300)
         killed_at = len(read_metrics(metrics))
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
-        # 2. Engine 0, between two buckets of the next sync.
-        (run_dir / hooks.TRIGGER).touch()
+        # 2. Engine 0 killed between two buckets of the next sync.
+        hooks.arm_fault_between_buckets(run_dir, engine=0, signal_name="SIGKILL")
         wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
-        # 3. Engine 1 (its restarted server) hung.
-        os.killpg(os.getpgid(listening_pid(engine_url)), signal.SIGSTOP)
+        # 3. Engine 1 (its restarted server) frozen between two buckets of the next sync.
+        hooks.arm_fault_between_buckets(run_dir, engine=1, signal_name="SIGSTOP")
         records = wait_for(proc, rejoined_after(metrics, 3), timeout_s=900, log=log)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -134,13 +127,16 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_completed"] + record["samples_truncated"] > 0, "every step trained"
-    # The sync engine 0 died in was done again, to engine 1, within the same step.
-    interrupted = int((run_dir / hooks.DONE).read_text())
+    # Each sync an engine died or hung in was done again, to the other engine, within the same step.
+    faults = hooks.faults_made(run_dir)
+    assert [(f["engine"], f["signal"]) for f in faults] == [(0, "SIGKILL"), (1, "SIGSTOP")]
     by_step = {r["step"]: r for r in records}
-    assert by_step[interrupted]["weight_sync_retries"] == 1
-    assert sum(r["weight_sync_retries"] for r in records) == 1
-    assert by_step[interrupted + 1]["engines_live"] == 1, "the next rollout ran on engine 1 alone"
+    for fault in faults:
+        assert by_step[fault["version"]]["weight_sync_retries"] == 1, fault
+        assert by_step[fault["version"] + 1]["engines_live"] == 1, "the next rollout ran on the other engine alone"
+    assert sum(r["weight_sync_retries"] for r in records) == 2
     first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 3)
     assert all(r["engines_live"] == 2 for r in records[first_back:])
     text = log.read_text()
-    assert "died during the weight sync" in text and "is hung" in text and text.count("restarted in") == 3
+    assert text.count("during the weight sync") == 2 and "/model_info gave no answer" in text
+    assert text.count("restarted in") == 3

@@ -1,6 +1,8 @@
 """The watchdog's hang probe: an engine process that is alive but does not answer `/health_generate` in time is
-killed (and so handled as a dead engine); a healthy one is left alone; nothing is killed on the strength of a probe
-that overlapped a pause of the engines (a paused engine does not answer either).
+killed (and so handled as a dead engine); a healthy one is left alone; nothing is killed on the strength of a
+`/health_generate` probe that overlapped a pause of the engines (a paused engine does not answer it). While the
+engines are paused (a weight sync) the probe is `/model_info`, which a paused engine answers and a frozen one does
+not; after a failed sync, a frozen engine is reported lost whether the prober or the sync's failure comes first.
 
 The engines are stand-in HTTP servers (one answers, one holds every request until the test lets go) behind a
 stand-in of `RolloutServers`: this tests the watchdog's logic, not SGLang (the crash e2e test runs real engines)."""
@@ -12,19 +14,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from slimish.rollout.watchdog import EngineWatchdog
+from slimish.rollout.watchdog import JOINING, EngineWatchdog
+
+FROZEN = ("/health_generate", "/model_info")  # a stopped process answers nothing
+PAUSED = ("/health_generate",)  # a paused engine generates nothing, but its HTTP process answers
 
 
 class StandInEngine:
-    """An HTTP server on 127.0.0.1 whose /health_generate answers 200, or (hung) waits for `release`."""
+    """An HTTP server on 127.0.0.1 that answers every GET 200, but those to the paths in `hung` only once the
+    test sets `release`."""
 
-    def __init__(self, *, hung: bool, on_request=None):
+    def __init__(self, *, hung: tuple[str, ...] = (), on_request=None):
         self.release = threading.Event()
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                if engine.hung:
+                if self.path in engine.hung:
                     if on_request is not None:
                         on_request()
                     engine.release.wait(30)
@@ -85,7 +91,7 @@ def engines():
 
 
 def test_a_hung_engine_is_killed_and_handled_as_dead(engines):
-    engines += [StandInEngine(hung=False), StandInEngine(hung=True)]
+    engines += [StandInEngine(), StandInEngine(hung=FROZEN)]
     servers = StandInServers(engines)
     watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
     assert watchdog.probe() == [engines[1].url]
@@ -103,7 +109,7 @@ def test_a_probe_that_overlaps_a_pause_kills_nothing(engines):
         if len(requests) == 1:
             watchdog.pause_probes()
 
-    engines += [StandInEngine(hung=False), StandInEngine(hung=True, on_request=pause_on_the_first_request)]
+    engines += [StandInEngine(), StandInEngine(hung=FROZEN, on_request=pause_on_the_first_request)]
     servers = StandInServers(engines)
     watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
     assert watchdog.probe() == []
@@ -111,9 +117,56 @@ def test_a_probe_that_overlaps_a_pause_kills_nothing(engines):
     assert watchdog.probe() == [engines[1].url] and servers.killed == [1]
 
 
-def test_no_probe_while_paused(engines):
-    engines += [StandInEngine(hung=True)]
+def watchdog_of(servers, **kwargs) -> EngineWatchdog:
+    return EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5, **kwargs)
+
+
+def test_while_paused_a_frozen_engine_is_killed_and_a_paused_one_is_not(engines):
+    engines += [StandInEngine(hung=PAUSED), StandInEngine(hung=FROZEN)]
     servers = StandInServers(engines)
-    watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
+    watchdog = watchdog_of(servers)
     watchdog.pause_probes()
-    assert watchdog.probe() == [] and servers.killed == []
+    assert watchdog.probe() == [engines[1].url]
+    assert servers.killed == [1] and watchdog.metrics()["engine_hangs"] == 1
+
+
+def test_after_a_failed_sync_a_frozen_engine_is_lost_though_no_probe_found_it(engines):
+    """The sync failed before the prober's next round: the watchdog probes the sync's engines itself."""
+    engines += [StandInEngine(hung=PAUSED), StandInEngine(hung=FROZEN)]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers)
+    watchdog.pause_probes()
+    urls = [e.url for e in engines]
+    assert watchdog.lost_after_failure(urls, wait_s=0) == [engines[1].url]
+    assert servers.killed == [1] and watchdog.metrics()["engine_hangs"] == 1
+
+
+def test_after_a_failed_sync_an_engine_the_prober_killed_is_lost_and_counted_once(engines):
+    engines += [StandInEngine(), StandInEngine(hung=FROZEN)]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers)
+    watchdog.pause_probes()
+    assert watchdog.probe() == [engines[1].url]
+    assert watchdog.lost_after_failure([e.url for e in engines], wait_s=0) == [engines[1].url]
+    assert servers.killed == [1]
+    assert watchdog.metrics()["engine_hangs"] == 1 and watchdog.metrics()["engine_deaths"] == 1
+
+
+def test_a_sync_that_failed_with_every_engine_answering_lost_none(engines):
+    engines += [StandInEngine(hung=PAUSED), StandInEngine(hung=PAUSED)]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers)
+    watchdog.pause_probes()
+    assert watchdog.lost_after_failure([e.url for e in engines], wait_s=0) == []
+    assert servers.killed == []
+
+
+def test_a_joining_engine_that_dies_is_restarted_again(engines):
+    """A restarted engine waiting to join (at the next sync) is watched like a live one."""
+    engines += [StandInEngine(), StandInEngine()]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers)
+    watchdog.state[engines[1].url] = JOINING
+    servers.killed.append(1)  # it died on its own
+    watchdog.check()
+    assert servers.respawned == [1] and watchdog.lost([engines[1].url]) == [engines[1].url]
