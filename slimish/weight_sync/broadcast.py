@@ -5,25 +5,20 @@ broadcasts one flat uint8 tensor: the tensors' bytes concatenated in order.
 
 Overlap: `push` returns once its bucket is on the wire, without waiting for the engines to load it; the next
 bucket is exported and flattened meanwhile, and the next `push` waits for the engines' answers before it sends. So
-at most two buckets are alive on the sender (the one being loaded has already left it), and the last bucket, which
-flips the version, is waited for before `push` returns."""
+at most two buckets are alive on the sender (the one being loaded has already left it), flattened into two reused
+buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited for before `push` returns."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import httpx
-import torch
 import torch.distributed as dist
 
 from slimish.rollout.engine_client import EngineClient, EngineError
-from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import Transport, tensor_meta
-
-
-def flatten_bucket(bucket: Bucket) -> torch.Tensor:
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors])
 
 
 class BroadcastTransport(Transport):
@@ -31,6 +26,7 @@ class BroadcastTransport(Transport):
         super().connect(clients)
         ctx = self.context
         self.group, self._joined = None, False
+        self.buffers = FlatBuffers()
         world_size = 1 + len(clients) * ctx.engine_tp
         joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
                                    master_port=ctx.master_port, rank_offset=1 + i * ctx.engine_tp,
@@ -45,7 +41,7 @@ class BroadcastTransport(Transport):
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
-            flat = flatten_bucket(bucket)
+            flat = self.buffers.flatten(bucket)
         self.wait_loaded()
         meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
                     flush_cache=version is not None)

@@ -6,7 +6,7 @@ broadcast agree on it without negotiation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,3 +37,32 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         bucket.add(name, tensor)
     if bucket.names:
         yield bucket
+
+
+class FlatBuffers:
+    """Flattens buckets (each tensor's bytes, in order, as one uint8 tensor: SGLang's "flattened_bucket" layout) into
+    two buffers used in turn. A sender has at most two buckets alive (one being filled while the engines still read
+    the other), so bucket k+2 may overwrite bucket k's buffer. Reusing them instead of allocating a buffer per bucket
+    saves the allocation's page faults: on CPU a fresh 64 MiB buffer took ~4x as long to fill as a reused one.
+    A buffer grows when a bucket does not fit (a tensor larger than the bucket size travels alone); `share(buffer)`
+    is applied to every new buffer (the tensor transport puts it in shared memory). The buffers live as long as this
+    object (two buckets' worth of memory on the sending device)."""
+
+    def __init__(self, share: Callable[[torch.Tensor], None] | None = None):
+        self._share = share
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+
+    def flatten(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's bytes in the next buffer (a view of exactly `bucket.nbytes`)."""
+        device = bucket.tensors[0].device
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.numel() < bucket.nbytes or buffer.device != device:
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            if self._share is not None:
+                self._share(buffer)
+            self._buffers[self._turn] = buffer
+        self._turn ^= 1
+        flat = buffer[:bucket.nbytes]
+        torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors], out=flat)
+        return flat

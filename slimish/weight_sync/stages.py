@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slimish.rollout.engine_client import EngineClient
-from slimish.weight_sync.broadcast import BroadcastTransport, flatten_bucket
+from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.transport import TransportContext, tensor_meta
@@ -126,7 +126,7 @@ class StageSender:
     def _flattened(self, buckets):
         for bucket in buckets:
             with self.transport.phase("flatten"):
-                flat = flatten_bucket(bucket)
+                flat = self.transport.buffers.flatten(bucket)
             yield bucket, flat
 
     def close(self) -> None:

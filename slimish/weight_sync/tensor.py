@@ -13,7 +13,7 @@ connection whose authentication key the engine process does not have: SGLang 0.5
 only the device differs.
 
 Overlap as in `broadcast`: the next bucket is exported and copied while the engines load the previous one, so at
-most two buffers are alive.
+most two buffers are alive; they are reused from bucket to bucket (`FlatBuffers`), each shared once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.multiprocessing
 
 from slimish.config.loader import ConfigError
 from slimish.rollout.engine_client import EngineClient
-from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.transport import Transport
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -44,10 +44,11 @@ class TensorTransport(Transport):
                               f"'tensor' needs every engine on the sending trainer rank's node "
                               f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
         super().connect(clients)
+        self.buffers = FlatBuffers(share=_share_by_name)
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
-            flat, metadata = _shared_flat(bucket)
+            flat, metadata = self.buffers.flatten(bucket), flattened_metadata(bucket)
             payload = _serialize({"flattened_tensor": flat, "metadata": metadata})
         self.wait_loaded()
         tp = self.context.engine_tp
@@ -67,22 +68,22 @@ def _same_host(engine_host: str | None, sender_host: str) -> bool:
     return engine_host == sender_host or (engine_host in LOOPBACK and sender_host in LOOPBACK)
 
 
-def _shared_flat(bucket: Bucket) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
-    """The bucket's bytes in one buffer other processes can map, and SGLang's metadata for each tensor.
-    (SimpleNamespace: SGLang's unpickler admits it, and it carries the fields SGLang reads.)"""
-    device = bucket.tensors[0].device
-    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-    if device.type == "cpu":
+def _share_by_name(buffer: torch.Tensor) -> None:
+    if buffer.device.type == "cpu":
         with _file_system_sharing():
-            flat.share_memory_()
+            buffer.share_memory_()
+
+
+def flattened_metadata(bucket: Bucket) -> list[types.SimpleNamespace]:
+    """SGLang's metadata for each tensor of the flattened bucket: name, shape, dtype and byte range.
+    (SimpleNamespace: SGLang's unpickler admits it, and it carries the fields SGLang reads.)"""
     metadata, offset = [], 0
     for name, tensor in zip(bucket.names, bucket.tensors):
         nbytes = tensor.numel() * tensor.element_size()
-        flat[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
         metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
                                               start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
         offset += nbytes
-    return flat, metadata
+    return metadata
 
 
 def _serialize(obj) -> str:

@@ -1,7 +1,6 @@
 import torch
 
-from slimish.weight_sync.broadcast import flatten_bucket
-from slimish.weight_sync.buckets import plan_buckets
+from slimish.weight_sync.buckets import FlatBuffers, plan_buckets
 
 
 def test_buckets_respect_size_and_order():
@@ -18,9 +17,21 @@ def test_flattened_layout_matches_sglang():
 
     named = [("a", torch.randn(3, 4)), ("b", torch.arange(6, dtype=torch.float32)), ("c", torch.randn(2))]
     (bucket,) = plan_buckets(named, bucket_bytes=1 << 20)
-    flat = flatten_bucket(bucket)
+    flat = FlatBuffers().flatten(bucket)
     receiver = FlattenedTensorBucket.empty([n for n, _ in named], ["float32"] * 3, [list(t.shape) for _, t in named],
                                            "cpu")
     receiver.get_flattened_tensor().copy_(flat)
     for (name, tensor), (rname, rtensor) in zip(named, receiver.reconstruct_tensors()):
         assert name == rname and torch.equal(tensor, rtensor)
+
+
+def test_flat_buffers_take_turns_and_grow():
+    """Bucket k+2 reuses bucket k's buffer (never k+1's, which the engines may still be reading); a bucket larger
+    than the buffer gets a larger one."""
+    buffers = FlatBuffers()
+    small, other, large = ([(n, torch.full((k,), float(k)))] for n, k in (("s", 4), ("o", 4), ("l", 8)))
+    flats = [buffers.flatten(next(plan_buckets(named, bucket_bytes=1 << 20)))
+             for named in (small, other, small, large)]
+    assert flats[0].data_ptr() == flats[2].data_ptr() != flats[1].data_ptr()
+    assert torch.equal(flats[1].view(torch.float32), torch.full((4,), 4.0))  # untouched by bucket 2
+    assert flats[3].numel() == 32 and torch.equal(flats[3].view(torch.float32), torch.full((8,), 8.0))

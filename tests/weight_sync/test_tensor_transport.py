@@ -12,8 +12,8 @@ import torch
 
 from slimish.config.loader import ConfigError
 from slimish.rollout.engine_client import EngineClient
-from slimish.weight_sync.buckets import Bucket
-from slimish.weight_sync.tensor import TensorTransport, _serialize, _shared_flat
+from slimish.weight_sync.buckets import Bucket, FlatBuffers
+from slimish.weight_sync.tensor import TensorTransport, _serialize, _share_by_name, flattened_metadata
 from slimish.weight_sync.transport import TransportContext
 
 
@@ -31,7 +31,7 @@ def test_the_bucket_buffer_is_shared_by_name_with_sglang_metadata():
     bucket = Bucket()
     bucket.add("a", torch.arange(6, dtype=torch.float32).reshape(2, 3))
     bucket.add("b", torch.tensor([1, 2], dtype=torch.bfloat16))
-    flat, metadata = _shared_flat(bucket)
+    flat, metadata = FlatBuffers(share=_share_by_name).flatten(bucket), flattened_metadata(bucket)
     assert flat.is_shared() and flat.numel() == bucket.nbytes
     assert [(m.name, m.start_idx, m.end_idx) for m in metadata] == [("a", 0, 24), ("b", 24, 28)]
     for m, tensor in zip(metadata, bucket.tensors):
