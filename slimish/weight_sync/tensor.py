@@ -49,11 +49,14 @@ class TensorTransport(Transport):
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
             flat, metadata = self.buffers.flatten(bucket), flattened_metadata(bucket)
-            payload = _serialize({"flattened_tensor": flat, "metadata": metadata})
+            # One pickle per receiving rank: under the file_system strategy each pickle takes a reference to the
+            # shared segment and each unpickling drops one, so a pickle read by two ranks would drop the sender's
+            # own reference too, and the segment's name would be gone when the next bucket reuses the buffer.
+            payloads = {c.url: [_serialize({"flattened_tensor": flat, "metadata": metadata})
+                                for _ in range(self.context.engine_tp)] for c in self.clients}
         self.wait_loaded()
-        tp = self.context.engine_tp
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
-            serialized=[payload] * tp, load_format="flattened_bucket", weight_version=version,
+            serialized=payloads[c.url], load_format="flattened_bucket", weight_version=version,
             flush_cache=version is not None))
         self.loading(calls, keep=flat)  # the buffer lives until the engines have read it
         if version is not None:

@@ -1,11 +1,15 @@
 """The `tensor` transport's own logic, without an engine (tests/e2e/test_weight_sync_engines.py runs it against real
-SGLang engines): its bucket buffer is shareable by name and carries SGLang's flattened-bucket metadata, and an engine
-on another host is refused naming the config key."""
+SGLang engines): its bucket buffer is shareable by name and carries SGLang's flattened-bucket metadata, a reused
+buffer stays readable by name after engines have read it, and an engine on another host is refused naming the
+config key."""
 
 from __future__ import annotations
 
 import base64
+import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +44,47 @@ def test_the_bucket_buffer_is_shared_by_name_with_sglang_metadata():
     assert b"rebuild_storage_filename" in payload  # by name (file_system), not by file descriptor
     assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # left as it was
     assert pickle.loads(payload)["metadata"][1].name == "b"
+
+
+class RecordingEngine:
+    """Stands in for an EngineClient: keeps the payloads the transport posts."""
+
+    def __init__(self, url: str):
+        self.url, self.payloads = url, []
+
+    def update_weights_from_tensor(self, *, serialized, **_):
+        self.payloads.append(serialized)
+        return {}
+
+
+def read_in_a_new_process(payload: str) -> list[float]:
+    """What a receiving engine rank does with a payload: unpickle it (mapping the segment by name), read the first
+    tensor, let go of it (dropping its mapping)."""
+    code = ("import base64, gc, pickle, sys, torch\n"
+            "obj = pickle.loads(base64.b64decode(sys.argv[1]))\n"
+            "m = obj['metadata'][0]\n"
+            "print(obj['flattened_tensor'][m.start_idx:m.end_idx].view(m.dtype).tolist())\n"
+            "del obj, m\n"
+            "gc.collect()\n")
+    out = subprocess.run([sys.executable, "-c", code, payload], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_a_reused_buffer_stays_readable_by_name_after_two_engines_read_it():
+    """Each receiving rank gets a pickle of its own: one pickle read by two engines would drop the sender's own
+    reference to the shared segment, and the buffer's name would be gone when bucket 2 reuses bucket 0's."""
+    engines = [RecordingEngine("http://127.0.0.1:1"), RecordingEngine("http://127.0.0.1:2")]
+    transport = TensorTransport(context("127.0.0.1"))
+    transport.connect(engines)
+    try:
+        for value in (1.0, 2.0, 3.0):
+            bucket = Bucket()
+            bucket.add("w", torch.full((4,), value))
+            transport.push(bucket, version=None)
+            transport.wait_loaded()
+            for engine in engines:
+                (payload,) = engine.payloads[-1]
+                assert read_in_a_new_process(payload) == [value] * 4
+    finally:
+        transport.close()
