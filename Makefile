@@ -1,14 +1,15 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make test-fast | make lint | make bench | make bench-partial | make bench-sync
+# Other targets: make venv | make test-fast | make lint | make bench | make bench-partial | make bench-sync |
+#   make bench-flatten
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync clean
+.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten clean
 
 venv: $(STAMP)
 
@@ -43,6 +44,9 @@ bench-partial: venv
 
 bench-sync: venv
 	$(BIN)/python bench/weight_sync.py
+
+bench-flatten: venv
+	$(BIN)/python bench/flatten.py
 
 clean:
 	rm -rf $(VENV) artifacts runs .pytest_cache
