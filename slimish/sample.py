@@ -40,6 +40,7 @@ class Sample:
     reward: float = 0.0
     status: Status = Status.PENDING
     error: str = ""
+    excluded: str = ""               # why a scored sample is kept out of the loss ("overlong"); "" = it trains
     meta: dict = field(default_factory=dict)
 
     @property
@@ -51,9 +52,14 @@ class Sample:
         return self.status in FINISHED
 
     @property
-    def trainable(self) -> bool:
-        """The one place that decides whether a sample trains: its generation ended normally with tokens."""
+    def scored(self) -> bool:
+        """Its generation ended normally with tokens: it gets a reward, which counts in its group's baseline."""
         return self.status in (Status.COMPLETED, Status.TRUNCATED) and len(self.response_ids) > 0
+
+    @property
+    def trainable(self) -> bool:
+        """The one place that decides whether a sample trains: it is scored and not excluded from the loss."""
+        return self.scored and not self.excluded
 
     @property
     def train_mask(self) -> list[int]:
@@ -72,7 +78,7 @@ class Sample:
         """Drop the response: the sample is generated again from its prompt."""
         self.response, self.response_ids, self.rollout_logprobs = "", [], []
         self.weight_versions, self.loss_mask, self.reward = [], [], 0.0
-        self.status, self.error, self.meta = Status.PENDING, "", {}
+        self.status, self.error, self.excluded, self.meta = Status.PENDING, "", "", {}
 
     def to_dict(self) -> dict:
         """JSON-serialisable form (checkpoints of the partial-rollout buffer); `from_dict` inverts it."""

@@ -126,6 +126,17 @@ class PartialRolloutConfig:
 
 
 @dataclass(kw_only=True)
+class OverlongConfig:
+    mode: Literal["train", "filter", "penalty"] = doc(
+        "train", "Responses cut at max_new_tokens (status truncated): 'train' = trained as they are; 'filter' = kept "
+                 "out of the loss (their rewards still count in their group's baseline); 'penalty' = every response "
+                 "gets DAPO's soft length penalty added to its reward (see buffer_tokens).")
+    buffer_tokens: int = doc(0, "penalty: the penalty is 0 up to max_new_tokens - buffer_tokens tokens, then falls "
+                                "linearly to -penalty_factor at max_new_tokens (DAPO's L_cache).")
+    penalty_factor: float = doc(1.0, "penalty: the largest penalty (at max_new_tokens).")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     prompts_per_step: int = doc(16, "Prompts drawn per RL step.")
     samples_per_prompt: int = doc(8, "Responses sampled per prompt (the GRPO group size).")
@@ -139,6 +150,7 @@ class RolloutConfig:
     max_retries: int = doc(3, "Times a request whose engine failed (connection error, HTTP 5xx) is sent again; "
                               "timeouts and rejected requests are not retried.")
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 

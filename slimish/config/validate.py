@@ -48,6 +48,11 @@ def validate(cfg: JobConfig) -> None:
     _positive("rollout.partial.max_staleness", ro.partial.max_staleness, allow_zero=True)
     _positive("trainer.loss.tis_cap", tr.loss.tis_cap, allow_zero=True)
     _positive("reward.timeout_s", cfg.reward.timeout_s, allow_zero=True)
+    if ro.overlong.mode == "penalty" and not 0 < ro.overlong.buffer_tokens <= ro.max_new_tokens:
+        raise ConfigError("rollout.overlong.buffer_tokens",
+                          f"got {ro.overlong.buffer_tokens}; with rollout.overlong.mode 'penalty' it must be in "
+                          f"1..rollout.max_new_tokens ({ro.max_new_tokens})")
+    _positive("rollout.overlong.penalty_factor", ro.overlong.penalty_factor, allow_zero=True)
     if ro.partial.mode == "off" and ro.partial.over_sampling:
         raise ConfigError("rollout.partial.over_sampling",
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "

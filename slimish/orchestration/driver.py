@@ -122,12 +122,8 @@ class RLJob:
         return self.trainer.call("compute_logprobs", samples, policy_version=step - 1)
 
     def compute_advantages(self, samples: list[Sample]) -> list[float]:
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        # A failed sample has no reward: it neither trains nor shifts its group's baseline.
-        valid = torch.tensor([s.trainable for s in samples])
-        advantages = grpo_advantages(rewards, self.cfg.rollout.samples_per_prompt, valid=valid,
-                                     normalize_std=self.cfg.trainer.loss.normalize_advantage_std)
-        return advantages.tolist()
+        return sample_advantages(samples, group_size=self.cfg.rollout.samples_per_prompt,
+                                 normalize_std=self.cfg.trainer.loss.normalize_advantage_std)
 
     def train(self, advantages: list[float]) -> dict:
         return self.trainer.call("train", advantages)
@@ -252,6 +248,15 @@ class RLJob:
                                   rollout_logprobs=[0.0] * len(response_ids),
                                   weight_versions=[0] * len(response_ids), loss_mask=[1] * len(response_ids)))
         return samples
+
+
+def sample_advantages(samples: list[Sample], *, group_size: int, normalize_std: bool) -> list[float]:
+    """GRPO advantages of a step's samples (consecutive groups of `group_size`). A failed sample has no reward: it
+    neither trains nor shifts its group's baseline. A scored sample kept out of the loss (rollout.overlong.mode
+    filter) still counts in the baseline: its group was sampled with it."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    valid = torch.tensor([s.scored for s in samples])
+    return grpo_advantages(rewards, group_size, valid=valid, normalize_std=normalize_std).tolist()
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from slimish.config.schema import JobConfig
 from slimish.hooks import load_function
-from slimish.rollout import rewards
+from slimish.rollout import overlong, rewards
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
@@ -63,8 +63,10 @@ class RolloutManager:
                 for i in range(self.cfg.rollout.samples_per_prompt)]
 
     def _score(self, samples: list[Sample]) -> int:
-        return rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
-                             timeout_s=self.cfg.reward.timeout_s)
+        failures = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
+                                 timeout_s=self.cfg.reward.timeout_s)
+        overlong.apply(samples, self.cfg.rollout.overlong, max_tokens=self.cfg.rollout.max_new_tokens)
+        return failures
 
     def rollout(self, *, policy_version: int) -> tuple[list[Sample], dict]:
         """`prompts_per_step` scored groups (see `RolloutScheduler.collect`) and the step's rollout metrics."""
@@ -79,6 +81,7 @@ class RolloutManager:
         metrics = {
             "reward_mean": sum(s.reward for s in trainable) / max(len(trainable), 1),
             "response_len_mean": n_tokens / max(len(samples), 1),
+            **overlong.metrics(samples),
             "generated_tokens": n_tokens,
             "reward_failures": counters.get("reward_failures", 0),
             "requests_retried": counters.get("requests_retried", 0),
@@ -146,3 +149,4 @@ class RolloutManager:
         if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
             self.watchdog.stop()
         self.servers.stop()
+

@@ -30,7 +30,7 @@ def _call(fn: Callable, samples: list[Sample]) -> list[float]:
 
 
 def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout_s: float = 0.0) -> int:
-    """Set `sample.reward` on every trainable sample; returns how many samples' rewards failed.
+    """Set `sample.reward` on every scored sample; returns how many samples' rewards failed.
 
     The hook is called once for the whole batch; if that raises, it is called per sample so that one bad
     completion only fails itself. A broken contract (wrong length, NaN) fails the whole batch. With `timeout_s`
@@ -46,7 +46,7 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout
     worker.start()
     worker.join(timeout_s)
     if not result:
-        return _fail([s for s in samples if s.trainable], TimeoutError(f"no answer within {timeout_s:g}s "
+        return _fail([s for s in samples if s.scored], TimeoutError(f"no answer within {timeout_s:g}s "
                                                                        "(reward.timeout_s)"), failure_reward)
     for sample, scored in zip(samples, copies):
         sample.reward, sample.error = scored.reward, scored.error
@@ -54,7 +54,7 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout
 
 
 def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int:
-    scored = [s for s in samples if s.trainable]
+    scored = [s for s in samples if s.scored]
     if not scored:
         return 0
     try:
