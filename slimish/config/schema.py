@@ -126,6 +126,15 @@ class PartialRolloutConfig:
 
 
 @dataclass(kw_only=True)
+class DynamicSamplingConfig:
+    enabled: bool = doc(False, "Drop every scored group whose rewards are all equal (it carries no GRPO signal) and "
+                               "draw a new group in its place, until prompts_per_step informative groups are "
+                               "collected (DAPO's dynamic sampling).")
+    max_extra_groups: int = doc(64, "Groups a step may drop, and so draw beyond prompts_per_step; past it, "
+                                    "uninformative groups are kept and trained (counted in groups_kept_uninformative).")
+
+
+@dataclass(kw_only=True)
 class OverlongConfig:
     mode: Literal["train", "filter", "penalty"] = doc(
         "train", "Responses cut at max_new_tokens (status truncated): 'train' = trained as they are; 'filter' = kept "
@@ -151,6 +160,7 @@ class RolloutConfig:
                               "timeouts and rejected requests are not retried.")
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 

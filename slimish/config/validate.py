@@ -53,6 +53,7 @@ def validate(cfg: JobConfig) -> None:
                           f"got {ro.overlong.buffer_tokens}; with rollout.overlong.mode 'penalty' it must be in "
                           f"1..rollout.max_new_tokens ({ro.max_new_tokens})")
     _positive("rollout.overlong.penalty_factor", ro.overlong.penalty_factor, allow_zero=True)
+    _positive("rollout.dynamic_sampling.max_extra_groups", ro.dynamic_sampling.max_extra_groups, allow_zero=True)
     if ro.partial.mode == "off" and ro.partial.over_sampling:
         raise ConfigError("rollout.partial.over_sampling",
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "

@@ -43,7 +43,8 @@ class RolloutManager:
                                   stop=tuple(str(s) for s in ro.stop)),
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, new_group=self._new_group,
-            score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            dynamic_sampling=ro.dynamic_sampling)
         if ro.engine.restart_dead:
             self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
@@ -91,6 +92,8 @@ class RolloutManager:
             "requests_aborted": counters.get("requests_aborted", 0),
             "groups_continued": counters.get("groups_continued", 0),
             "groups_restarted_stale": counters.get("groups_restarted_stale", 0),
+            "groups_dropped_uninformative": counters.get("groups_dropped_uninformative", 0),
+            "groups_kept_uninformative": counters.get("groups_kept_uninformative", 0),
             "partial_buffer_groups": counters["partial_buffer_groups"],
             "samples_multi_segment": sum(1 for s in samples if s.meta.get("segments", 0) > 1),
             "num_retractions": sum(s.meta.get("num_retractions", 0) for s in samples),

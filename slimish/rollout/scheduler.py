@@ -13,6 +13,10 @@ the rest:
            weight sync the driver calls `pause` (running requests go back to the engines' queues, their KV freed)
            and `resume`; they then continue with the new weights. Each token carries the version that sampled it.
 
+Dynamic sampling (rollout.dynamic_sampling): a scored group whose rewards are all equal (no GRPO signal) is dropped
+and, since it no longer fills a place, a new group is drawn instead; at most `max_extra_groups` are dropped between
+two `collect`s, after which such groups are kept (counted).
+
 Staleness: a group whose oldest token is more than `max_staleness` versions older than the policy it would train is
 generated again from its prompt (counted in `groups_restarted_stale`). Nothing is lost at a checkpoint: `state()`
 holds the partial buffer, the finished groups not yet trained, and the prompts of groups still generating.
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from slimish.config.schema import PartialRolloutConfig
+from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
 from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
 from slimish.sample import Sample, Status
 
@@ -57,6 +61,12 @@ class Group:
         return cls(group_id=data["group_id"], samples=[Sample.from_dict(s) for s in data["samples"]])
 
 
+def informative(samples: list[Sample]) -> bool:
+    """A group carries a GRPO signal: at least two of its samples have rewards, and they are not all equal."""
+    rewards = [s.reward for s in samples if s.scored]
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
 class RolloutScheduler:
     """Thread-safe front (`collect`, `pause`, `resume`, `state`, `load_state`, `close`) over the generation loop.
 
@@ -67,13 +77,16 @@ class RolloutScheduler:
     def __init__(self, *, router_url: str, engine_urls: list[str], params: SamplingParams, prompts_per_step: int,
                  partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float, max_retries: int,
                  new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
-                 detokenize: Callable[[list[int]], str]):
+                 detokenize: Callable[[list[int]], str],
+                 dynamic_sampling: DynamicSamplingConfig | None = None):
         self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
         self.max_retries = max_retries
         self.batch_groups, self.mode = prompts_per_step, partial.mode
         self.capacity = prompts_per_step + partial.over_sampling
         self.max_staleness = partial.max_staleness
         self._new_group, self._score, self._detokenize = new_group, score, detokenize
+        self.dynamic_sampling = dynamic_sampling or DynamicSamplingConfig()
+        self._dropped = 0  # uninformative groups dropped since the last collect
         self._max_concurrency, self._timeout_s = max_concurrency, request_timeout_s
         self._rid_prefix = uuid.uuid4().hex[:8]
         self._next_group_id = 0
@@ -153,6 +166,7 @@ class RolloutScheduler:
             self._changed.clear()
             await self._changed.wait()
         batch, self._ready = self._ready[:self.batch_groups], self._ready[self.batch_groups:]
+        self._dropped = 0
         time_wait = time.monotonic() - t0
         if self.mode == "retract":
             self._refill()  # the next step's groups generate while this one trains
@@ -241,9 +255,22 @@ class RolloutScheduler:
             self._counters["reward_failures"] += await asyncio.to_thread(self._score, group.samples)
         finally:
             del self._active[group.group_id]
-            self._ready.append(group)
+            if self._keep(group):
+                self._ready.append(group)
             self._changed.set()
-            self._refill()
+            self._refill()  # a dropped group's place is taken by a new one
+
+    def _keep(self, group: Group) -> bool:
+        """Whether a scored group goes to the step: always, unless dynamic sampling drops it (no reward variance,
+        and fewer than `max_extra_groups` dropped since the last collect)."""
+        if not self.dynamic_sampling.enabled or informative(group.samples):
+            return True
+        if self._dropped < self.dynamic_sampling.max_extra_groups:
+            self._dropped += 1
+            self._counters["groups_dropped_uninformative"] += 1
+            return False
+        self._counters["groups_kept_uninformative"] += 1
+        return True
 
     async def _abort_in_flight(self) -> None:
         """Abort every running request on every engine until all have answered (their groups go to the buffer),

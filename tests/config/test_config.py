@@ -61,6 +61,7 @@ BAD_CASES = [
     ("rollout.partial.max_staleness=-1", "rollout.partial.max_staleness", ">= 0"),
     ("rollout.overlong.mode=dapo", "rollout.overlong.mode", "allowed values: 'train', 'filter', 'penalty'"),
     ("rollout.overlong.mode=penalty", "rollout.overlong.buffer_tokens", "must be in 1..rollout.max_new_tokens (8)"),
+    ("rollout.dynamic_sampling.max_extra_groups=-1", "rollout.dynamic_sampling.max_extra_groups", ">= 0"),
     ("trainer.loss.tis_cap=-2", "trainer.loss.tis_cap", ">= 0"),
     ("model.hf_path=/nonexistent", "model.hf_path", "has no config.json"),
     ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb", "must be > 0"),

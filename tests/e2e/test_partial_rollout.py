@@ -1,7 +1,8 @@
 """Partial rollouts with the real stack (2 SGLang CPU engines, router, Ray, Megatron, gloo weight sync).
 
 abort: the job over-samples; at the end of each step the requests still running are aborted on the engines, kept
-with their tokens, and continued in a later step from prompt + partial response, across a weight sync.
+with their tokens, and continued in a later step from prompt + partial response, across a weight sync. It also runs
+with dynamic sampling: groups without reward variance are replaced, so every group a step trains has it.
 retract: generation runs on while the trainer trains; each weight sync pauses the engines in retract mode and the
 requests continue with the new weights, so single responses mix two weight versions.
 
@@ -40,9 +41,19 @@ def run_job(task_assets, tmp_path, name: str, *overrides: str) -> tuple[list[dic
 
 
 def test_abort_mode_continues_aborted_requests_across_syncs(task_assets, tmp_path):
+    """With dynamic sampling on: every group a step trains has reward variance (groups without are replaced)."""
     records, failures = run_job(task_assets, tmp_path, "abort", "rl.num_steps=4", "rollout.partial.mode=abort",
-                      "rollout.partial.over_sampling=4")
+                                "rollout.partial.over_sampling=4", "rollout.dynamic_sampling.enabled=true",
+                                "run.save_rollouts=true")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        rows = (tmp_path / "abort" / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+        groups: dict[int, list[float]] = {}
+        for row in map(json.loads, rows):
+            if row["status"] in ("completed", "truncated"):
+                groups.setdefault(row["group_id"], []).append(row["reward"])
+        assert len(groups) == 4 and all(max(r) != min(r) for r in groups.values()), (step, groups)
+    assert sum(r["groups_kept_uninformative"] for r in records) == 0
     assert sum(r["requests_aborted"] for r in records) > 0
     later = records[1:]
     assert sum(r["groups_continued"] for r in later) > 0, "aborted groups are continued in later steps"

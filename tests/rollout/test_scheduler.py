@@ -1,6 +1,7 @@
 """The group scheduler against one real SGLang CPU engine (no router, no trainer): every group is handed out
 exactly once across aborts, continuations and checkpoint round trips; retract pauses keep requests alive; engines
-that lag the policy fail loudly instead of regenerating forever."""
+that lag the policy fail loudly instead of regenerating forever; dynamic sampling replaces groups without reward
+variance, up to its bound."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 
 import pytest
 
-from slimish.config.schema import PartialRolloutConfig
+from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
 from slimish.rollout.generate import SamplingParams
-from slimish.rollout.scheduler import RolloutScheduler
+from slimish.rollout.scheduler import RolloutScheduler, informative
 from slimish.sample import Sample, Status
 
 pytestmark = pytest.mark.e2e
@@ -40,16 +41,18 @@ def engine_url(task_assets, tmp_path_factory):
         proc.stop()
 
 
+def reward_by_length(samples: list[Sample]) -> int:
+    for sample in samples:
+        sample.reward = float(len(sample.response_ids))
+    return 0
+
+
 def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0,
-                   max_concurrency: int = 64) -> RolloutScheduler:
+                   max_concurrency: int = 64, score=reward_by_length,
+                   dynamic_sampling: DynamicSamplingConfig | None = None) -> RolloutScheduler:
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]
-
-    def score(samples: list[Sample]) -> int:
-        for sample in samples:
-            sample.reward = float(len(sample.response_ids))
-        return 0
 
     return RolloutScheduler(router_url=url, engine_urls=[url],
                             params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0),
@@ -57,7 +60,7 @@ def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness
                                                                               max_staleness=max_staleness),
                             max_concurrency=max_concurrency, request_timeout_s=120, max_retries=2,
                             new_group=new_group, score=score,
-                            detokenize=lambda ids: " ".join(map(str, ids)))
+                            detokenize=lambda ids: " ".join(map(str, ids)), dynamic_sampling=dynamic_sampling)
 
 
 def check_batch(samples: list[Sample]) -> set[int]:
@@ -122,3 +125,42 @@ def test_engines_behind_the_policy_fail_loudly(engine_url):
             scheduler.collect(policy_version=5)  # the engine serves version 0
     finally:
         scheduler.close()
+
+
+def reward_varies_in_odd_groups(samples: list[Sample]) -> int:
+    """Even group ids: every sample 1.0 (no variance); odd: the sample's index (always varies)."""
+    for sample in samples:
+        sample.reward = 1.0 if sample.group_id % 2 == 0 else float(sample.index)
+    return 0
+
+
+def test_dynamic_sampling_replaces_groups_without_reward_variance(engine_url):
+    """Groups 0-3 start; each dropped even group frees a place for the next id, so the step's four odd groups
+    (1, 3, 5, 7) are complete only after groups 0, 2, 4 and 6 were dropped."""
+    scheduler = make_scheduler(engine_url, "off", over_sampling=0, score=reward_varies_in_odd_groups,
+                               dynamic_sampling=DynamicSamplingConfig(enabled=True, max_extra_groups=64))
+    try:
+        samples, counters = scheduler.collect(policy_version=0)
+    finally:
+        scheduler.close()
+    groups = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    assert sorted(groups) == [1, 3, 5, 7] and all(informative(g) for g in groups.values())
+    assert counters["groups_dropped_uninformative"] == 4 and counters.get("groups_kept_uninformative", 0) == 0
+
+
+def test_dynamic_sampling_keeps_uninformative_groups_past_its_bound(engine_url):
+    def no_variance(samples: list[Sample]) -> int:
+        for sample in samples:
+            sample.reward = 1.0
+        return 0
+
+    scheduler = make_scheduler(engine_url, "off", over_sampling=0, score=no_variance,
+                               dynamic_sampling=DynamicSamplingConfig(enabled=True, max_extra_groups=1))
+    try:
+        samples, counters = scheduler.collect(policy_version=0)
+    finally:
+        scheduler.close()
+    assert len({s.group_id for s in samples}) == 4
+    assert counters["groups_dropped_uninformative"] == 1 and counters["groups_kept_uninformative"] == 4
