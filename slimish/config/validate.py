@@ -87,6 +87,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("parallel.num_trainer_ranks",
                           f"the minibatch of {minibatch} sequences must split evenly over {data_parallel} "
                           "data-parallel ranks")
+    if cfg.sft.steps and cfg.sft.batch_size % data_parallel:
+        raise ConfigError("sft.batch_size", f"must split evenly over {data_parallel} data-parallel ranks, got "
+                                            f"{cfg.sft.batch_size}")
 
     engine_ports = range(ro.engine.base_port, ro.engine.base_port + ro.engine.num_engines)
     for key, port in [("rollout.router.port", ro.router.port),

@@ -19,6 +19,7 @@ from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_s
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.sample import Sample
 from slimish.trainer import losses
+from slimish.trainer.balance import balanced_partition, imbalance
 from slimish.trainer.batch import MicroBatch, collate, split
 from slimish.trainer.logprobs import token_logprobs
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
@@ -88,15 +89,27 @@ class TrainerWorker:
             group["lr"] = lr
 
     # ------------------------------------------------------------------------------------------ internals
-    def _shard(self, samples: list[Sample]) -> list[Sample]:
-        per_rank = len(samples) // self.dp_size
-        return samples[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
+    def _plan(self, samples: list[Sample], num_minibatches: int) -> tuple[list[list[list[Sample]]], list[int], float]:
+        """This rank's part of the step: minibatches -> micro-batches (the same split for logprobs and training:
+        bitwise ppo_kl), the step indices of its samples in that order, and the step's dp_token_imbalance. Minibatch
+        i is samples[i * M:(i + 1) * M] of the whole step, split over the data-parallel ranks balancing tokens
+        (`slimish.trainer.balance`)."""
+        size = len(samples) // num_minibatches
+        plan, indices, loads = [], [], [0] * self.dp_size
+        for first in range(0, size * num_minibatches, size):
+            lengths = [len(s.tokens) for s in samples[first:first + size]]
+            parts = balanced_partition(lengths, self.dp_size)
+            for rank, part in enumerate(parts):
+                loads[rank] += sum(lengths[i] for i in part)
+            mine = [first + i for i in parts[self.dp_rank]]
+            indices += mine
+            plan.append(split([samples[i] for i in mine], self.cfg.trainer.micro_batch_size))
+        return plan, indices, imbalance(loads)
 
-    def _minibatches(self, samples: list[Sample]) -> list[list[list[Sample]]]:
-        """minibatches -> micro-batches; the same split is used for logprobs and training (bitwise ppo_kl)."""
-        num = self.cfg.trainer.num_minibatches
-        size = len(samples) // num
-        return [split(samples[i * size:(i + 1) * size], self.cfg.trainer.micro_batch_size) for i in range(num)]
+    @property
+    def rollout_indices(self) -> list[int]:
+        """The step indices of this rank's samples, in the order of its plan (after `compute_logprobs`)."""
+        return list(self._rollout["indices"]) if self._rollout is not None else []
 
     def _run_schedule(self, model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -150,8 +163,7 @@ class TrainerWorker:
     def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
         """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics (see
         `_parity_sums`), over every data-parallel rank's shard."""
-        local = self._shard(samples)
-        plan = self._minibatches(local)
+        plan, indices, dp_token_imbalance = self._plan(samples, self.cfg.trainer.num_minibatches)
         old, ref, batches = [], [], []
         for minibatch in plan:
             mbs = [collate(chunk, pad_id=self.pad_id, per_token={"rollout_logprobs": [s.rollout_logprobs
@@ -160,8 +172,9 @@ class TrainerWorker:
             batches.append((minibatch, mbs))
             old.append(self._forward_logprobs(self.model, mbs))
             ref.append(self._forward_logprobs(self.ref_model, mbs) if self.ref_model is not None else None)
-        self._rollout = {"plan": batches, "old": old, "ref": ref}
-        return self._from_last_stage(self._dp_reduced_parity(_parity_sums(batches, old, policy_version)))
+        self._rollout = {"plan": batches, "old": old, "ref": ref, "indices": indices}
+        parity = self._from_last_stage(self._dp_reduced_parity(_parity_sums(batches, old, policy_version)))
+        return {**parity, "dp_token_imbalance": dp_token_imbalance}
 
     def _dp_reduced_parity(self, sums: torch.Tensor) -> dict:
         """Parity metrics over the whole rollout: every data-parallel rank's shard (max of maxima, summed sums)."""
@@ -181,8 +194,7 @@ class TrainerWorker:
         if self._rollout is None:
             raise RuntimeError("train() needs compute_logprobs() on the same rollout first")
         loss_cfg = self.cfg.trainer.loss
-        per_rank = len(advantages) // self.dp_size
-        local_adv = advantages[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
+        local_adv = [advantages[i] for i in self._rollout["indices"]]
         stats: dict[str, list[float]] = {"pg_loss": [], "ppo_kl": [], "clip_frac": [], "kl_ref": [], "tis_weight": [],
                                          "grad_norm": []}
         offset = 0
@@ -227,8 +239,8 @@ class TrainerWorker:
     # --------------------------------------------------------------------------------------------- SFT API
     def sft_step(self, samples: list[Sample]) -> dict:
         """One supervised step: mean token NLL over the loss-masked (response) tokens."""
-        mbs = [collate(chunk, pad_id=self.pad_id) for chunk in split(self._shard(samples),
-                                                                        self.cfg.trainer.micro_batch_size)]
+        (chunks,), _, _ = self._plan(samples, num_minibatches=1)
+        mbs = [collate(chunk, pad_id=self.pad_id) for chunk in chunks]
         denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
         scale = len(mbs) * self.dp_size
 

@@ -32,7 +32,7 @@ def _samples(n=8, response=(23, 0)):
 
 def _response_logprobs(worker, samples):
     """Per-sample sum of the trainer's response logprobs."""
-    return response_logprobs(worker, samples).sum(dim=1)
+    return response_logprobs(worker, samples)[0].sum(dim=1)
 
 
 def test_sft_reduces_loss(worker):
@@ -45,7 +45,7 @@ def test_sft_reduces_loss(worker):
 
 def test_engine_logprobs_are_matched_and_first_ppo_kl_is_exactly_zero(worker):
     samples = _samples()
-    exact = response_logprobs(worker, samples)
+    exact, _ = response_logprobs(worker, samples)
     for sample, row in zip(samples, exact):  # the engine returned exactly what the trainer computes...
         sample.rollout_logprobs = row.tolist()
     samples[3].rollout_logprobs[1] += 0.25   # ...but for one token

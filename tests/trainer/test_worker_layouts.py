@@ -28,12 +28,6 @@ def reference(task_assets, tmp_path_factory):
     return _run(task_assets, tmp_path_factory.mktemp("tp1"), world_size=1, tp=1)[0]
 
 
-def _rows_of(result: dict) -> slice:
-    """Which of the 8 samples a rank holds: all of them unless it is one of several data-parallel ranks."""
-    per_rank = 8 // result["dp_size"]
-    return slice(result["dp_rank"] * per_rank, (result["dp_rank"] + 1) * per_rank)
-
-
 DISTRIBUTED_OPTIMIZER = ("trainer.optimizer.distributed=true",)
 RECOMPUTE = ("trainer.recompute=full",)
 
@@ -43,6 +37,10 @@ RECOMPUTE = ("trainer.recompute=full",)
                          ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute"])
 def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
     results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
+    assert reference["rows"] == list(range(8))
+    if results[0]["dp_size"] == 2:  # the halves hold every sample once; each two 4-token and two 5-token samples
+        assert sorted(results[0]["rows"] + results[1]["rows"]) == list(range(8))
+        assert results[0]["parity"]["dp_token_imbalance"] == 1.0
     for result in results:
         for key in ("logprob_abs_diff_max", "logprob_abs_diff_mean"):  # over the whole rollout on every rank
             assert result["parity"][key] == pytest.approx(reference["parity"][key], abs=1e-5), key
@@ -51,7 +49,7 @@ def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, 
         if result["before"] is None:  # a pipeline stage before the last: no logprobs there
             assert pp > 1
             continue
-        rows = _rows_of(result)
+        rows = result["rows"]  # which of the 8 samples the rank holds (data parallel: a token-balanced half)
         assert torch.allclose(result["before"], reference["before"][rows], atol=1e-5)
         assert torch.allclose(result["after"], reference["after"][rows], atol=1e-4)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(reference["metrics"]["grad_norm"], rel=1e-4)

@@ -29,10 +29,11 @@ def fixed_samples() -> list[Sample]:
                    loss_mask=[1, 1], status=Status.COMPLETED) for i in range(8)]
 
 
-def response_logprobs(worker, samples) -> torch.Tensor | None:
-    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths); None where
-    there are none (a pipeline stage other than the last)."""
+def response_logprobs(worker, samples) -> tuple[torch.Tensor | None, list[int]]:
+    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths; None where
+    there are none: a pipeline stage other than the last), and which of `samples` they are, in that order."""
     worker.compute_logprobs(samples)
+    rows = worker.rollout_indices
     out = []
     for (chunks, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
         for chunk, mb, lp in zip(chunks, mbs, old):
@@ -40,7 +41,7 @@ def response_logprobs(worker, samples) -> torch.Tensor | None:
                 start, end = mb.spans[row]
                 out.append(lp[row, start:end])
     worker._rollout = None
-    return torch.stack(out) if out else None
+    return (torch.stack(out) if out else None), rows
 
 
 def rank_args(*strings: str) -> argparse.Namespace:
@@ -75,14 +76,15 @@ def main() -> None:
     args = rank_args("out")
     worker = make_worker(args)
     samples = fixed_samples()
-    before = response_logprobs(worker, samples)
+    before, rows = response_logprobs(worker, samples)
     parity = worker.compute_logprobs(samples)  # engine logprobs are 0 here: |trainer logprobs| over the rollout
     metrics = worker.train([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
-    after = response_logprobs(worker, samples)
+    after, _ = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"before": before, "after": after, "metrics": metrics, "parity": parity, "dp_rank": worker.dp_rank,
-                "dp_size": worker.dp_size, "state": worker.export_state()}, out / f"rank{args.rank}.pt")
+    torch.save({"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
+                "dp_rank": worker.dp_rank, "dp_size": worker.dp_size, "state": worker.export_state()},
+               out / f"rank{args.rank}.pt")
     worker.shutdown()
 
 
