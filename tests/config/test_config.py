@@ -110,3 +110,8 @@ def test_shipped_configs_parse(path, base):
     data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     load_config(path, base)
+
+
+def test_sft_batch_must_split_over_data_parallel_ranks(base):
+    with pytest.raises(ConfigError, match="sft.batch_size.*must split evenly over 2 data-parallel ranks, got 63"):
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + ["parallel.num_trainer_ranks=2", "sft.batch_size=63"])
