@@ -152,4 +152,3 @@ class RolloutManager:
         if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
             self.watchdog.stop()
         self.servers.stop()
-

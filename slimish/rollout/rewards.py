@@ -47,7 +47,7 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout
     worker.join(timeout_s)
     if not result:
         return _fail([s for s in samples if s.scored], TimeoutError(f"no answer within {timeout_s:g}s "
-                                                                       "(reward.timeout_s)"), failure_reward)
+                                                                    "(reward.timeout_s)"), failure_reward)
     for sample, scored in zip(samples, copies):
         sample.reward, sample.error = scored.reward, scored.error
     return result[0]

@@ -134,15 +134,20 @@ def reward_varies_in_odd_groups(samples: list[Sample]) -> int:
     return 0
 
 
+def one_dynamic_step(url: str, score, *, max_extra_groups: int) -> tuple[list[Sample], dict]:
+    """One step's samples and counters from a mode-off scheduler of 4 groups with dynamic sampling."""
+    scheduler = make_scheduler(url, "off", over_sampling=0, score=score,
+                               dynamic_sampling=DynamicSamplingConfig(enabled=True, max_extra_groups=max_extra_groups))
+    try:
+        return scheduler.collect(policy_version=0)
+    finally:
+        scheduler.close()
+
+
 def test_dynamic_sampling_replaces_groups_without_reward_variance(engine_url):
     """Groups 0-3 start; each dropped even group frees a place for the next id, so the step's four odd groups
     (1, 3, 5, 7) are complete only after groups 0, 2, 4 and 6 were dropped."""
-    scheduler = make_scheduler(engine_url, "off", over_sampling=0, score=reward_varies_in_odd_groups,
-                               dynamic_sampling=DynamicSamplingConfig(enabled=True, max_extra_groups=64))
-    try:
-        samples, counters = scheduler.collect(policy_version=0)
-    finally:
-        scheduler.close()
+    samples, counters = one_dynamic_step(engine_url, reward_varies_in_odd_groups, max_extra_groups=64)
     groups = {}
     for sample in samples:
         groups.setdefault(sample.group_id, []).append(sample)
@@ -156,11 +161,6 @@ def test_dynamic_sampling_keeps_uninformative_groups_past_its_bound(engine_url):
             sample.reward = 1.0
         return 0
 
-    scheduler = make_scheduler(engine_url, "off", over_sampling=0, score=no_variance,
-                               dynamic_sampling=DynamicSamplingConfig(enabled=True, max_extra_groups=1))
-    try:
-        samples, counters = scheduler.collect(policy_version=0)
-    finally:
-        scheduler.close()
+    samples, counters = one_dynamic_step(engine_url, no_variance, max_extra_groups=1)
     assert len({s.group_id for s in samples}) == 4
     assert counters["groups_dropped_uninformative"] == 1 and counters["groups_kept_uninformative"] == 4
