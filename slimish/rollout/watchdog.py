@@ -89,13 +89,13 @@ class EngineWatchdog:
         deadline = time.monotonic() + wait_s
         self.check()
         if not self.lost(urls) and self.hang_timeout_s > 0:
-            self._kill_unresponsive(urls, paused=True)
+            self._kill_unresponsive(urls, paused=True)  # checks again itself when it kills one
         while True:
-            self.check()
             lost = self.lost(urls)
             if lost or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.2)
+            self.check()
 
     def admit(self, urls: list[str]) -> None:
         """`urls` now hold the trained weights: route requests to them again."""
