@@ -71,7 +71,13 @@ class LossConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    micro_batch_size: int = doc(8, "Sequences per forward/backward micro-batch.")
+    micro_batch_size: int = doc(8, "Sequences per forward/backward micro-batch (when not packing).")
+    max_tokens_per_micro_batch: int = doc(0, "Pack samples back to back into micro-batches of at most this many "
+                                             "tokens (no padding; the micro-batch count follows from the tokens; a "
+                                             "longer sample gets one of its own); 0 = micro_batch_size samples, "
+                                             "right-padded.")
+    logprob_chunk_tokens: int = doc(4096, "Logits exist for at most this many tokens at a time (output layer and "
+                                          "log-softmax applied chunk by chunk, recomputed in the backward pass).")
     num_minibatches: int = doc(1, "Optimizer steps per rollout batch (1 = strictly on-policy).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -25,6 +25,7 @@ def validate(cfg: JobConfig) -> None:
         ("rollout.engine.max_total_tokens", ro.engine.max_total_tokens),
         ("trainer.micro_batch_size", tr.micro_batch_size),
         ("trainer.num_minibatches", tr.num_minibatches),
+        ("trainer.logprob_chunk_tokens", tr.logprob_chunk_tokens),
         ("trainer.torch_threads", tr.torch_threads),
         ("trainer.optimizer.lr", tr.optimizer.lr),
         ("parallel.tensor_parallel", par.tensor_parallel),
@@ -39,6 +40,7 @@ def validate(cfg: JobConfig) -> None:
         _positive(key, value)
     _positive("sft.steps", cfg.sft.steps, allow_zero=True)
     _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
+    _positive("trainer.max_tokens_per_micro_batch", tr.max_tokens_per_micro_batch, allow_zero=True)
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)

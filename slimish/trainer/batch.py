@@ -1,8 +1,9 @@
-"""Turn samples into right-padded Megatron micro-batches.
+"""Turn samples into Megatron micro-batches: right-padded rows (`collate`) or one packed row (`collate_packed`).
 
 Convention: per-token tensors of a micro-batch are [B, S-1] and index i holds the log-probability of
-tokens[:, i + 1] (the token predicted by position i). A response token at absolute position p therefore lives at
-index p - 1. `response_slices` maps every sample back to its response span.
+tokens[:, i + 1] (the token predicted by position i). A response token at absolute position p of its row therefore
+lives at index p - 1. `rows` and `spans` map every sample back to its response: row `rows[j]`, [start, end) of the
+[S-1] axis.
 """
 
 from __future__ import annotations
@@ -17,11 +18,36 @@ from slimish.sample import Sample
 @dataclass
 class MicroBatch:
     tokens: torch.Tensor          # [B, S] int64, right-padded
-    position_ids: torch.Tensor    # [B, S]
-    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (causal; padding sits after every real token)
+    position_ids: torch.Tensor    # [B, S]; packed: restarting at 0 for every sample
+    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (causal; packed: and within each sample)
     loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
-    spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis
-    extras: dict                  # per-token [B, S-1] tensors (old_logprobs, ref_logprobs) and [B] advantages
+    spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
+    extras: dict                  # per-token [B, S-1] tensors (old_logprobs, ref_logprobs, advantages)
+    rows: list[int]               # per sample: its row
+    cu_seqlens: list[int] | None = None  # packed: sample boundaries in the row (0, len0, len0 + len1, ...)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def per_sample(self, values: list[float]) -> torch.Tensor:
+        """[B, S-1]: each sample's value over its response span, 0 elsewhere (per-sample advantages as per-token)."""
+        out = torch.zeros_like(self.loss_mask)
+        for row, (start, end), value in zip(self.rows, self.spans, values):
+            out[row, start:end] = value
+        return out
+
+    def trained_samples(self) -> int:
+        return sum(int(self.loss_mask[row, start:end].sum() > 0) for row, (start, end) in zip(self.rows, self.spans))
+
+    def sequence_weights(self) -> torch.Tensor:
+        """loss_mask with each sample's tokens weighted 1 / its trained-token count: summed, one per sample that
+        trains (how `seq_mean` averages per sequence, packed or not)."""
+        out = torch.zeros_like(self.loss_mask)
+        for row, (start, end) in zip(self.rows, self.spans):
+            mask = self.loss_mask[row, start:end]
+            out[row, start:end] = mask / mask.sum().clamp(min=1)
+        return out
 
 
 def causal_mask(batch: int, seq_len: int, device=None) -> torch.Tensor:
@@ -31,8 +57,7 @@ def causal_mask(batch: int, seq_len: int, device=None) -> torch.Tensor:
 
 
 def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
-            per_token: dict[str, list[list[float]]] | None = None,
-            per_sample: dict[str, list[float]] | None = None) -> MicroBatch:
+            per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """Pack `samples` into one micro-batch, padded to `seq_len` (default: the longest sample)."""
     longest = max(len(s.tokens) for s in samples)
     seq_len = seq_len or longest
@@ -52,11 +77,40 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
         loss_mask[row, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32)
         for key, values in (per_token or {}).items():
             extras[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32)
-    for key, values in (per_sample or {}).items():
-        extras[key] = torch.tensor(values, dtype=torch.float32)
     position_ids = torch.arange(seq_len, dtype=torch.long).expand(batch, seq_len).contiguous()
     return MicroBatch(tokens=tokens, position_ids=position_ids, attention_mask=causal_mask(batch, seq_len),
-                      loss_mask=loss_mask, spans=spans, extras=extras)
+                      loss_mask=loss_mask, spans=spans, extras=extras, rows=list(range(batch)))
+
+
+def collate_packed(samples: list[Sample], *, pad_id: int,
+                   per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
+    """`samples` back to back in one row of sum(len(tokens)) tokens: a causal mask that also stops every token at
+    its own sample's first token (block-diagonal) and positions restarting per sample, so each sample's logprobs
+    are those it gets alone. The predictions across a boundary (last token of one sample -> first of the next) are
+    never trained on: a sample's first token is a prompt token. No samples: one padding token, nothing trained."""
+    lengths = [len(s.tokens) for s in samples] or [1]
+    seq_len = sum(lengths)
+    tokens = torch.full((1, seq_len), pad_id, dtype=torch.long)
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])[None]
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = causal_mask(1, seq_len) | (segment[:, None] != segment[None, :])
+    loss_mask = torch.zeros(1, seq_len - 1)
+    extras = {key: torch.zeros(1, seq_len - 1) for key in (per_token or {})}
+    spans, offset = [], 0
+    for j, sample in enumerate(samples):
+        tokens[0, offset: offset + lengths[j]] = torch.tensor(sample.tokens, dtype=torch.long)
+        start = offset + len(sample.prompt_ids) - 1
+        end = start + len(sample.response_ids)
+        spans.append((start, end))
+        loss_mask[0, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32)
+        for key, values in (per_token or {}).items():
+            extras[key][0, start:end] = torch.tensor(values[j], dtype=torch.float32)
+        offset += lengths[j]
+    cu_seqlens = [0]
+    for n in lengths if samples else []:
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    return MicroBatch(tokens=tokens, position_ids=positions, attention_mask=mask, loss_mask=loss_mask, spans=spans,
+                      extras=extras, rows=[0] * len(samples), cu_seqlens=cu_seqlens)
 
 
 def split(items: list, size: int) -> list[list]:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from slimish.compat.rope_positions import rope_at
 from slimish.config.schema import JobConfig
 from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
@@ -20,8 +21,9 @@ from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_conf
 from slimish.sample import Sample
 from slimish.trainer import losses
 from slimish.trainer.balance import balanced_partition, imbalance
-from slimish.trainer.batch import MicroBatch, collate, split
-from slimish.trainer.logprobs import token_logprobs
+from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
+from slimish.trainer.logprobs import LogprobHead
+from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
 
 
@@ -71,11 +73,14 @@ class TrainerWorker:
         self.model, self.optimizer = wrap_for_training(
             self.module, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, distributed=opt.distributed)
-        self.ref_model = None
+        chunk = self.cfg.trainer.logprob_chunk_tokens
+        self.head = LogprobHead(self.module, chunk_tokens=chunk)
+        self.ref_model = self.ref_head = None
         if self.cfg.trainer.loss.kl_coef > 0:
             self.ref_model = build()
             load_hf_weights(self.ref_model, self.cfg.model.hf_path, self.arch)
             self.ref_model.requires_grad_(False)
+            self.ref_head = LogprobHead(self.ref_model, chunk_tokens=chunk)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -93,8 +98,10 @@ class TrainerWorker:
         """This rank's part of the step: minibatches -> micro-batches (the same split for logprobs and training:
         bitwise ppo_kl), the step indices of its samples in that order, and the step's dp_token_imbalance. Minibatch
         i is samples[i * M:(i + 1) * M] of the whole step, split over the data-parallel ranks balancing tokens
-        (`slimish.trainer.balance`)."""
+        (`slimish.trainer.balance`), then into micro-batches: packed under trainer.max_tokens_per_micro_batch
+        (`slimish.trainer.packing`, the same count on every rank), else micro_batch_size samples each."""
         size = len(samples) // num_minibatches
+        budget = self.cfg.trainer.max_tokens_per_micro_batch
         plan, indices, loads = [], [], [0] * self.dp_size
         for first in range(0, size * num_minibatches, size):
             lengths = [len(s.tokens) for s in samples[first:first + size]]
@@ -102,9 +109,19 @@ class TrainerWorker:
             for rank, part in enumerate(parts):
                 loads[rank] += sum(lengths[i] for i in part)
             mine = [first + i for i in parts[self.dp_rank]]
-            indices += mine
-            plan.append(split([samples[i] for i in mine], self.cfg.trainer.micro_batch_size))
+            if budget:
+                bins = pack_ranks([[lengths[i] for i in part] for part in parts], budget)[self.dp_rank]
+                chunks = [[mine[i] for i in b] for b in bins]
+            else:
+                chunks = split(mine, self.cfg.trainer.micro_batch_size)
+            indices += [i for chunk in chunks for i in chunk]
+            plan.append([[samples[i] for i in chunk] for chunk in chunks])
         return plan, indices, imbalance(loads)
+
+    def _collate(self, chunk: list[Sample], **kwargs) -> MicroBatch:
+        if self.cfg.trainer.max_tokens_per_micro_batch:
+            return collate_packed(chunk, pad_id=self.pad_id, **kwargs)
+        return collate(chunk, pad_id=self.pad_id, **kwargs)
 
     @property
     def rollout_indices(self) -> list[int]:
@@ -116,8 +133,9 @@ class TrainerWorker:
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
-            logits = chunk(mb.tokens, mb.position_ids, mb.attention_mask)
-            return logits, functools.partial(loss_fn, mb)
+            with rope_at(chunk, mb.position_ids[0] if mb.packed else None):
+                hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: see LogprobHead
+            return hidden, functools.partial(loss_fn, mb)
 
         seq_len = max(mb.tokens.shape[1] for mb in microbatches)
         return get_forward_backward_func()(
@@ -125,14 +143,16 @@ class TrainerWorker:
             num_microbatches=len(microbatches), seq_length=seq_len,
             micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches), forward_only=forward_only)
 
-    def _forward_logprobs(self, model, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
-        def collect(mb, logits):
-            logprobs = token_logprobs(logits, mb.tokens, temperature=self.temperature)
-            return torch.zeros((), requires_grad=False), {"logprobs": logprobs.detach()}
+    def _forward_logprobs(self, model, head: LogprobHead, microbatches: list[MicroBatch], *,
+                          entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per micro-batch [B, S-1] logprobs, and entropies when asked (empty lists off the last stage)."""
+        def collect(mb, hidden):
+            logprobs, ent = head.logprobs(hidden, mb.tokens, temperature=self.temperature, entropy=entropy)
+            return torch.zeros((), requires_grad=False), {"logprobs": logprobs, "entropy": ent}
 
         with torch.no_grad():
             outputs = self._run_schedule(model, microbatches, collect, forward_only=True)
-        return [out["logprobs"] for out in outputs]
+        return [out["logprobs"] for out in outputs], [out["entropy"] for out in outputs]
 
     def _global_sum(self, value: float) -> float:
         import torch.distributed as dist
@@ -165,16 +185,23 @@ class TrainerWorker:
         `_parity_sums`), over every data-parallel rank's shard."""
         plan, indices, dp_token_imbalance = self._plan(samples, self.cfg.trainer.num_minibatches)
         old, ref, batches = [], [], []
+        entropy_sum = entropy_tokens = 0.0
         for minibatch in plan:
-            mbs = [collate(chunk, pad_id=self.pad_id, per_token={"rollout_logprobs": [s.rollout_logprobs
-                                                                                      for s in chunk]})
+            mbs = [self._collate(chunk, per_token={"rollout_logprobs": [s.rollout_logprobs for s in chunk]})
                    for chunk in minibatch]
             batches.append((minibatch, mbs))
-            old.append(self._forward_logprobs(self.model, mbs))
-            ref.append(self._forward_logprobs(self.ref_model, mbs) if self.ref_model is not None else None)
+            logprobs, entropies = self._forward_logprobs(self.model, self.head, mbs, entropy=True)
+            old.append(logprobs)
+            for mb, ent in zip(mbs, entropies):
+                entropy_sum += float((ent * mb.loss_mask).sum())
+                entropy_tokens += float(mb.loss_mask.sum())
+            ref.append(self._forward_logprobs(self.ref_model, self.ref_head, mbs)[0]
+                       if self.ref_model is not None else None)
         self._rollout = {"plan": batches, "old": old, "ref": ref, "indices": indices}
-        parity = self._from_last_stage(self._dp_reduced_parity(_parity_sums(batches, old, policy_version)))
-        return {**parity, "dp_token_imbalance": dp_token_imbalance}
+        metrics = self._dp_reduced_parity(_parity_sums(batches, old, policy_version))
+        # Mean entropy of the policy over the tokens it trains on (last stage only, like the logprobs).
+        metrics["entropy"] = self._global_sum(entropy_sum) / max(self._global_sum(entropy_tokens), 1.0)
+        return {**self._from_last_stage(metrics), "dp_token_imbalance": dp_token_imbalance}
 
     def _dp_reduced_parity(self, sums: torch.Tensor) -> dict:
         """Parity metrics over the whole rollout: every data-parallel rank's shard (max of maxima, summed sums)."""
@@ -199,24 +226,29 @@ class TrainerWorker:
                                          "grad_norm": []}
         offset = 0
         for index, (minibatch, mbs) in enumerate(self._rollout["plan"]):
-            n_tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
-            n_seqs = sum(float((mb.loss_mask.sum(dim=1) > 0).sum()) for mb in mbs)  # samples that train
-            denom = self._global_sum(n_tokens if loss_cfg.token_aggregation == "token_mean" else n_seqs)
+            per_sequence = loss_cfg.token_aggregation == "seq_mean"
+            if per_sequence:  # samples that train
+                denom = self._global_sum(sum(float(mb.trained_samples()) for mb in mbs))
+            else:
+                denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
             for chunk, mb, old_lp in zip(minibatch, mbs, self._rollout["old"][index]):
                 mb.extras["old_logprobs"] = old_lp
-                mb.extras["advantages"] = torch.tensor(local_adv[offset: offset + len(chunk)], dtype=torch.float32)
+                mb.extras["advantages"] = mb.per_sample(local_adv[offset: offset + len(chunk)])
+                # seq_mean as a token mean with each sample's tokens weighted 1 / its length: the same for a packed
+                # row holding several samples as for one sample per row.
+                mb.extras["weights"] = mb.sequence_weights() if per_sequence else mb.loss_mask
                 offset += len(chunk)
             if self._rollout["ref"][index] is not None:
                 for mb, ref_lp in zip(mbs, self._rollout["ref"][index]):
                     mb.extras["ref_logprobs"] = ref_lp
 
-            def loss_fn(mb, logits, denom=denom, scale=scale):
+            def loss_fn(mb, hidden, denom=denom, scale=scale):
+                logprobs, _ = self.head.logprobs(hidden, mb.tokens, temperature=self.temperature)
                 out = losses.policy_loss(
-                    logprobs=token_logprobs(logits, mb.tokens, temperature=self.temperature),
-                    old_logprobs=mb.extras["old_logprobs"],
-                    advantages=mb.extras["advantages"], mask=mb.loss_mask, clip_eps_low=loss_cfg.clip_eps_low,
-                    clip_eps_high=loss_cfg.clip_eps_high, aggregation=loss_cfg.token_aggregation, denom=denom,
+                    logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"],
+                    advantages=mb.extras["advantages"], mask=mb.extras["weights"], clip_eps_low=loss_cfg.clip_eps_low,
+                    clip_eps_high=loss_cfg.clip_eps_high, aggregation="token_mean", denom=denom,
                     ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
                     kl_estimator=loss_cfg.kl_estimator, rollout_logprobs=mb.extras["rollout_logprobs"],
                     tis_cap=loss_cfg.tis_cap)
@@ -240,12 +272,12 @@ class TrainerWorker:
     def sft_step(self, samples: list[Sample]) -> dict:
         """One supervised step: mean token NLL over the loss-masked (response) tokens."""
         (chunks,), _, _ = self._plan(samples, num_minibatches=1)
-        mbs = [collate(chunk, pad_id=self.pad_id) for chunk in chunks]
+        mbs = [self._collate(chunk) for chunk in chunks]
         denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
         scale = len(mbs) * self.dp_size
 
-        def loss_fn(mb, logits):
-            nll = -(token_logprobs(logits, mb.tokens) * mb.loss_mask).sum() / denom
+        def loss_fn(mb, hidden):
+            nll = -(self.head.logprobs(hidden, mb.tokens)[0] * mb.loss_mask).sum() / denom
             return nll * scale, {"nll": nll.detach()}
 
         outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
@@ -401,8 +433,7 @@ def _parity_sums(batches, old, policy_version: int | None) -> torch.Tensor:
     sums = {"current": [0.0, 0.0, 0], "stale": [0.0, 0.0, 0]}  # max, sum, count
     for (minibatch, mbs), old_mb in zip(batches, old):
         for chunk, mb, lp in zip(minibatch, mbs, old_mb):
-            for row, sample in enumerate(chunk):
-                start, end = mb.spans[row]
+            for sample, row, (start, end) in zip(chunk, mb.rows, mb.spans):
                 diff = (lp[row, start:end] - torch.tensor(sample.rollout_logprobs, dtype=torch.float32)).abs()
                 mask = mb.loss_mask[row, start:end].bool()
                 current = torch.ones_like(mask)

@@ -1,5 +1,5 @@
 """The trainer at TP2, DP2 and PP2 (two gloo processes; DP2 also with Megatron's distributed optimizer, TP2 also with
-full activation recomputation) computes the same logprobs and takes the same GRPO step as at one rank: logprobs
+full activation recomputation; each also with packed micro-batches and chunked logits) computes the same logprobs and takes the same GRPO step as at one rank: logprobs
 before and after the step agree within fp32 reduction-order noise, and rank 0's whole-model export (what weight sync
 sends) matches the one-rank trainer's weights after the step. In bf16 the same holds within bf16 precision."""
 
@@ -30,11 +30,15 @@ def reference(task_assets, tmp_path_factory):
 
 DISTRIBUTED_OPTIMIZER = ("trainer.optimizer.distributed=true",)
 RECOMPUTE = ("trainer.recompute=full",)
+# Rows of two or three samples under a 14-token budget, logits 3 tokens at a time: against the padded one-rank run.
+PACKED = ("trainer.max_tokens_per_micro_batch=14", "trainer.logprob_chunk_tokens=3")
 
 
 @pytest.mark.parametrize("tp,pp,overrides", [(2, 1, ()), (1, 1, ()), (1, 2, ()), (1, 1, DISTRIBUTED_OPTIMIZER),
-                                             (2, 1, RECOMPUTE)],
-                         ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute"])
+                                             (2, 1, RECOMPUTE), (2, 1, PACKED), (1, 2, PACKED), (1, 1, PACKED),
+                                             (2, 1, PACKED + RECOMPUTE)],
+                         ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute", "tp2-packed",
+                              "pp2-packed", "dp2-packed", "tp2-packed-recompute"])
 def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
     results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
     assert reference["rows"] == list(range(8))
@@ -42,7 +46,7 @@ def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, 
         assert sorted(results[0]["rows"] + results[1]["rows"]) == list(range(8))
         assert results[0]["parity"]["dp_token_imbalance"] == 1.0
     for result in results:
-        for key in ("logprob_abs_diff_max", "logprob_abs_diff_mean"):  # over the whole rollout on every rank
+        for key in ("logprob_abs_diff_max", "logprob_abs_diff_mean", "entropy"):  # the whole rollout, every rank
             assert result["parity"][key] == pytest.approx(reference["parity"][key], abs=1e-5), key
         assert result["metrics"]["ppo_kl"] == 0.0
         assert result["metrics"]["pg_loss"] == pytest.approx(reference["metrics"]["pg_loss"], abs=1e-5)

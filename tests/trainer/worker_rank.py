@@ -35,10 +35,9 @@ def response_logprobs(worker, samples) -> tuple[torch.Tensor | None, list[int]]:
     worker.compute_logprobs(samples)
     rows = worker.rollout_indices
     out = []
-    for (chunks, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
-        for chunk, mb, lp in zip(chunks, mbs, old):
-            for row in range(len(chunk)):
-                start, end = mb.spans[row]
+    for (_, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
+        for mb, lp in zip(mbs, old):
+            for row, (start, end) in zip(mb.rows, mb.spans):
                 out.append(lp[row, start:end])
     worker._rollout = None
     return (torch.stack(out) if out else None), rows

@@ -1,0 +1,75 @@
+"""The packing planner and packed micro-batches: budgets hold, every sample once, the same micro-batch count on every
+data-parallel rank, and a packed row masks and positions each sample as if it were alone."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from slimish.sample import Sample, Status
+from slimish.trainer.batch import collate, collate_packed
+from slimish.trainer.packing import pack, pack_ranks
+
+
+def test_bins_hold_the_budget_and_every_index_once():
+    rng = random.Random(0)
+    lengths = [min(int(rng.lognormvariate(5.0, 1.0)) + 1, 900) for _ in range(64)]
+    bins = pack(lengths, 1000)
+    assert sorted(i for b in bins for i in b) == list(range(64))
+    assert all(sum(lengths[i] for i in b) <= 1000 for b in bins)
+    assert len(bins) <= -(-sum(lengths) // 1000) + 1, "near the least count the tokens allow"
+    assert pack(lengths, 1000) == bins, "deterministic: every rank computes the same packing"
+
+
+def test_a_sample_over_the_budget_gets_a_bin_of_its_own():
+    assert pack([5, 30, 4], 10) == [[1], [0, 2]]
+
+
+def test_at_least_min_bins_and_evenly_loaded():
+    bins = pack([4, 4, 4, 4], 100, min_bins=2)
+    assert [len(b) for b in bins] == [2, 2]
+
+
+def test_every_rank_gets_the_same_count_even_with_fewer_samples_than_it():
+    per_rank = pack_ranks([[9, 9, 9], [2, 2, 2]], 10)  # rank 0 needs 3 micro-batches, rank 1 fits in one
+    assert [len(bins) for bins in per_rank] == [3, 3]
+    assert all(bins for bins in per_rank[1]), "rank 1 spreads its samples over the 3 rather than idling"
+    assert pack_ranks([[9, 9, 9], [2]], 10)[1] == [[0], [], []]  # a micro-batch with nothing in it
+
+
+def _sample(prompt, response, train=None):
+    return Sample(group_id=0, index=0, prompt="p", prompt_ids=prompt, response_ids=response,
+                  rollout_logprobs=[0.0] * len(response), weight_versions=[0] * len(response),
+                  loss_mask=train or [1] * len(response), status=Status.COMPLETED)
+
+
+def test_a_packed_row_is_block_diagonal_with_positions_restarting():
+    samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4], train=[1])]
+    mb = collate_packed(samples, pad_id=0, per_token={"rollout_logprobs": [[-1.0, -2.0, -3.0], [-4.0]]})
+    assert mb.tokens.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert mb.cu_seqlens == [0, 5, 9] and mb.rows == [0, 0] and mb.spans == [(1, 4), (7, 8)]
+    allowed = ~mb.attention_mask[0, 0]
+    assert allowed[6].tolist() == [False] * 5 + [True, True, False, False], "the second sample sees only itself"
+    assert allowed[4].tolist() == [True] * 5 + [False] * 4
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0, 0, 0, 1]]
+    assert mb.extras["rollout_logprobs"].tolist() == [[0, -1, -2, -3, 0, 0, 0, -4]]
+    assert mb.per_sample([0.5, -2.0]).tolist() == [[0, 0.5, 0.5, 0.5, 0, 0, 0, -2.0]]
+    torch.testing.assert_close(mb.sequence_weights(), torch.tensor([[0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 0, 1.0]]))
+    assert mb.trained_samples() == 2
+
+
+def test_padded_and_packed_batches_map_samples_alike():
+    samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4])]
+    padded, packed = collate(samples, pad_id=0), collate_packed(samples, pad_id=0)
+    assert not padded.packed and padded.rows == [0, 1] and padded.spans == [(1, 4), (2, 3)]
+    def responses(mb):
+        return [mb.loss_mask[row, start:end].tolist() for row, (start, end) in zip(mb.rows, mb.spans)]
+
+    assert responses(padded) == responses(packed) == [[1, 1, 1], [1]]
+
+
+def test_no_samples_is_one_padding_token_that_trains_nothing():
+    mb = collate_packed([], pad_id=0)
+    assert mb.tokens.shape == (1, 1) and mb.loss_mask.numel() == 0 and mb.trained_samples() == 0
