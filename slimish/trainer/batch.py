@@ -19,7 +19,7 @@ from slimish.sample import Sample
 class MicroBatch:
     tokens: torch.Tensor          # [B, S] int64, right-padded
     position_ids: torch.Tensor    # [B, S]; packed: restarting at 0 for every sample
-    attention_mask: torch.Tensor  # [B, 1, S, S] bool, True = masked (causal; packed: and within each sample)
+    attention_mask: torch.Tensor | None  # [B, 1, S, S] bool, True = masked (causal); packed: None (see cu_seqlens)
     loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
     extras: dict                  # per-token [B, S-1] tensors (old_logprobs, ref_logprobs, advantages)
@@ -29,6 +29,18 @@ class MicroBatch:
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    def packed_seq_params(self):
+        """Megatron's THD description of a packed row (each sample attends causally to itself, RoPE positions
+        restart per sample); None for padded rows."""
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        bounds = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=self.tokens.device)
+        longest = max(b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
 
     def per_sample(self, values: list[float]) -> torch.Tensor:
         """[B, S-1]: each sample's value over its response span, 0 elsewhere (per-sample advantages as per-token)."""
@@ -84,16 +96,15 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
 
 def collate_packed(samples: list[Sample], *, pad_id: int,
                    per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
-    """`samples` back to back in one row of sum(len(tokens)) tokens: a causal mask that also stops every token at
-    its own sample's first token (block-diagonal) and positions restarting per sample, so each sample's logprobs
-    are those it gets alone. The predictions across a boundary (last token of one sample -> first of the next) are
-    never trained on: a sample's first token is a prompt token. No samples: one padding token, nothing trained."""
+    """`samples` back to back in one row of sum(len(tokens)) tokens, described to the model by `cu_seqlens`
+    (`packed_seq_params`): every token attends causally within its own sample only and positions restart per
+    sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last token of one
+    sample -> first of the next) are never trained on: a sample's first token is a prompt token. No samples: one
+    padding token, nothing trained."""
     lengths = [len(s.tokens) for s in samples] or [1]
     seq_len = sum(lengths)
     tokens = torch.full((1, seq_len), pad_id, dtype=torch.long)
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])[None]
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    mask = causal_mask(1, seq_len) | (segment[:, None] != segment[None, :])
     loss_mask = torch.zeros(1, seq_len - 1)
     extras = {key: torch.zeros(1, seq_len - 1) for key in (per_token or {})}
     spans, offset = [], 0
@@ -107,9 +118,9 @@ def collate_packed(samples: list[Sample], *, pad_id: int,
             extras[key][0, start:end] = torch.tensor(values[j], dtype=torch.float32)
         offset += lengths[j]
     cu_seqlens = [0]
-    for n in lengths if samples else []:
+    for n in lengths:
         cu_seqlens.append(cu_seqlens[-1] + n)
-    return MicroBatch(tokens=tokens, position_ids=positions, attention_mask=mask, loss_mask=loss_mask, spans=spans,
+    return MicroBatch(tokens=tokens, position_ids=positions, attention_mask=None, loss_mask=loss_mask, spans=spans,
                       extras=extras, rows=[0] * len(samples), cu_seqlens=cu_seqlens)
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from slimish.compat.rope_positions import unwrap_gpt_model
-
 
 def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -57,6 +55,12 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float = 1.0) -> to
         if shards > 1:
             dist.all_reduce(sums, group=group)
         return sums[0].log() - sums[1] / sums[0]
+
+
+def unwrap_gpt_model(model):
+    while hasattr(model, "module"):  # Megatron DDP / Float16Module wrappers
+        model = model.module
+    return model
 
 
 class LogprobHead:

@@ -16,6 +16,8 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from slimish.compat.packed_attention import local_packed_block_spec
+
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
                                 use_cpu_initialization=not torch.cuda.is_available())
@@ -26,6 +28,7 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
         from slimish.compat.megatron_mla import local_mla_block_spec
 
         spec = local_mla_block_spec(spec)
+    spec = local_packed_block_spec(spec)  # packed micro-batches (trainer.max_tokens_per_micro_batch) on CPU too
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))

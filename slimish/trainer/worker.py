@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from slimish.compat.rope_positions import rope_at
 from slimish.config.schema import JobConfig
 from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
@@ -133,8 +132,8 @@ class TrainerWorker:
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
-            with rope_at(chunk, mb.position_ids[0] if mb.packed else None):
-                hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: see LogprobHead
+            # Last stage: hidden states, not logits (`LogprobHead`).
+            hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params())
             return hidden, functools.partial(loss_fn, mb)
 
         seq_len = max(mb.tokens.shape[1] for mb in microbatches)

@@ -39,6 +39,24 @@ def max_logits_diff_vs_hf(path, *, batch: int = 3, seq: int = 40) -> float:
     return record((got - expected).abs().max().item())
 
 
+def max_packed_vs_alone_diff(path, lengths=(7, 19, 12)) -> float:
+    """max |logits of samples packed in one row (THD: `PackedSeqParams`) - logits of each sample alone|, fp32."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model, _ = megatron_from_hf(path)
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 300, (1, n), generator=gen) for n in lengths]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(t, torch.arange(t.shape[1])[None], causal_mask(1, t.shape[1])) for t in samples], 1)
+        packed = model(torch.cat(samples, dim=1), positions, None, packed_seq_params=params)
+    assert packed.shape == alone.shape
+    return record((packed - alone).abs().max().item())
+
+
 def record(diff: float) -> float:
     """Append {test, max_abs_diff} to $SLIMISH_PARITY_LOG (a jsonl file) when set: the figures for a report."""
     if os.environ.get("SLIMISH_PARITY_LOG"):

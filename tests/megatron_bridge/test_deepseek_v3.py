@@ -19,6 +19,7 @@ from tests.megatron_bridge.parity import (
     assert_export_round_trip,
     assert_same_checkpoint,
     max_logits_diff_vs_hf,
+    max_packed_vs_alone_diff,
     megatron_from_hf,
 )
 
@@ -84,6 +85,12 @@ def test_architecture_comes_from_config(models):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_logits_match_hf(name, models, megatron_world):
     assert max_logits_diff_vs_hf(models[name]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_samples_get_the_logits_they_get_alone(name, models, megatron_world):
+    """Multi-latent attention (each RoPE layout and YaRN) in the trainer's packed micro-batches."""
+    assert max_packed_vs_alone_diff(models[name]) <= 1e-5
 
 
 def test_wrong_rope_layout_is_caught(models, megatron_world, tmp_path):

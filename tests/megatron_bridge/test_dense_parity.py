@@ -9,7 +9,12 @@ from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.bridge import MappingError, load_hf_weights
 from slimish.megatron_bridge.hf_config import UnsupportedConfig, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import CheckpointError, HFCheckpoint
-from tests.megatron_bridge.parity import assert_export_round_trip, max_logits_diff_vs_hf, megatron_from_hf
+from tests.megatron_bridge.parity import (
+    assert_export_round_trip,
+    max_logits_diff_vs_hf,
+    max_packed_vs_alone_diff,
+    megatron_from_hf,
+)
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 # Llama-3.1's RoPE frequency scaling (rope_type llama3), as Llama-3.1-405B ships it.
@@ -20,6 +25,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(family, tiny_models, megatron_world):
     assert max_logits_diff_vs_hf(tiny_models[family]) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_samples_get_the_logits_they_get_alone(family, tiny_models, megatron_world):
+    """Several samples in one row (the trainer's packed micro-batches): attention stays within each sample and
+    RoPE positions restart at each, on the local layer spec the trainer uses on CPU."""
+    assert max_packed_vs_alone_diff(tiny_models[family]) <= 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +49,7 @@ def test_llama31_rope_scaling_matches_hf(llama31, tiny_models, megatron_world):
     arch = architecture_from_hf(read_hf_config(llama31))
     assert arch.rope_llama3_factor == 8.0
     assert max_logits_diff_vs_hf(llama31) <= 1e-5
+    assert max_packed_vs_alone_diff(llama31) <= 1e-5
     # The scaling moves this model's logits by ~1e-2 (its lowest frequencies are scaled): the check above sees it.
     tokens = torch.arange(40).unsqueeze(0)
     with torch.no_grad():

@@ -23,6 +23,7 @@ from tests.megatron_bridge.parity import (
     assert_export_round_trip,
     assert_same_checkpoint,
     max_logits_diff_vs_hf,
+    max_packed_vs_alone_diff,
 )
 
 # name -> (family, config fields on top of tiny_model.FAMILY_SHAPES). The first model of each family is the one
@@ -113,6 +114,12 @@ def test_unsupported_moe_config_names_the_field(moe_models, name, field, value):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_plain", "glm4_moe", "glm4_moe_plain", "deepseek_v3"])
 def test_logits_match_hf(name, moe_models, megatron_world):
     assert max_logits_diff_vs_hf(moe_models[name]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_packed_samples_get_the_logits_they_get_alone(name, moe_models, megatron_world):
+    """Routed experts (and GLM's partial rotary) in the trainer's packed micro-batches."""
+    assert max_packed_vs_alone_diff(moe_models[name]) <= 1e-5
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -10,7 +10,6 @@ import torch
 from slimish.config import load_config
 from slimish.sample import Sample, Status
 from tests.conftest import REPO
-from tests.trainer.worker_rank import response_logprobs
 
 
 def _worker(task_assets, *overrides):

@@ -1,5 +1,5 @@
 """The packing planner and packed micro-batches: budgets hold, every sample once, the same micro-batch count on every
-data-parallel rank, and a packed row masks and positions each sample as if it were alone."""
+data-parallel rank, and a packed row tells the model where each sample starts."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ def _sample(prompt, response, train=None):
                   loss_mask=train or [1] * len(response), status=Status.COMPLETED)
 
 
-def test_a_packed_row_is_block_diagonal_with_positions_restarting():
+def test_a_packed_row_describes_its_samples_to_the_model():
     samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4], train=[1])]
     mb = collate_packed(samples, pad_id=0, per_token={"rollout_logprobs": [[-1.0, -2.0, -3.0], [-4.0]]})
     assert mb.tokens.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
     assert mb.cu_seqlens == [0, 5, 9] and mb.rows == [0, 0] and mb.spans == [(1, 4), (7, 8)]
-    allowed = ~mb.attention_mask[0, 0]
-    assert allowed[6].tolist() == [False] * 5 + [True, True, False, False], "the second sample sees only itself"
-    assert allowed[4].tolist() == [True] * 5 + [False] * 4
+    params = mb.packed_seq_params()  # what tells the model's attention and RoPE where each sample starts
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 9] and params.max_seqlen_q == 5
+    assert mb.attention_mask is None
     assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0, 0, 0, 1]]
     assert mb.extras["rollout_logprobs"].tolist() == [[0, -1, -2, -3, 0, 0, 0, -4]]
     assert mb.per_sample([0.5, -2.0]).tolist() == [[0, 0.5, 0.5, 0.5, 0, 0, 0, -2.0]]
@@ -63,7 +63,7 @@ def test_a_packed_row_is_block_diagonal_with_positions_restarting():
 def test_padded_and_packed_batches_map_samples_alike():
     samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4])]
     padded, packed = collate(samples, pad_id=0), collate_packed(samples, pad_id=0)
-    assert not padded.packed and padded.rows == [0, 1] and padded.spans == [(1, 4), (2, 3)]
+    assert padded.packed_seq_params() is None and padded.rows == [0, 1] and padded.spans == [(1, 4), (2, 3)]
     def responses(mb):
         return [mb.loss_mask[row, start:end].tolist() for row, (start, end) in zip(mb.rows, mb.spans)]
 
@@ -73,3 +73,4 @@ def test_padded_and_packed_batches_map_samples_alike():
 def test_no_samples_is_one_padding_token_that_trains_nothing():
     mb = collate_packed([], pad_id=0)
     assert mb.tokens.shape == (1, 1) and mb.loss_mask.numel() == 0 and mb.trained_samples() == 0
+    assert mb.cu_seqlens == [0, 1]

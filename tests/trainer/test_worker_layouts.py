@@ -1,7 +1,8 @@
 """The trainer at TP2, DP2 and PP2 (two gloo processes; DP2 also with Megatron's distributed optimizer, TP2 also with
-full activation recomputation; each also with packed micro-batches and chunked logits) computes the same logprobs and takes the same GRPO step as at one rank: logprobs
-before and after the step agree within fp32 reduction-order noise, and rank 0's whole-model export (what weight sync
-sends) matches the one-rank trainer's weights after the step. In bf16 the same holds within bf16 precision."""
+full activation recomputation; each also with packed micro-batches and chunked logits) computes the same logprobs
+and takes the same GRPO step as at one rank: logprobs before and after the step agree within fp32 reduction-order
+noise, and rank 0's whole-model export (what weight sync sends) matches the one-rank trainer's weights after the
+step. In bf16 the same holds within bf16 precision."""
 
 from __future__ import annotations
 
