@@ -17,17 +17,20 @@ pytestmark = pytest.mark.e2e
 
 REQUIRED = ["step", "reward_mean", "response_len_mean", "ppo_kl", "logprob_abs_diff_max", "time_rollout_s",
             "time_train_s", "time_sync_s", "tokens_per_s", "response_len_p50", "response_len_p95", "response_len_max",
-            "truncated_frac", "overlong_filtered", "overlong_penalized"]
+            "truncated_frac", "overlong_filtered", "overlong_penalized", "entropy", "dp_token_imbalance"]
 
 
 def test_two_real_rl_steps(task_assets, tmp_path):
     """At sampling temperature 0.7: the engines sample from, and report the logprobs of, softmax(logits / 0.7), and
     the trainer's logprobs must be of that same distribution (at temperature 1 they differ by up to ~1). With DAPO's
-    overlong penalty over the last 4 of 8 tokens: every truncated response is penalised."""
+    overlong penalty over the last 4 of 8 tokens: every truncated response is penalised. The trainer packs the
+    samples into rows of at most 64 tokens and makes logits 16 tokens at a time: its logprobs still match the
+    engines'."""
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=2", "run.name=e2e",
                         "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1", "rollout.temperature=0.7",
-                        "rollout.overlong.mode=penalty", "rollout.overlong.buffer_tokens=4")
+                        "rollout.overlong.mode=penalty", "rollout.overlong.buffer_tokens=4",
+                        "trainer.max_tokens_per_micro_batch=64", "trainer.logprob_chunk_tokens=16")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     run_dir = tmp_path / "e2e"
@@ -42,6 +45,7 @@ def test_two_real_rl_steps(task_assets, tmp_path):
         finished = record["samples_completed"] + record["samples_truncated"]
         assert record["truncated_frac"] == pytest.approx(record["samples_truncated"] / finished)
         assert record["response_len_max"] <= 8
+        assert 0 < record["entropy"] < 6, "mean entropy at temperature 0.7 of a vocabulary of a few hundred"
     assert records[0]["ppo_kl"] == 0.0
     placement = json.loads((run_dir / "placement.json").read_text())
     assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
