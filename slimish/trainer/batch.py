@@ -22,7 +22,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [B, 1, S, S] bool, True = masked (causal); packed: None (see cu_seqlens)
     loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
-    extras: dict                  # per-token [B, S-1] tensors (old_logprobs, ref_logprobs, advantages)
+    extras: dict                  # per-token [B, S-1] tensors (rollout/old/ref logprobs, advantages, loss weights)
     rows: list[int]               # per sample: its row
     cu_seqlens: list[int] | None = None  # packed: sample boundaries in the row (0, len0, len0 + len1, ...)
 

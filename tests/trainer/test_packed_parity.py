@@ -36,19 +36,15 @@ def _samples() -> list[Sample]:
 
 
 def _by_sample(worker, samples) -> list[torch.Tensor]:
-    logprobs, rows = response_logprobs_ragged(worker, samples)
-    return [logprobs[rows.index(i)] for i in range(len(samples))]
-
-
-def response_logprobs_ragged(worker, samples):
+    """The trainer's response logprobs of each of `samples`, in their order (responses differ in length)."""
     worker.compute_logprobs(samples)
-    out = []
+    found = []
     for (_, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
         for mb, lp in zip(mbs, old):
-            out += [lp[row, start:end] for row, (start, end) in zip(mb.rows, mb.spans)]
-    rows = worker.rollout_indices
+            found += [lp[row, start:end] for row, (start, end) in zip(mb.rows, mb.spans)]
+    order = worker.rollout_indices
     worker._rollout = None
-    return out, rows
+    return [found[order.index(i)] for i in range(len(samples))]
 
 
 ADVANTAGES = [1.0, -1.0, -0.5, 0.5, 0.25, -0.25, 1.5, -1.5]
