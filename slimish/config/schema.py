@@ -57,16 +57,33 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class LossConfig:
-    advantage_estimator: Literal["grpo"] = doc("grpo", "How advantages are computed from group rewards.")
-    normalize_advantage_std: bool = doc(True, "Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO.")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                 "gspo"] = doc(
+        "grpo", "How per-token advantages are computed (`slimish/trainer/estimators.py`): grpo (group-normalised "
+                "rewards); dr_grpo (group-centred, no std, constant loss normaliser); rloo (leave-one-out baseline); "
+                "reinforce_plus_plus (KL-shaped token returns, whitened over the step; _baseline: group mean "
+                "subtracted first); gspo (GRPO advantages, sequence-level ratio and clipping: use small clip_eps).")
+    normalize_advantage_std: bool = doc(True, "grpo / gspo: divide group-centred rewards by the group std.")
+    reward_kl_coef: float = doc(0.0, "reinforce_plus_plus*: weight of the per-token KL to the reference policy "
+                                     "subtracted from the rewards (0: no shaping, no reference model for it).")
     clip_eps_low: float = doc(0.2, "Lower PPO ratio clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float = doc(0.2, "Upper PPO ratio clip: ratio <= 1 + clip_eps_high (DAPO clip-higher > low).")
     kl_coef: float = doc(0.0, "Weight of the KL penalty to the reference (initial) policy; 0 disables it.")
     kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "Per-token KL estimator used for the penalty.")
-    token_aggregation: Literal["token_mean", "seq_mean"] = doc("token_mean", "How per-token losses are averaged.")
+    token_aggregation: Literal["token_mean", "seq_mean", "constant"] = doc(
+        "token_mean", "How per-token losses are averaged: over the minibatch's trained tokens, per sequence then over "
+                      "sequences, or summed over a constant (minibatch samples x rollout.max_new_tokens; Dr. GRPO). "
+                      "dr_grpo always uses constant, gspo seq_mean.")
     tis_cap: float = doc(0.0, "Truncated importance sampling: weight each token's policy loss by min(pi_old / "
                               "pi_rollout, tis_cap), correcting for tokens the engines sampled with older weights or "
                               "other numerics (partial rollouts); 0 disables it.")
+    mis_low: float = doc(0.0, "Masked importance sampling: tokens whose behaviour ratio pi_old / pi_rollout is below "
+                              "this are left out of the loss (with mis_high).")
+    mis_high: float = doc(0.0, "Masked importance sampling: tokens whose behaviour ratio is above this are left out "
+                               "of the loss; 0 disables the mask.")
+    is_level: Literal["token", "sequence"] = doc("token", "Behaviour ratio of TIS and MIS per token, or per sequence "
+                                                          "(the product over its tokens; MIS then drops whole "
+                                                          "sequences).")
 
 
 @dataclass(kw_only=True)

@@ -71,9 +71,19 @@ def validate(cfg: JobConfig) -> None:
         if not 0 < eps < 1:
             raise ConfigError(key, f"must be in (0, 1), got {eps}")
 
-    if tr.loss.advantage_estimator == "grpo" and ro.samples_per_prompt < 2:
+    from slimish.trainer.estimators import ESTIMATORS
+
+    estimator = ESTIMATORS[tr.loss.advantage_estimator]
+    if ro.samples_per_prompt < estimator.min_group_size:
         raise ConfigError("rollout.samples_per_prompt",
-                          f"GRPO normalises rewards within a group and needs >= 2 samples, got {ro.samples_per_prompt}")
+                          f"{tr.loss.advantage_estimator} takes a baseline within each group and needs >= "
+                          f"{estimator.min_group_size} samples, got {ro.samples_per_prompt}")
+    _positive("trainer.loss.reward_kl_coef", tr.loss.reward_kl_coef, allow_zero=True)
+    _positive("trainer.loss.mis_low", tr.loss.mis_low, allow_zero=True)
+    if tr.loss.mis_high and not tr.loss.mis_low <= 1.0 <= tr.loss.mis_high:
+        raise ConfigError("trainer.loss.mis_high",
+                          f"the band [mis_low, mis_high] = [{tr.loss.mis_low}, {tr.loss.mis_high}] must hold 1 (an "
+                          "on-policy token); e.g. mis_low=0.5 mis_high=2")
     batch = ro.prompts_per_step * ro.samples_per_prompt
     if batch % tr.num_minibatches:
         raise ConfigError("trainer.num_minibatches",

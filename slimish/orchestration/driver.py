@@ -13,8 +13,6 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-
 from slimish.config import JobConfig, save_config
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
@@ -22,7 +20,6 @@ from slimish.orchestration.placement import Slot, placement_record, release
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample, Status
-from slimish.trainer.losses import grpo_advantages
 
 
 class RLJob:
@@ -121,12 +118,13 @@ class RLJob:
     def compute_logprobs(self, samples: list[Sample], step: int) -> dict:
         return self.trainer.call("compute_logprobs", samples, policy_version=step - 1)
 
-    def compute_advantages(self, samples: list[Sample]) -> list[float]:
-        return sample_advantages(samples, group_size=self.cfg.rollout.samples_per_prompt,
-                                 normalize_std=self.cfg.trainer.loss.normalize_advantage_std)
+    def compute_advantages(self) -> list[float]:
+        """The trainer's per-token advantages of the step (trainer.loss.advantage_estimator); returns each sample's
+        mean over its trained tokens."""
+        return self.trainer.call("compute_advantages")
 
-    def train(self, advantages: list[float]) -> dict:
-        return self.trainer.call("train", advantages)
+    def train(self) -> dict:
+        return self.trainer.call("train")
 
     def save_rollouts(self, step: int, samples: list[Sample], advantages: list[float]) -> None:
         """rollouts/step_<step>.jsonl: one sample per line, with its advantage (run.save_rollouts)."""
@@ -191,8 +189,8 @@ class RLJob:
                     samples, rollout_metrics = self.rollout(step)
                 with self.timer("train"):
                     logprob_metrics = self.compute_logprobs(samples, step)
-                    advantages = self.compute_advantages(samples)
-                    train_metrics = self.train(advantages)
+                    advantages = self.compute_advantages()
+                    train_metrics = self.train()
                 if self.cfg.run.save_rollouts:
                     self.save_rollouts(step, samples, advantages)
                 with self.timer("sync"):
@@ -248,15 +246,6 @@ class RLJob:
                                   rollout_logprobs=[0.0] * len(response_ids),
                                   weight_versions=[0] * len(response_ids), loss_mask=[1] * len(response_ids)))
         return samples
-
-
-def sample_advantages(samples: list[Sample], *, group_size: int, normalize_std: bool) -> list[float]:
-    """GRPO advantages of a step's samples (consecutive groups of `group_size`). A failed sample has no reward: it
-    neither trains nor shifts its group's baseline. A scored sample kept out of the loss (rollout.overlong.mode
-    filter) still counts in the baseline: its group was sampled with it."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    valid = torch.tensor([s.scored for s in samples])
-    return grpo_advantages(rewards, group_size, valid=valid, normalize_std=normalize_std).tolist()
 
 
 def _raise_keyboard_interrupt(signum, frame):

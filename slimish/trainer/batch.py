@@ -49,6 +49,24 @@ class MicroBatch:
             out[row, start:end] = value
         return out
 
+    def scatter(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """[B, S-1]: each sample's [response length] values over its response span, 0 elsewhere."""
+        out = torch.zeros_like(self.loss_mask)
+        for row, (start, end), value in zip(self.rows, self.spans, values):
+            out[row, start:end] = value
+        return out
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each sample's response span of a [B, S-1] tensor."""
+        return [tensor[row, start:end] for row, (start, end) in zip(self.rows, self.spans)]
+
+    def segments(self) -> torch.Tensor:
+        """[B, S-1] long: the micro-batch's sample index j over sample j's response span, -1 elsewhere."""
+        out = torch.full(self.loss_mask.shape, -1, dtype=torch.long)
+        for j, (row, (start, end)) in enumerate(zip(self.rows, self.spans)):
+            out[row, start:end] = j
+        return out
+
     def trained_samples(self) -> int:
         return sum(int(self.loss_mask[row, start:end].sum() > 0) for row, (start, end) in zip(self.rows, self.spans))
 

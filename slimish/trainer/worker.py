@@ -21,6 +21,7 @@ from slimish.sample import Sample
 from slimish.trainer import losses
 from slimish.trainer.balance import balanced_partition, imbalance
 from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
+from slimish.trainer.estimators import ESTIMATORS, StepInputs
 from slimish.trainer.logprobs import LogprobHead
 from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
@@ -75,7 +76,8 @@ class TrainerWorker:
         chunk = self.cfg.trainer.logprob_chunk_tokens
         self.head = LogprobHead(self.module, chunk_tokens=chunk)
         self.ref_model = self.ref_head = None
-        if self.cfg.trainer.loss.kl_coef > 0:
+        self.estimator = ESTIMATORS[self.cfg.trainer.loss.advantage_estimator]
+        if self.cfg.trainer.loss.kl_coef > 0 or self.estimator.needs_ref(self.cfg.trainer.loss):
             self.ref_model = build()
             load_hf_weights(self.ref_model, self.cfg.model.hf_path, self.arch)
             self.ref_model.requires_grad_(False)
@@ -196,7 +198,8 @@ class TrainerWorker:
                 entropy_tokens += float(mb.loss_mask.sum())
             ref.append(self._forward_logprobs(self.ref_model, self.ref_head, mbs)[0]
                        if self.ref_model is not None else None)
-        self._rollout = {"plan": batches, "old": old, "ref": ref, "indices": indices}
+        self._rollout = {"plan": batches, "old": old, "ref": ref, "indices": indices, "samples": samples,
+                         "advantages": None}
         metrics = self._dp_reduced_parity(_parity_sums(batches, old, policy_version))
         # Mean entropy of the policy over the tokens it trains on (last stage only, like the logprobs).
         metrics["entropy"] = self._global_sum(entropy_sum) / max(self._global_sum(entropy_tokens), 1.0)
@@ -215,29 +218,82 @@ class TrainerWorker:
         return {"logprob_abs_diff_max": current_max, "logprob_abs_diff_mean": current_sum / max(current_n, 1),
                 "logprob_abs_diff_stale_mean": stale_sum / max(stale_n, 1)}
 
-    def train(self, advantages: list[float]) -> dict:
-        """One optimizer step per minibatch on the rollout given to `compute_logprobs`."""
+    def _local_responses(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """This rank's samples in plan order: their [T_i] train masks, old logprobs and reference logprobs (None
+        without a reference model). Empty off the last pipeline stage (no logprobs there)."""
+        masks, old, ref = [], [], []
+        has_ref = self._rollout["ref"][0] is not None
+        for index, (_, mbs) in enumerate(self._rollout["plan"]):
+            refs = self._rollout["ref"][index] if has_ref else [None] * len(mbs)
+            for mb, old_lp, ref_lp in zip(mbs, self._rollout["old"][index], refs):
+                masks += mb.gather(mb.loss_mask)
+                old += mb.gather(old_lp)
+                ref += mb.gather(ref_lp) if has_ref else []
+        return masks, old, (ref if has_ref else None)
+
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tensor = tensor.clone()
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def compute_advantages(self, advantages: list[float] | None = None) -> list[float]:
+        """Per-token advantages of this rank's samples, kept for `train`: by trainer.loss.advantage_estimator from the
+        samples' rewards (`slimish.trainer.estimators`), or, given `advantages` (one per step sample), those spread
+        over each response. Returns each step sample's mean advantage over its trained tokens (0 when none), the
+        same on every rank (for run.save_rollouts)."""
+        if self._rollout is None:
+            raise RuntimeError("compute_advantages() needs compute_logprobs() on the same rollout first")
+        samples, indices = self._rollout["samples"], self._rollout["indices"]
+        masks, old, ref = self._local_responses()
+        indices = indices[:len(masks)]  # none off the last stage
+        if advantages is not None:
+            per_token = [torch.full_like(m, float(advantages[i])) for i, m in zip(indices, masks)]
+        else:
+            inputs = StepInputs(rewards=torch.tensor([s.reward if s.scored else 0.0 for s in samples]),
+                                scored=torch.tensor([s.scored for s in samples]),
+                                group_size=self.cfg.rollout.samples_per_prompt, indices=indices, masks=masks,
+                                old=old, ref=ref, dp_sum=self._dp_sum)
+            per_token = self.estimator.advantages(inputs, self.cfg.trainer.loss)
+        self._rollout["advantages"] = per_token
+        means = torch.zeros(len(samples), dtype=torch.float64)
+        for i, values, mask in zip(indices, per_token, masks):
+            means[i] = float((values * mask).sum() / mask.sum().clamp(min=1))
+        return self._from_last_stage({"means": self._dp_sum(means).tolist()})["means"]
+
+    def _denominator(self, mbs: list[MicroBatch], aggregation: str, minibatch_samples: int) -> float:
+        """The minibatch's loss normaliser, over every data-parallel rank."""
+        if aggregation == "seq_mean":  # samples that train
+            return self._global_sum(sum(float(mb.trained_samples()) for mb in mbs))
+        if aggregation == "constant":  # Dr. GRPO: samples x generation budget, whatever the lengths
+            return float(minibatch_samples * self.cfg.rollout.max_new_tokens)
+        return self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+
+    def train(self, advantages: list[float] | None = None) -> dict:
+        """One optimizer step per minibatch on the rollout given to `compute_logprobs`, with the advantages of
+        `compute_advantages` (called here, with `advantages`, when it was not)."""
         if self._rollout is None:
             raise RuntimeError("train() needs compute_logprobs() on the same rollout first")
+        if self._rollout["advantages"] is None or advantages is not None:
+            self.compute_advantages(advantages)
         loss_cfg = self.cfg.trainer.loss
-        local_adv = [advantages[i] for i in self._rollout["indices"]]
-        stats: dict[str, list[float]] = {"pg_loss": [], "ppo_kl": [], "clip_frac": [], "kl_ref": [], "tis_weight": [],
-                                         "grad_norm": []}
-        offset = 0
-        for index, (minibatch, mbs) in enumerate(self._rollout["plan"]):
-            per_sequence = loss_cfg.token_aggregation == "seq_mean"
-            if per_sequence:  # samples that train
-                denom = self._global_sum(sum(float(mb.trained_samples()) for mb in mbs))
-            else:
-                denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+        aggregation = self.estimator.aggregation or loss_cfg.token_aggregation
+        per_token = iter(self._rollout["advantages"])
+        minibatch_samples = len(self._rollout["samples"]) // len(self._rollout["plan"])
+        sums: dict[str, list[float]] = {}
+        grad_norms = []
+        for index, (_, mbs) in enumerate(self._rollout["plan"]):
+            denom = self._denominator(mbs, aggregation, minibatch_samples)
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
-            for chunk, mb, old_lp in zip(minibatch, mbs, self._rollout["old"][index]):
+            for mb, old_lp in zip(mbs, self._rollout["old"][index]):
                 mb.extras["old_logprobs"] = old_lp
-                mb.extras["advantages"] = mb.per_sample(local_adv[offset: offset + len(chunk)])
+                mb.extras["advantages"] = mb.scatter([next(per_token) for _ in mb.spans])
                 # seq_mean as a token mean with each sample's tokens weighted 1 / its length: the same for a packed
                 # row holding several samples as for one sample per row.
-                mb.extras["weights"] = mb.sequence_weights() if per_sequence else mb.loss_mask
-                offset += len(chunk)
+                mb.extras["weights"] = mb.sequence_weights() if aggregation == "seq_mean" else mb.loss_mask
+                mb.extras["segments"] = mb.segments()
             if self._rollout["ref"][index] is not None:
                 for mb, ref_lp in zip(mbs, self._rollout["ref"][index]):
                     mb.extras["ref_logprobs"] = ref_lp
@@ -250,22 +306,21 @@ class TrainerWorker:
                     clip_eps_high=loss_cfg.clip_eps_high, aggregation="token_mean", denom=denom,
                     ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
                     kl_estimator=loss_cfg.kl_estimator, rollout_logprobs=mb.extras["rollout_logprobs"],
-                    tis_cap=loss_cfg.tis_cap)
-                report = {"pg_loss": out.loss.detach(), "ppo_kl": out.ppo_kl, "clip_frac": out.clip_frac,
-                          "kl_ref": out.kl_ref, "tis_weight": out.tis_weight}
-                return out.loss * scale, report
+                    tis_cap=loss_cfg.tis_cap, mis_band=(loss_cfg.mis_low, loss_cfg.mis_high),
+                    is_level=loss_cfg.is_level, ratio_level=self.estimator.ratio_level,
+                    segments=mb.extras["segments"])
+                return out.loss * scale, out.metrics
 
             outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
-            for key in ("pg_loss", "ppo_kl", "clip_frac", "kl_ref", "tis_weight"):
-                stats[key].append(self._global_sum(sum(float(o[key]) for o in outputs)))
-            stats["grad_norm"].append(grad_norm)
+            # Each metric is aggregated like the loss, so micro-batches and data-parallel ranks add up.
+            for key in (outputs[0] if outputs else {}):
+                sums.setdefault(key, []).append(self._global_sum(sum(float(o[key]) for o in outputs)))
+            grad_norms.append(grad_norm)
         self._rollout = None
-        return self._from_last_stage({
-            "pg_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
-            "ppo_kl": stats["ppo_kl"][0],  # first minibatch: exactly 0 when on-policy
-            "ppo_kl_last": stats["ppo_kl"][-1], "clip_frac": sum(stats["clip_frac"]) / len(stats["clip_frac"]),
-            "kl_ref": sum(stats["kl_ref"]) / len(stats["kl_ref"]),
-            "tis_weight": sum(stats["tis_weight"]) / len(stats["tis_weight"]), "grad_norm": stats["grad_norm"][-1]})
+        metrics = {key: sum(values) / len(values) for key, values in sums.items()}
+        if sums:  # first minibatch: exactly 0 when on-policy; the last shows how far the minibatches went
+            metrics["ppo_kl"], metrics["ppo_kl_last"] = sums["ppo_kl"][0], sums["ppo_kl"][-1]
+        return self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]})
 
     # --------------------------------------------------------------------------------------------- SFT API
     def sft_step(self, samples: list[Sample]) -> dict:

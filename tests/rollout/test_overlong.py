@@ -4,11 +4,12 @@ group's baseline), or every response given DAPO's soft length penalty; and the s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slimish.config.schema import OverlongConfig
-from slimish.orchestration.driver import sample_advantages
 from slimish.rollout import overlong
 from slimish.sample import Sample, Status
+from slimish.trainer import estimators
 
 
 def sample(length: int, status: Status, reward: float = 1.0, error: str = "", group_id: int = 0) -> Sample:
@@ -50,8 +51,12 @@ def test_a_filtered_response_still_counts_in_its_groups_baseline():
     """Group of 2: the truncated response's reward 0 is in the mean, so the complete one's advantage is 0.5."""
     group = [sample(3, Status.COMPLETED, reward=1.0), sample(16, Status.TRUNCATED, reward=0.0)]
     overlong.apply(group, OverlongConfig(mode="filter"), max_tokens=16)
-    advantages = sample_advantages(group, group_size=2, normalize_std=False)
-    assert advantages[0] == pytest.approx(0.5) and not group[1].trainable
+    inputs = estimators.StepInputs(
+        rewards=torch.tensor([s.reward for s in group]), scored=torch.tensor([s.scored for s in group]),
+        group_size=2, indices=[0, 1], masks=[torch.tensor(s.train_mask, dtype=torch.float32) for s in group],
+        old=[], ref=None, dp_sum=lambda t: t)
+    advantages = estimators.dr_grpo(inputs, None)  # group-centred: (1 - 0.5)
+    assert advantages[0][0] == pytest.approx(0.5) and not group[1].trainable
 
 
 def test_length_metrics():

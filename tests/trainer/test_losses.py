@@ -33,7 +33,7 @@ def test_truncated_importance_weights_correct_for_the_behaviour_policy():
                       tis_cap=3.0)
     out.loss.backward()
     assert torch.allclose(lp.grad, -torch.tensor([[2.0, 0.5, 3.0]]) / 3)  # weights capped at 3, no gradient
-    assert torch.isclose(out.tis_weight, torch.tensor(5.5 / 3))
+    assert torch.isclose(out.metrics["tis_weight"], torch.tensor(5.5 / 3))
 
 
 def test_on_policy_ratio_gives_zero_kl_and_no_clipping():
@@ -41,7 +41,7 @@ def test_on_policy_ratio_gives_zero_kl_and_no_clipping():
     mask = torch.ones(4, 6)
     out = policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=torch.randn(4), mask=mask,
                       clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean")
-    assert out.ppo_kl.item() == 0.0 and out.clip_frac.item() == 0.0
+    assert out.metrics["ppo_kl"].item() == 0.0 and out.metrics["clip_frac"].item() == 0.0
 
 
 def test_clipping_stops_the_gradient_beyond_the_trust_region():
@@ -50,7 +50,7 @@ def test_clipping_stops_the_gradient_beyond_the_trust_region():
     out = policy_loss(logprobs=new, old_logprobs=old, advantages=torch.ones(1), mask=torch.ones(1, 1),
                       clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean")
     out.loss.backward()
-    assert new.grad.item() == 0.0 and out.clip_frac.item() == 1.0
+    assert new.grad.item() == 0.0 and out.metrics["clip_frac"].item() == 1.0
 
 
 def test_mask_and_shared_denominator():

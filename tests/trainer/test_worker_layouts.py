@@ -83,3 +83,20 @@ def test_bf16_at_tp2_tracks_fp32(task_assets, tmp_path, reference):
         # differ in sign, the weights end 0.02 apart (measured max 0.0201; mean 1e-4).
         diff = (tensor.float() - reference["state"][name]).abs()
         assert diff.max() <= 0.025 and diff.mean() <= 1e-3, name
+
+
+REINFORCE_PP = ("trainer.loss.advantage_estimator=reinforce_plus_plus", "trainer.loss.reward_kl_coef=0.5")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)], ids=["dp2", "pp2"])
+def test_reinforce_plus_plus_advantages_span_every_rank(task_assets, tmp_path, tp, pp):
+    """REINFORCE++ whitens its KL-shaped returns over the whole step's tokens: at DP2 each rank holds half of them
+    (the statistics are all-reduced), at PP2 only the last stage has logprobs; the advantages, the step and the
+    logprobs after it are those of one rank."""
+    one = _run(task_assets, tmp_path / "one", world_size=1, tp=1, overrides=REINFORCE_PP)[0]
+    assert len(set(one["advantages"])) > 2, "per-token returns, whitened: the per-sample means differ"
+    for result in _run(task_assets, tmp_path / "two", world_size=2, tp=tp, pp=pp, overrides=REINFORCE_PP):
+        assert result["advantages"] == pytest.approx(one["advantages"], abs=1e-5)
+        assert result["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], abs=1e-5)
+        if result["after"] is not None:
+            assert torch.allclose(result["after"], one["after"][result["rows"]], atol=1e-4)

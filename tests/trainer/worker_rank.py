@@ -4,7 +4,8 @@ Launched by tests.multiproc.run_world:
   python tests/trainer/worker_rank.py --rank R --world-size N --port P --tp T [--pp P] [--dtype D] --hf DIR
       --data JSONL --out OUT
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
-pipeline stage other than the last), the step's metrics, the parity metrics of compute_logprobs, and the
+pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
+rewards) and metrics, the parity metrics of compute_logprobs, and the
 whole-model export (`export_state`; empty except on rank 0).
 """
 
@@ -77,11 +78,18 @@ def main() -> None:
     samples = fixed_samples()
     before, rows = response_logprobs(worker, samples)
     parity = worker.compute_logprobs(samples)  # engine logprobs are 0 here: |trainer logprobs| over the rollout
-    metrics = worker.train([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
+    if worker.cfg.trainer.loss.advantage_estimator == "grpo":
+        advantages = worker.compute_advantages([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
+    else:  # the estimator's, from rewards: its step statistics span every data-parallel rank
+        for sample, reward in zip(samples, [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]):
+            sample.reward = reward
+        advantages = worker.compute_advantages()
+    metrics = worker.train()
     after, _ = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
+                "advantages": advantages,
                 "dp_rank": worker.dp_rank, "dp_size": worker.dp_size, "state": worker.export_state()},
                out / f"rank{args.rank}.pt")
     worker.shutdown()

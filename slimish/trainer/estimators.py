@@ -1,0 +1,108 @@
+"""Advantage estimators, keyed by `trainer.loss.advantage_estimator`.
+
+Each entry says what it needs and how its loss is taken; `advantages` turns a step's rewards (every rank has all of
+them) and this rank's per-token logprobs into per-token advantages for this rank's samples. Statistics over the whole
+step's tokens are all-reduced over the data-parallel ranks (`StepInputs.dp_sum`), so every rank normalises alike.
+Adding an estimator is one function and one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from slimish.trainer import losses
+
+
+@dataclass(kw_only=True)
+class StepInputs:
+    rewards: torch.Tensor          # [N] every sample of the step (0 where not scored)
+    scored: torch.Tensor           # [N] bool: has a reward that counts in its group's baseline
+    group_size: int
+    indices: list[int]             # this rank's samples (step indices)
+    masks: list[torch.Tensor]      # per local sample: [T_i] train mask of its response
+    old: list[torch.Tensor]        # per local sample: [T_i] the trainer's logprobs before the step
+    ref: list[torch.Tensor] | None  # per local sample: [T_i] reference logprobs (when the estimator needs them)
+    dp_sum: Callable[[torch.Tensor], torch.Tensor]  # sum over the data-parallel ranks (identity at DP 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimator:
+    advantages: Callable[[StepInputs, object], list[torch.Tensor]]  # (inputs, LossConfig) -> per local sample [T_i]
+    ratio_level: str = "token"         # "sequence": GSPO's sequence-level ratio and clipping
+    aggregation: str | None = None     # overrides trainer.loss.token_aggregation (None: keep it)
+    needs_ref: Callable[[object], bool] = lambda loss_cfg: False
+    min_group_size: int = 2            # rollout.samples_per_prompt it needs (group baselines)
+
+
+def _per_sample(values: torch.Tensor, inputs: StepInputs) -> list[torch.Tensor]:
+    """A per-sample value of the whole step, spread over each local sample's response tokens."""
+    return [torch.full_like(mask, float(values[i]), dtype=torch.float32) for i, mask in zip(inputs.indices,
+                                                                                          inputs.masks)]
+
+
+def grpo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    return _per_sample(losses.grpo_advantages(inputs.rewards, inputs.group_size, valid=inputs.scored,
+                                              normalize_std=cfg.normalize_advantage_std), inputs)
+
+
+def dr_grpo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    """Dr. GRPO: group-centred rewards, no division by the group's std (its loss uses a constant normaliser)."""
+    return _per_sample(losses.grpo_advantages(inputs.rewards, inputs.group_size, valid=inputs.scored,
+                                              normalize_std=False), inputs)
+
+
+def rloo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    return _per_sample(losses.rloo_advantages(inputs.rewards, inputs.group_size, valid=inputs.scored), inputs)
+
+
+def _whiten(per_sample: list[torch.Tensor], inputs: StepInputs, eps: float = 1e-6) -> list[torch.Tensor]:
+    """(x - mean) / std over every trained token of the step (all data-parallel ranks)."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for values, mask in zip(per_sample, inputs.masks):
+        m = mask.double()
+        sums += torch.stack([(values.double() * m).sum(), (values.double().square() * m).sum(), m.sum()])
+    total, square, count = inputs.dp_sum(sums).tolist()
+    mean = total / max(count, 1)
+    std = max(square / max(count, 1) - mean * mean, 0.0) ** 0.5
+    return [((values - mean) / (std + eps)) * (mask > 0) for values, mask in zip(per_sample, inputs.masks)]
+
+
+def _reinforce_plus_plus(inputs: StepInputs, cfg, rewards: torch.Tensor) -> list[torch.Tensor]:
+    returns = []
+    for k, (i, mask) in enumerate(zip(inputs.indices, inputs.masks)):
+        if not bool(inputs.scored[i]) or not mask.any():
+            returns.append(torch.zeros_like(mask, dtype=torch.float32))
+            continue
+        kl = (inputs.old[k] - inputs.ref[k]) * (mask > 0) if inputs.ref is not None else torch.zeros_like(mask)
+        returns.append(losses.kl_shaped_returns(float(rewards[i]), kl.float(), cfg.reward_kl_coef))
+    return _whiten(returns, inputs)
+
+
+def reinforce_plus_plus(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    """REINFORCE++: token returns of the sequence reward shaped by a per-token KL to the reference
+    (trainer.loss.reward_kl_coef), whitened over the step's trained tokens. No group baseline."""
+    return _reinforce_plus_plus(inputs, cfg, inputs.rewards)
+
+
+def reinforce_plus_plus_baseline(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    """REINFORCE++ with a baseline: the group's mean reward is subtracted first, then the same shaping and
+    whitening."""
+    centred = losses.grpo_advantages(inputs.rewards, inputs.group_size, valid=inputs.scored, normalize_std=False)
+    return _reinforce_plus_plus(inputs, cfg, centred)
+
+
+def _reward_kl(cfg) -> bool:
+    return cfg.reward_kl_coef > 0
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(advantages=grpo),
+    "dr_grpo": Estimator(advantages=dr_grpo, aggregation="constant"),
+    "rloo": Estimator(advantages=rloo),
+    "reinforce_plus_plus": Estimator(advantages=reinforce_plus_plus, needs_ref=_reward_kl, min_group_size=1),
+    "reinforce_plus_plus_baseline": Estimator(advantages=reinforce_plus_plus_baseline, needs_ref=_reward_kl),
+    "gspo": Estimator(advantages=grpo, ratio_level="sequence", aggregation="seq_mean"),
+}
