@@ -2,6 +2,7 @@
 
   slimish train --config CONFIG [key.sub=value ...]     run an RL job
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
+  slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
   slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
@@ -42,6 +43,19 @@ def cmd_train(args) -> int:
 def cmd_check_config(args) -> int:
     cfg = _load(args.config, args.overrides)
     print(f"ok: {args.config} (run.name={cfg.run.name}, {cfg.rl.num_steps} steps)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from slimish.config import load_config
+    from slimish.megatron_bridge.hf_config import read_hf_config
+    from slimish.planning.report import plan_text
+
+    try:
+        cfg = load_config(args.config, args.overrides, files=False)
+    except FileNotFoundError as exc:
+        raise UserError(f"config file not found: {exc.filename}") from None
+    print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
     return 0
 
 
@@ -112,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.set_defaults(fn=cmd_check_config)
+    p = sub.add_parser("plan", help="memory per GPU, weight-sync time and the binding wall of a config "
+                                     "(config.json of the model only: no GPU, no weights)")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides (plan.* states the cluster and workload)")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("make-tiny", help="build the tiny CPU model + task data (nothing is downloaded)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe",

@@ -142,8 +142,9 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """Load YAML `path` (may be None), apply dotted `overrides`, build and validate the config."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, files: bool = True) -> JobConfig:
+    """Load YAML `path` (may be None), apply dotted `overrides`, build and validate the config (files=False: read
+    no file but the model's config.json)."""
     from slimish.config.validate import validate
 
     data: dict = {}
@@ -155,7 +156,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
     data = _merge(data, parse_overrides(overrides or []))
     cfg = build_dataclass(JobConfig, data)
-    validate(cfg)
+    validate(cfg, files=files)
     return cfg
 
 

@@ -250,6 +250,23 @@ class RayConfig:
 
 
 @dataclass(kw_only=True)
+class PlanConfig:
+    """What `slimish plan` cannot know from the config: the cluster and the workload. Defaults: H100 SXM nodes."""
+    gpu_memory_gb: float = doc(80.0, "Memory per GPU (GB, 1e9 bytes) a trainer rank or an engine rank may use.")
+    gpu_tflops: float = doc(989.0, "Dense bf16 peak per GPU, TFLOP/s (H100 SXM: 989).")
+    mfu: float = doc(0.35, "Fraction of gpu_tflops the trainer achieves (model FLOPs utilisation).")
+    nic_gbit_s: float = doc(400.0, "Network bandwidth per GPU, Gbit/s (weight sync: one link carries the model).")
+    fs_write_gbyte_s: float = doc(10.0, "Shared filesystem write bandwidth of one writer, GB/s (disk transport).")
+    fs_read_gbyte_s: float = doc(10.0, "Shared filesystem read bandwidth of one engine, GB/s (disk transport).")
+    decode_tokens_per_s: float = doc(2500.0, "Tokens one engine generates per second at the configured concurrency.")
+    request_tokens_per_s: float = doc(40.0, "Tokens one request decodes per second (the longest response's pace).")
+    prompt_tokens: int = doc(512, "Typical prompt length in tokens.")
+    mean_response_tokens: int = doc(0, "Mean response length in tokens; 0 = half of rollout.max_new_tokens.")
+    reward_s_per_sample: float = doc(0.01, "Seconds the reward function takes per sample.")
+    reward_workers: int = doc(1, "Reward calls that run at once.")
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -263,3 +280,4 @@ class JobConfig:
     rl: RlConfig = field(default_factory=RlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)

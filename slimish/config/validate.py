@@ -13,7 +13,8 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def validate(cfg: JobConfig) -> None:
+def validate(cfg: JobConfig, *, files: bool = True) -> None:
+    """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`)."""
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [
         ("rollout.prompts_per_step", ro.prompts_per_step),
@@ -42,6 +43,11 @@ def validate(cfg: JobConfig) -> None:
     _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
     _positive("trainer.max_tokens_per_micro_batch", tr.max_tokens_per_micro_batch, allow_zero=True)
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
+    for key in ("gpu_memory_gb", "gpu_tflops", "mfu", "nic_gbit_s", "fs_write_gbyte_s", "fs_read_gbyte_s",
+                "decode_tokens_per_s", "request_tokens_per_s", "reward_workers"):
+        _positive(f"plan.{key}", getattr(cfg.plan, key))
+    for key in ("prompt_tokens", "mean_response_tokens", "reward_s_per_sample"):
+        _positive(f"plan.{key}", getattr(cfg.plan, key), allow_zero=True)
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     _positive("rollout.partial.over_sampling", ro.partial.over_sampling, allow_zero=True)
@@ -113,7 +119,10 @@ def validate(cfg: JobConfig) -> None:
     if ro.router.port == ro.router.prometheus_port:
         raise ConfigError("rollout.router.prometheus_port", "must differ from rollout.router.port")
 
-    _check_paths(cfg)
+    if files:
+        _check_paths(cfg)
+    elif not (Path(cfg.model.hf_path) / "config.json").is_file():
+        raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_hook("reward.fn", cfg.reward.fn)

@@ -1,0 +1,1 @@
+"""`slimish plan`: a job's memory, weight-sync time and binding wall, from its config and config.json alone."""

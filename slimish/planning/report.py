@@ -1,0 +1,80 @@
+"""The text `slimish plan` prints: memory per GPU, seconds per wall, the binding wall and what to change."""
+
+from __future__ import annotations
+
+from slimish.planning.memory import GB, engine_gpu, trainer_rank
+from slimish.planning.params import ParamCount, count_params
+from slimish.planning.walls import ADVICE, step_walls
+
+
+def plan_text(cfg, hf_config: dict) -> str:
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    arch = architecture_from_hf(hf_config)
+    params = count_params(hf_config)
+    return "\n".join([*_header(cfg, arch, params), *_trainer(cfg, arch, params), *_engine(cfg, arch, params),
+                      *_walls(cfg, arch, params)])
+
+
+def _header(cfg, arch, params: ParamCount) -> list[str]:
+    par, engine = cfg.parallel, cfg.rollout.engine
+    dp = par.num_trainer_ranks // (par.tensor_parallel * par.pipeline_parallel)
+    return [f"model: {arch.family}, {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active per "
+            f"token), {cfg.model.dtype}",
+            f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
+            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}"]
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:8.1f}"
+
+
+def _fits(total: float, limit_gb: float, fix: str) -> str:
+    if total <= limit_gb * GB:
+        return f"  total   {_gb(total)} GB of {limit_gb:g}: fits"
+    return f"  total   {_gb(total)} GB of {limit_gb:g}: does NOT fit; {fix}"
+
+
+def _trainer(cfg, arch, params: ParamCount) -> list[str]:
+    tr = cfg.trainer
+    mem = trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
+    distributed = "on" if tr.optimizer.distributed else "off"
+    other_recompute = "none" if tr.recompute == "full" else "full"
+    longest = cfg.plan.prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = tr.max_tokens_per_micro_batch or tr.micro_batch_size * longest
+    fix = ("trainer.optimizer.distributed=true, " if not tr.optimizer.distributed else "") + \
+          ("trainer.recompute=full, " if tr.recompute != "full" else "") + \
+          "more tensor or pipeline parallelism, or fewer tokens per micro-batch"
+    return ["", "trainer rank (the fullest pipeline stage), GB:",
+            f"  weights {_gb(mem.weights)}",
+            f"  grads   {_gb(mem.grads)}   (fp32)",
+            f"  optim   {_gb(mem.optimizer)}   (distributed optimizer {distributed}; the other way: "
+            f"{mem.optimizer_other / GB:.1f})",
+            f"  activ   {_gb(mem.activations)}   (recompute {tr.recompute}, {tokens} tokens per micro-batch; "
+            f"recompute {other_recompute}: {mem.activations_other / GB:.1f})",
+            f"  logits  {_gb(mem.logits)}   (chunks of {tr.logprob_chunk_tokens} tokens)",
+            _fits(mem.total, cfg.plan.gpu_memory_gb, fix)]
+
+
+def _engine(cfg, arch, params: ParamCount) -> list[str]:
+    mem = engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
+    return ["", f"engine GPU (TP{cfg.rollout.engine.tensor_parallel}), GB:",
+            f"  weights {_gb(mem.weights)}",
+            f"  KV      {_gb(mem.kv_cache)}   ({mem.kv_tokens} tokens: its share of rollout.max_concurrency at full "
+            "length)",
+            _fits(mem.total, cfg.plan.gpu_memory_gb, "more engine tensor parallelism, or lower "
+                                                      "rollout.max_concurrency")]
+
+
+def _walls(cfg, arch, params: ParamCount) -> list[str]:
+    walls = step_walls(cfg, arch, params)
+    lines = ["", "seconds per step:"]
+    for name, seconds in walls.seconds().items():
+        lines.append(f"  {name:<8}{seconds:9.1f}")
+    if walls.sync is None:
+        lines.append(f"  sync    (no estimate for weight_sync.transport {cfg.weight_sync.transport!r})")
+    binding = walls.binding
+    lines.append(f"binding wall: {binding} ({walls.seconds()[binding]:.1f} s of "
+                 f"{sum(walls.seconds().values()):.1f} s per step, run one after another); to move it: "
+                 f"{ADVICE[binding]}")
+    return lines

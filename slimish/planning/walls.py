@@ -1,0 +1,68 @@
+"""Seconds per RL step of each wall, on paper, and which one binds.
+
+  train    model FLOPs of the step's tokens: 6 x active parameters per token for the optimizer pass (8 with full
+           recompute), 2 more for the old logprobs and 2 for the reference when there is one, plus causal attention
+           (2 x layers x hidden x length^2 per forward per sample); over every trainer GPU at plan.gpu_tflops x mfu.
+  sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes.
+  rollout  the step's generated tokens over the engines' decode throughput, and never less than the longest
+           response at one request's pace (a step waits for its slowest group).
+  reward   samples x seconds per sample over the reward calls that run at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slimish.planning.memory import DTYPE_BYTES
+from slimish.planning.params import ParamCount
+from slimish.weight_sync.estimate import Cluster, sync_seconds
+
+ADVICE = {
+    "train": "more trainer GPUs (data parallel), trainer.max_tokens_per_micro_batch (packing), or recompute off if "
+             "memory allows",
+    "sync": "stage senders (weight_sync.stage_senders with pipeline parallelism), fewer syncs, or a faster link",
+    "rollout": "more engines, or rollout.partial.mode abort / retract so that generation overlaps training",
+    "reward": "more reward workers (a remote reward service), or a cheaper reward",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Walls:
+    train: float
+    sync: float | None  # None: no estimate for the transport
+    rollout: float
+    reward: float
+
+    def seconds(self) -> dict[str, float]:
+        out = {"train": self.train, "rollout": self.rollout, "reward": self.reward}
+        if self.sync is not None:
+            out["sync"] = self.sync
+        return out
+
+    @property
+    def binding(self) -> str:
+        seconds = self.seconds()
+        return max(seconds, key=seconds.get)
+
+
+def step_walls(cfg, arch, params: ParamCount) -> Walls:
+    plan, ro, tr = cfg.plan, cfg.rollout, cfg.trainer
+    samples = ro.prompts_per_step * ro.samples_per_prompt
+    response = plan.mean_response_tokens or ro.max_new_tokens / 2
+    length = plan.prompt_tokens + response
+    passes = (8 if tr.recompute == "full" else 6) + 2 + (2 if tr.loss.kl_coef > 0 or tr.loss.reward_kl_coef > 0
+                                                          else 0)
+    dense_flops = passes * params.active * samples * length
+    attention_flops = passes / 2 * 2 * arch.num_layers * arch.hidden_size * length ** 2 * samples
+    train = (dense_flops + attention_flops) / (cfg.parallel.num_trainer_ranks * plan.gpu_tflops * 1e12 * plan.mfu)
+    ws = cfg.weight_sync
+    sync = None
+    if ws.transport in ("broadcast", "disk"):
+        cluster = Cluster(nic_gbit_s=plan.nic_gbit_s, fs_write_gbyte_s=plan.fs_write_gbyte_s,
+                          fs_read_gbyte_s=plan.fs_read_gbyte_s)
+        sync = sync_seconds(params.total * DTYPE_BYTES[cfg.model.dtype], transport=ws.transport, cluster=cluster,
+                            pipeline_parallel=cfg.parallel.pipeline_parallel, stage_senders=ws.stage_senders)
+    rollout = max(samples * response / (ro.engine.num_engines * plan.decode_tokens_per_s),
+                  ro.max_new_tokens / plan.request_tokens_per_s)
+    reward = samples * plan.reward_s_per_sample / plan.reward_workers
+    return Walls(train=train, sync=sync, rollout=rollout, reward=reward)
