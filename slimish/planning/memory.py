@@ -11,8 +11,9 @@ Trainer rank (the fullest pipeline stage), bytes:
               micro-batches in flight (1F1B). Full recompute keeps each layer's input (T*h) and one layer's working set.
   logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp in fp32, three copies (logits, softmax, grad).
 Engine (one GPU of a tensor-parallel engine): weights / engine tp, and the KV cache of its share of
-rollout.max_concurrency requests at full length (prompt + max_new_tokens): 2 x layers x kv heads/tp (at least one)
-x head dim per token, or MLA's compressed latent (kv_lora_rank + rope dim) per layer, whole on every rank.
+rollout.max_concurrency requests at full length (prompt + max_new_tokens), at most rollout.engine.max_total_tokens
+(SGLang's pool): 2 x layers x kv heads/tp (at least one) x head dim per token, or MLA's compressed latent
+(kv_lora_rank + rope dim) per layer, whole on every rank.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def engine_gpu(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> EngineMe
     engine, ro = cfg.rollout.engine, cfg.rollout
     dtype = DTYPE_BYTES[cfg.model.dtype]
     requests = -(-ro.max_concurrency // engine.num_engines)
-    kv_tokens = requests * (prompt_tokens + ro.max_new_tokens)
+    # SGLang's KV pool holds at most max_total_tokens: past it, requests wait (the plan says so by the count).
+    kv_tokens = min(requests * (prompt_tokens + ro.max_new_tokens), engine.max_total_tokens)
     if arch.mla is not None:
         per_token = arch.num_layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * dtype
     else:

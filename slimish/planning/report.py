@@ -61,7 +61,7 @@ def _engine(cfg, arch, params: ParamCount) -> list[str]:
     return ["", f"engine GPU (TP{cfg.rollout.engine.tensor_parallel}), GB:",
             f"  weights {_gb(mem.weights)}",
             f"  KV      {_gb(mem.kv_cache)}   ({mem.kv_tokens} tokens: its share of rollout.max_concurrency at full "
-            "length)",
+            "length, at most rollout.engine.max_total_tokens)",
             _fits(mem.total, cfg.plan.gpu_memory_gb, "more engine tensor parallelism, or lower "
                                                       "rollout.max_concurrency")]
 

@@ -64,7 +64,8 @@ def test_experts_split_over_expert_and_tensor_parallelism():
 
 def test_the_405b_recipe_by_hand(tmp_path):
     """Stage 0 of TP8 x PP7 (18 of 126 layers) in bf16 with the distributed optimizer over DP2, full recompute,
-    8192 + 512 tokens per micro-batch; an engine of TP8 with 128 requests of 8704 tokens."""
+    8192 + 512 tokens per micro-batch; an engine of TP8 whose KV pool (rollout.engine.max_total_tokens) is smaller than
+its 128 requests of 8704 tokens."""
     cfg = recipe("llama31_405b_math_grpo", tmp_path)
     from slimish.megatron_bridge.hf_config import architecture_from_hf
 
@@ -84,7 +85,9 @@ def test_the_405b_recipe_by_hand(tmp_path):
     assert mem.activations_other == pytest.approx(7 * 18 * working)
     engine = engine_gpu(cfg, arch, params, prompt_tokens=512)
     assert engine.weights == pytest.approx(params.total * 2 / 8)
-    assert engine.kv_tokens == 128 * 8704 and engine.kv_cache == pytest.approx(128 * 8704 * 2 * 126 * 1 * 128 * 2)
+    pool = cfg.rollout.engine.max_total_tokens  # SGLang's KV pool: fewer than 128 full-length requests
+    assert pool < 128 * 8704 and engine.kv_tokens == pool
+    assert engine.kv_cache == pytest.approx(pool * 2 * 126 * 1 * 128 * 2)  # K and V, 126 layers, 1 kv head per rank
 
 
 def test_the_405b_full_broadcast_sync_is_its_bytes_over_one_link(tmp_path):
@@ -119,3 +122,18 @@ def test_a_model_without_config_json_is_one_line(tmp_path, capsys):
     path = REPO / "configs" / "recipes" / "qwen3_8b_math_grpo.yaml"
     assert main(["plan", str(path), f"model.hf_path={tmp_path}"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_fits_the_gpus_its_header_names(name, tmp_path):
+    """A trainer rank and an engine GPU of each recipe fit in the memory per GPU its first line states."""
+    import re
+
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    first_line = (REPO / "configs" / "recipes" / f"{name}.yaml").read_text().splitlines()[0]
+    gpu_gb = float(re.search(r"(\d+) GB", first_line).group(1))
+    cfg = recipe(name, tmp_path)
+    arch, params = architecture_from_hf(RECIPES[name]), count_params(RECIPES[name])
+    assert trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens).total <= gpu_gb * 1e9
+    assert engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens).total <= gpu_gb * 1e9
