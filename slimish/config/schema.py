@@ -58,13 +58,14 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class LossConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                 "gspo"] = doc(
+                                 "gspo", "ppo"] = doc(
         "grpo", "How per-token advantages are computed (`slimish/trainer/estimators.py`): grpo (group-normalised "
                 "rewards); dr_grpo (group-centred, no std, constant loss normaliser); rloo (leave-one-out baseline); "
                 "reinforce_plus_plus (KL-shaped token returns, whitened over the step; _baseline: group mean "
-                "subtracted first); gspo (GRPO advantages, sequence-level ratio and clipping: use small clip_eps).")
+                "subtracted first); gspo (GRPO advantages, sequence-level ratio and clipping: use small clip_eps); "
+                "ppo (GAE over a critic's values: trainer.critic).")
     normalize_advantage_std: bool = doc(True, "grpo / gspo: divide group-centred rewards by the group std.")
-    reward_kl_coef: float = doc(0.0, "reinforce_plus_plus*: weight of the per-token KL to the reference policy "
+    reward_kl_coef: float = doc(0.0, "reinforce_plus_plus* and ppo: weight of the per-token KL to the reference policy "
                                      "subtracted from the rewards (0: no shaping, no reference model for it).")
     clip_eps_low: float = doc(0.2, "Lower PPO ratio clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float = doc(0.2, "Upper PPO ratio clip: ratio <= 1 + clip_eps_high (DAPO clip-higher > low).")
@@ -87,6 +88,15 @@ class LossConfig:
 
 
 @dataclass(kw_only=True)
+class CriticConfig:
+    """The value model of advantage_estimator 'ppo' (built from model.hf_path, with a value head)."""
+    lr: float = doc(1e-5, "The critic's Adam learning rate (the rest of trainer.optimizer applies to it too).")
+    value_clip: float = doc(0.2, "PPO value clipping: a value moves at most this far from its old value in a step.")
+    gamma: float = doc(1.0, "GAE discount per token.")
+    lam: float = doc(0.95, "GAE lambda.")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     micro_batch_size: int = doc(8, "Sequences per forward/backward micro-batch (when not packing).")
     max_tokens_per_micro_batch: int = doc(0, "Pack samples back to back into micro-batches of at most this many "
@@ -98,6 +108,7 @@ class TrainerConfig:
     num_minibatches: int = doc(1, "Optimizer steps per rollout batch (1 = strictly on-policy).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
     recompute: Literal["none", "full"] = doc("none", "Activation recomputation: full = keep only each transformer "
                                                     "layer's input and recompute the layer in the backward pass.")

@@ -41,6 +41,11 @@ def _state(module, optimizer, *, is_loading: bool) -> dict:
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
 
 
+def critic_path(policy_path: str | Path) -> str:
+    """Where the critic (PPO's value model) of the policy checkpoint at `policy_path` lives: `critic` beside it."""
+    return str(Path(policy_path).parent / "critic")
+
+
 def save(module, optimizer, path: str | Path) -> None:
     """Write the model's and the optimizer's (Adam moments, step, fp32 main params) sharded state to `path`."""
     from megatron.core import dist_checkpointing

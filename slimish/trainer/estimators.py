@@ -25,16 +25,20 @@ class StepInputs:
     masks: list[torch.Tensor]      # per local sample: [T_i] train mask of its response
     old: list[torch.Tensor]        # per local sample: [T_i] the trainer's logprobs before the step
     ref: list[torch.Tensor] | None  # per local sample: [T_i] reference logprobs (when the estimator needs them)
+    values: list[torch.Tensor] | None = None  # per local sample: [T_i] the critic's values (ppo)
     dp_sum: Callable[[torch.Tensor], torch.Tensor]  # sum over the data-parallel ranks (identity at DP 1)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Estimator:
-    advantages: Callable[[StepInputs, object], list[torch.Tensor]]  # (inputs, LossConfig) -> per local sample [T_i]
+    advantages: Callable[[StepInputs, object], list[torch.Tensor]]  # (inputs, TrainerConfig) -> per sample [T_i]
     ratio_level: str = "token"         # "sequence": GSPO's sequence-level ratio and clipping
     aggregation: str | None = None     # overrides trainer.loss.token_aggregation (None: keep it)
-    needs_ref: Callable[[object], bool] = lambda loss_cfg: False
+    needs_ref: Callable[[object], bool] = lambda trainer_cfg: False  # (TrainerConfig)
+    needs_values: bool = False         # a critic (trainer.critic) gives per-token values
     min_group_size: int = 2            # rollout.samples_per_prompt it needs (group baselines)
+    # A critic's regression targets, per local sample [T_i] (None: no critic). Called with (inputs, TrainerConfig).
+    returns: Callable[[StepInputs, object], list[torch.Tensor]] | None = None
 
 
 def _per_sample(values: torch.Tensor, inputs: StepInputs) -> list[torch.Tensor]:
@@ -45,7 +49,7 @@ def _per_sample(values: torch.Tensor, inputs: StepInputs) -> list[torch.Tensor]:
 
 def grpo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
     return _per_sample(losses.grpo_advantages(inputs.rewards, inputs.group_size, valid=inputs.scored,
-                                              normalize_std=cfg.normalize_advantage_std), inputs)
+                                              normalize_std=cfg.loss.normalize_advantage_std), inputs)
 
 
 def dr_grpo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
@@ -77,7 +81,7 @@ def _reinforce_plus_plus(inputs: StepInputs, cfg, rewards: torch.Tensor) -> list
             returns.append(torch.zeros_like(mask, dtype=torch.float32))
             continue
         kl = (inputs.old[k] - inputs.ref[k]) * (mask > 0) if inputs.ref is not None else torch.zeros_like(mask)
-        returns.append(losses.kl_shaped_returns(float(rewards[i]), kl.float(), cfg.reward_kl_coef))
+        returns.append(losses.kl_shaped_returns(float(rewards[i]), kl.float(), cfg.loss.reward_kl_coef))
     return _whiten(returns, inputs)
 
 
@@ -94,8 +98,50 @@ def reinforce_plus_plus_baseline(inputs: StepInputs, cfg) -> list[torch.Tensor]:
     return _reinforce_plus_plus(inputs, cfg, centred)
 
 
+def _token_rewards(inputs: StepInputs, k: int, i: int, coef: float) -> torch.Tensor:
+    """Sample k's (step index i) per-token rewards: -coef x KL(old, ref) per token, and its reward on the last."""
+    mask = inputs.masks[k]
+    kl = (inputs.old[k] - inputs.ref[k]) * (mask > 0) if inputs.ref is not None else torch.zeros_like(mask)
+    rewards = -coef * kl.double()
+    rewards[-1] += float(inputs.rewards[i])
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
+    """Generalised advantage estimation over one response ([T] rewards and values; the value after the last token is
+    0): A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t."""
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    running, next_value = 0.0, 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        delta = float(rewards[t]) + gamma * next_value - float(values[t])
+        running = delta + gamma * lam * running
+        out[t], next_value = running, float(values[t])
+    return out
+
+
+def _gae_per_sample(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    critic, coef = cfg.critic, cfg.loss.reward_kl_coef
+    out = []
+    for k, (i, mask) in enumerate(zip(inputs.indices, inputs.masks)):
+        if not bool(inputs.scored[i]) or not mask.any():
+            out.append(torch.zeros_like(mask, dtype=torch.float64))
+            continue
+        out.append(gae(_token_rewards(inputs, k, i, coef), inputs.values[k], gamma=critic.gamma, lam=critic.lam))
+    return out
+
+
+def ppo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    """PPO: GAE over the critic's values of the KL-shaped token rewards, whitened over the step's trained tokens."""
+    return [a.float() for a in _whiten(_gae_per_sample(inputs, cfg), inputs)]
+
+
+def ppo_returns(inputs: StepInputs, cfg) -> list[torch.Tensor]:
+    """The critic's targets: GAE advantages (not whitened) + the values they were computed from."""
+    return [(a + v.double()).float() for a, v in zip(_gae_per_sample(inputs, cfg), inputs.values)]
+
+
 def _reward_kl(cfg) -> bool:
-    return cfg.reward_kl_coef > 0
+    return cfg.loss.reward_kl_coef > 0
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -105,4 +151,5 @@ ESTIMATORS: dict[str, Estimator] = {
     "reinforce_plus_plus": Estimator(advantages=reinforce_plus_plus, needs_ref=_reward_kl, min_group_size=1),
     "reinforce_plus_plus_baseline": Estimator(advantages=reinforce_plus_plus_baseline, needs_ref=_reward_kl),
     "gspo": Estimator(advantages=grpo, ratio_level="sequence", aggregation="seq_mean"),
+    "ppo": Estimator(advantages=ppo, returns=ppo_returns, needs_ref=_reward_kl, needs_values=True, min_group_size=1),
 }

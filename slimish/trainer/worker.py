@@ -25,6 +25,7 @@ from slimish.trainer.estimators import ESTIMATORS, StepInputs
 from slimish.trainer.logprobs import LogprobHead
 from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
+from slimish.trainer.schedule import optimizer_step, run_schedule
 
 
 class TrainerWorker:
@@ -77,11 +78,16 @@ class TrainerWorker:
         self.head = LogprobHead(self.module, chunk_tokens=chunk)
         self.ref_model = self.ref_head = None
         self.estimator = ESTIMATORS[self.cfg.trainer.loss.advantage_estimator]
-        if self.cfg.trainer.loss.kl_coef > 0 or self.estimator.needs_ref(self.cfg.trainer.loss):
+        if self.cfg.trainer.loss.kl_coef > 0 or self.estimator.needs_ref(self.cfg.trainer):
             self.ref_model = build()
             load_hf_weights(self.ref_model, self.cfg.model.hf_path, self.arch)
             self.ref_model.requires_grad_(False)
             self.ref_head = LogprobHead(self.ref_model, chunk_tokens=chunk)
+        self.critic = None
+        if self.estimator.needs_values:
+            from slimish.trainer.critic import Critic
+
+            self.critic = Critic(self.cfg, build, lambda m: load_hf_weights(m, self.cfg.model.hf_path, self.arch))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -130,19 +136,7 @@ class TrainerWorker:
         return list(self._rollout["indices"]) if self._rollout is not None else []
 
     def _run_schedule(self, model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, chunk):
-            mb = next(data_iterator)
-            # Last stage: hidden states, not logits (`LogprobHead`).
-            hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params())
-            return hidden, functools.partial(loss_fn, mb)
-
-        seq_len = max(mb.tokens.shape[1] for mb in microbatches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-            num_microbatches=len(microbatches), seq_length=seq_len,
-            micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches), forward_only=forward_only)
+        return run_schedule(model, microbatches, loss_fn, forward_only=forward_only)
 
     def _forward_logprobs(self, model, head: LogprobHead, microbatches: list[MicroBatch], *,
                           entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -174,18 +168,14 @@ class TrainerWorker:
         return box[0]
 
     def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run_schedule(self.model, microbatches, loss_fn, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        return outputs, float(grad_norm or 0.0)
+        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn)
 
     # ---------------------------------------------------------------------------------------------- RL API
     def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
         """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics (see
         `_parity_sums`), over every data-parallel rank's shard."""
         plan, indices, dp_token_imbalance = self._plan(samples, self.cfg.trainer.num_minibatches)
-        old, ref, batches = [], [], []
+        old, ref, values, batches = [], [], [], []
         entropy_sum = entropy_tokens = 0.0
         for minibatch in plan:
             mbs = [self._collate(chunk, per_token={"rollout_logprobs": [s.rollout_logprobs for s in chunk]})
@@ -198,8 +188,9 @@ class TrainerWorker:
                 entropy_tokens += float(mb.loss_mask.sum())
             ref.append(self._forward_logprobs(self.ref_model, self.ref_head, mbs)[0]
                        if self.ref_model is not None else None)
-        self._rollout = {"plan": batches, "old": old, "ref": ref, "indices": indices, "samples": samples,
-                         "advantages": None}
+            values.append(self.critic.values(mbs) if self.critic is not None else None)
+        self._rollout = {"plan": batches, "old": old, "ref": ref, "values": values, "indices": indices,
+                         "samples": samples, "advantages": None, "returns": None}
         metrics = self._dp_reduced_parity(_parity_sums(batches, old, policy_version))
         # Mean entropy of the policy over the tokens it trains on (last stage only, like the logprobs).
         metrics["entropy"] = self._global_sum(entropy_sum) / max(self._global_sum(entropy_tokens), 1.0)
@@ -218,18 +209,21 @@ class TrainerWorker:
         return {"logprob_abs_diff_max": current_max, "logprob_abs_diff_mean": current_sum / max(current_n, 1),
                 "logprob_abs_diff_stale_mean": stale_sum / max(stale_n, 1)}
 
-    def _local_responses(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
-        """This rank's samples in plan order: their [T_i] train masks, old logprobs and reference logprobs (None
-        without a reference model). Empty off the last pipeline stage (no logprobs there)."""
-        masks, old, ref = [], [], []
-        has_ref = self._rollout["ref"][0] is not None
+    def _local_responses(self) -> dict[str, list[torch.Tensor] | None]:
+        """This rank's samples in plan order: their [T_i] train masks, old logprobs, reference logprobs and critic
+        values (None without a reference model or a critic). Empty off the last pipeline stage."""
+        out: dict[str, list] = {"masks": [], "old": [], "ref": [], "values": []}
         for index, (_, mbs) in enumerate(self._rollout["plan"]):
-            refs = self._rollout["ref"][index] if has_ref else [None] * len(mbs)
-            for mb, old_lp, ref_lp in zip(mbs, self._rollout["old"][index], refs):
-                masks += mb.gather(mb.loss_mask)
-                old += mb.gather(old_lp)
-                ref += mb.gather(ref_lp) if has_ref else []
-        return masks, old, (ref if has_ref else None)
+            for j, (mb, old_lp) in enumerate(zip(mbs, self._rollout["old"][index])):
+                out["masks"] += mb.gather(mb.loss_mask)
+                out["old"] += mb.gather(old_lp)
+                for key in ("ref", "values"):
+                    if self._rollout[key][index] is not None:
+                        out[key] += mb.gather(self._rollout[key][index][j])
+        for key in ("ref", "values"):
+            if self._rollout[key][0] is None:
+                out[key] = None
+        return out
 
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -247,16 +241,19 @@ class TrainerWorker:
         if self._rollout is None:
             raise RuntimeError("compute_advantages() needs compute_logprobs() on the same rollout first")
         samples, indices = self._rollout["samples"], self._rollout["indices"]
-        masks, old, ref = self._local_responses()
+        local = self._local_responses()
+        masks = local["masks"]
         indices = indices[:len(masks)]  # none off the last stage
+        inputs = StepInputs(rewards=torch.tensor([s.reward if s.scored else 0.0 for s in samples]),
+                            scored=torch.tensor([s.scored for s in samples]),
+                            group_size=self.cfg.rollout.samples_per_prompt, indices=indices, masks=masks,
+                            old=local["old"], ref=local["ref"], values=local["values"], dp_sum=self._dp_sum)
         if advantages is not None:
             per_token = [torch.full_like(m, float(advantages[i])) for i, m in zip(indices, masks)]
         else:
-            inputs = StepInputs(rewards=torch.tensor([s.reward if s.scored else 0.0 for s in samples]),
-                                scored=torch.tensor([s.scored for s in samples]),
-                                group_size=self.cfg.rollout.samples_per_prompt, indices=indices, masks=masks,
-                                old=old, ref=ref, dp_sum=self._dp_sum)
-            per_token = self.estimator.advantages(inputs, self.cfg.trainer.loss)
+            per_token = self.estimator.advantages(inputs, self.cfg.trainer)
+        if self.estimator.returns is not None:
+            self._rollout["returns"] = self.estimator.returns(inputs, self.cfg.trainer)
         self._rollout["advantages"] = per_token
         means = torch.zeros(len(samples), dtype=torch.float64)
         for i, values, mask in zip(indices, per_token, masks):
@@ -281,9 +278,10 @@ class TrainerWorker:
         loss_cfg = self.cfg.trainer.loss
         aggregation = self.estimator.aggregation or loss_cfg.token_aggregation
         per_token = iter(self._rollout["advantages"])
+        returns = iter(self._rollout["returns"] or [])
         minibatch_samples = len(self._rollout["samples"]) // len(self._rollout["plan"])
         sums: dict[str, list[float]] = {}
-        grad_norms = []
+        grad_norms, critic_norms = [], []
         for index, (_, mbs) in enumerate(self._rollout["plan"]):
             denom = self._denominator(mbs, aggregation, minibatch_samples)
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
@@ -312,15 +310,30 @@ class TrainerWorker:
                 return out.loss * scale, out.metrics
 
             outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
+            if self.critic is not None:
+                critic_outputs, critic_norm = self._critic_step(mbs, index, returns, scale)
+                outputs = [{**o, **c} for o, c in zip(outputs, critic_outputs)]
+                critic_norms.append(critic_norm)
             # Each metric is aggregated like the loss, so micro-batches and data-parallel ranks add up.
             for key in (outputs[0] if outputs else {}):
                 sums.setdefault(key, []).append(self._global_sum(sum(float(o[key]) for o in outputs)))
             grad_norms.append(grad_norm)
         self._rollout = None
         metrics = {key: sum(values) / len(values) for key, values in sums.items()}
+        if critic_norms:
+            metrics["critic_grad_norm"] = critic_norms[-1]
         if sums:  # first minibatch: exactly 0 when on-policy; the last shows how far the minibatches went
             metrics["ppo_kl"], metrics["ppo_kl_last"] = sums["ppo_kl"][0], sums["ppo_kl"][-1]
         return self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]})
+
+    def _critic_step(self, mbs: list[MicroBatch], index: int, returns, scale: float):
+        """One critic optimizer step on minibatch `index`: regression to the estimator's returns, clipped around the
+        values of `compute_logprobs`, normalised like the policy loss (token_mean over the same tokens)."""
+        token_denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+        for mb, old_values in zip(mbs, self._rollout["values"][index]):
+            mb.extras["old_values"] = old_values
+            mb.extras["returns"] = mb.scatter([next(returns) for _ in mb.spans])
+        return self.critic.train(mbs, denom=token_denom, scale=scale)
 
     # --------------------------------------------------------------------------------------------- SFT API
     def sft_step(self, samples: list[Sample]) -> dict:
@@ -341,10 +354,13 @@ class TrainerWorker:
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
-        calls it). The reference model is not saved: it is the initial policy, rebuilt from model.hf_path."""
+        calls it), and the critic's, if any, beside it (`checkpoint.critic_path`). The reference model is not saved:
+        it is the initial policy, rebuilt from model.hf_path."""
         from slimish.trainer import checkpoint
 
         checkpoint.save(self.module, self.optimizer, path)
+        if self.critic is not None:
+            self.critic.save(checkpoint.critic_path(path))
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning rate
@@ -353,6 +369,8 @@ class TrainerWorker:
 
         checkpoint.load(self.module, self.optimizer, path)
         self.set_learning_rate(self.cfg.trainer.optimizer.lr)
+        if self.critic is not None:
+            self.critic.load(checkpoint.critic_path(path))
         self._rollout = None
 
     # ------------------------------------------------------------------------------------------ weight sync

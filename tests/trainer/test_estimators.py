@@ -19,9 +19,13 @@ def inputs(rewards, *, group_size, masks, old=None, ref=None, scored=None):
         dp_sum=lambda t: t)
 
 
-class Cfg:
-    normalize_advantage_std = True
-    reward_kl_coef = 0.5
+class Cfg:  # the TrainerConfig fields the estimators read
+    class loss:  # noqa: N801
+        normalize_advantage_std = True
+        reward_kl_coef = 0.5
+
+    class critic:  # noqa: N801
+        gamma, lam = 1.0, 0.5
 
 
 def test_grpo_dr_grpo_and_rloo_by_hand():
@@ -110,8 +114,9 @@ def test_every_estimator_has_what_the_config_accepts():
 @pytest.mark.parametrize("name", sorted(estimators.ESTIMATORS))
 def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
     """Advantages on the trainer from the samples' rewards, per token; the step moves the weights (grad norm > 0)
-    and ppo_kl is 0 on-policy. reinforce_plus_plus shapes with a reference model; packed rows and masked importance
-    sampling on, so sequence ratios and corrections see several samples per row."""
+    and ppo_kl is 0 on-policy. reinforce_plus_plus and ppo shape rewards with a reference model; ppo trains its critic
+    too. Packed rows and masked importance sampling on, so sequence ratios and corrections see several samples per
+    row."""
     from slimish.config import load_config
     from slimish.trainer.worker import TrainerWorker
     from tests.conftest import REPO
@@ -124,7 +129,8 @@ def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
         "trainer.loss.clip_eps_low=0.01", "trainer.loss.clip_eps_high=0.01"])
     worker = TrainerWorker(cfg, rank=0, world_size=1)
     worker.setup(master_addr="unused", master_port=0)
-    assert (worker.ref_model is not None) == name.startswith("reinforce_plus_plus")
+    assert (worker.ref_model is not None) == (name.startswith("reinforce_plus_plus") or name == "ppo")
+    assert (worker.critic is not None) == (name == "ppo")
     samples = _samples()
     for sample, reward, logprobs in zip(samples, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0], _by_sample(worker, samples)):
         sample.reward = reward
@@ -135,3 +141,37 @@ def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
     metrics = worker.train()
     assert metrics["ppo_kl"] == 0.0 and metrics["grad_norm"] > 0 and metrics["mis_masked_frac"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
+    if name == "ppo":
+        assert metrics["value_loss"] > 0 and metrics["critic_grad_norm"] > 0
+        worker.compute_logprobs(samples)
+        worker.compute_advantages()
+        assert worker.train()["value_loss"] < metrics["value_loss"], "the critic learns the returns"
+
+
+def test_gae_by_hand():
+    """Rewards (0, 0, 1), values (0.5, 0.25, 0.5), gamma 1, lambda 0.5: deltas (-0.25, 0.25, 0.5);
+    A_2 = 0.5, A_1 = 0.25 + 0.5 * 0.5 = 0.5, A_0 = -0.25 + 0.5 * 0.5 = 0."""
+    got = estimators.gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.25, 0.5]), gamma=1.0, lam=0.5)
+    assert got.tolist() == pytest.approx([0.0, 0.5, 0.5])
+    step = inputs([1.0, 0.0], group_size=1, masks=[[1, 1, 1], [1, 1, 1]], old=[[0.0] * 3, [0.0] * 3],
+                  ref=[[0.0] * 3, [0.0] * 3])
+    step.values = [torch.tensor([0.5, 0.25, 0.5]), torch.zeros(3)]
+    returns = estimators.ppo_returns(step, Cfg)
+    assert returns[0].tolist() == pytest.approx([0.5, 0.75, 1.0]) and returns[1].tolist() == [0.0, 0.0, 0.0]
+    advantages = torch.cat(estimators.ppo(step, Cfg))  # GAE (0, 0.5, 0.5, 0, 0, 0) whitened
+    raw = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(advantages, (raw - raw.mean()) / (raw.var(unbiased=False).sqrt() + 1e-6))
+
+
+def test_value_loss_clips_around_the_old_value():
+    from slimish.trainer.critic import value_loss
+
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    loss, metrics = value_loss(values, torch.zeros(1, 2), torch.tensor([[2.0, 0.5]]), torch.ones(1, 2), clip=0.2,
+                               denom=2.0)
+    # token 0: V moved 1.0 from 0 (clipped to 0.2): max((1-2)^2, (0.2-2)^2) = 3.24 -> the clipped term, no gradient
+    # token 1: V = old: both terms 0.25
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 0.25) / 2)
+    loss.backward()
+    assert values.grad[0].tolist() == pytest.approx([0.0, (0.0 - 0.5) / 2])
+    assert metrics["value_clip_frac"].item() == pytest.approx(0.5)

@@ -85,18 +85,26 @@ def test_bf16_at_tp2_tracks_fp32(task_assets, tmp_path, reference):
         assert diff.max() <= 0.025 and diff.mean() <= 1e-3, name
 
 
-REINFORCE_PP = ("trainer.loss.advantage_estimator=reinforce_plus_plus", "trainer.loss.reward_kl_coef=0.5")
+ESTIMATOR_RUNS = {"reinforce_plus_plus": ("trainer.loss.advantage_estimator=reinforce_plus_plus",
+                                         "trainer.loss.reward_kl_coef=0.5"),
+                  "ppo": ("trainer.loss.advantage_estimator=ppo", "trainer.loss.reward_kl_coef=0.5",
+                          "trainer.critic.lr=0.01")}
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)], ids=["dp2", "pp2"])
-def test_reinforce_plus_plus_advantages_span_every_rank(task_assets, tmp_path, tp, pp):
-    """REINFORCE++ whitens its KL-shaped returns over the whole step's tokens: at DP2 each rank holds half of them
-    (the statistics are all-reduced), at PP2 only the last stage has logprobs; the advantages, the step and the
-    logprobs after it are those of one rank."""
-    one = _run(task_assets, tmp_path / "one", world_size=1, tp=1, overrides=REINFORCE_PP)[0]
+@pytest.mark.parametrize("estimator,tp,pp", [("reinforce_plus_plus", 1, 1), ("reinforce_plus_plus", 1, 2),
+                                             ("ppo", 2, 1), ("ppo", 1, 2)],
+                         ids=["reinforce_plus_plus-dp2", "reinforce_plus_plus-pp2", "ppo-tp2", "ppo-pp2"])
+def test_estimator_advantages_span_every_rank(task_assets, tmp_path, estimator, tp, pp):
+    """REINFORCE++ and PPO whiten their token advantages over the whole step's tokens: at DP2 each rank holds half of
+    them (the statistics are all-reduced), at PP2 only the last stage has logprobs (and PPO's values). PPO's critic
+    (a value head on the same stack) at TP2 and PP2. The advantages, the step (and the critic's) and the logprobs
+    after it are those of one rank."""
+    overrides = ESTIMATOR_RUNS[estimator]
+    one = _run(task_assets, tmp_path / "one", world_size=1, tp=1, overrides=overrides)[0]
     assert len(set(one["advantages"])) > 2, "per-token returns, whitened: the per-sample means differ"
-    for result in _run(task_assets, tmp_path / "two", world_size=2, tp=tp, pp=pp, overrides=REINFORCE_PP):
+    for result in _run(task_assets, tmp_path / "two", world_size=2, tp=tp, pp=pp, overrides=overrides):
         assert result["advantages"] == pytest.approx(one["advantages"], abs=1e-5)
-        assert result["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], abs=1e-5)
+        for key in ("pg_loss", "value_loss") if estimator == "ppo" else ("pg_loss",):
+            assert result["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-5), key
         if result["after"] is not None:
             assert torch.allclose(result["after"], one["after"][result["rows"]], atol=1e-4)

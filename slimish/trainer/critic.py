@@ -1,0 +1,92 @@
+"""The value model of PPO: the same Megatron stack built from the same HF checkpoint, with a value head in place of
+the output layer, its own optimizer and learning rate (`trainer.critic`), and its own checkpoint.
+
+Values follow the logprobs' convention: index i of a [B, S-1] tensor is the value of the prefix tokens[:, :i+1],
+the state in which tokens[:, i+1] is generated, so a response token's value and logprob share an index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimish.trainer.batch import MicroBatch
+from slimish.trainer.logprobs import unwrap_gpt_model
+from slimish.trainer.schedule import optimizer_step, run_schedule
+
+
+class ValueHead:
+    """Installed on a GPTModel: the model returns its last hidden states on the last pipeline stage, and a linear
+    map (hidden -> 1), registered on the model as `value_head` so that DDP and the optimizer own it, gives values.
+    The output layer is kept (the HF checkpoint loads strictly) but frozen and unused."""
+
+    def __init__(self, model):
+        gpt = unwrap_gpt_model(model)
+        self.linear = None
+        if gpt.post_process:
+            gpt.output_layer.requires_grad_(False)
+            gpt.output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+            gpt.value_head = torch.nn.Linear(gpt.config.hidden_size, 1, dtype=gpt.config.params_dtype)
+            torch.nn.init.zeros_(gpt.value_head.weight)  # values start at 0 (the bias learns the mean return)
+            torch.nn.init.zeros_(gpt.value_head.bias)
+            self.linear = gpt.value_head
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, S, H] hidden states -> [B, S-1] fp32 values (the last position predicts nothing)."""
+        return self.linear(hidden[:, :-1]).squeeze(-1).float()
+
+
+def value_loss(values, old_values, returns, mask, *, clip: float, denom: float):
+    """PPO's clipped value loss, 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2), summed over the
+    trained tokens and divided by `denom`; and the fraction of tokens where the clipped term was the larger."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_loss, clipped_loss = (values - returns).square(), (clipped - returns).square()
+    per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        clip_frac = ((clipped_loss > unclipped_loss).to(values.dtype) * mask).sum() / denom
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": clip_frac}
+
+
+class Critic:
+    def __init__(self, cfg, build, load_weights):
+        from slimish.trainer.model import wrap_for_training
+
+        opt, critic = cfg.trainer.optimizer, cfg.trainer.critic
+        self.cfg = cfg
+        self.module = build()
+        load_weights(self.module)
+        self.head = ValueHead(self.module)
+        self.model, self.optimizer = wrap_for_training(
+            self.module, lr=critic.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, distributed=opt.distributed)
+
+    def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
+        """[B, S-1] values per micro-batch (empty off the last stage)."""
+        def collect(mb, hidden):
+            return torch.zeros(()), {"values": self.head.values(hidden)}
+
+        with torch.no_grad():
+            return [out["values"] for out in run_schedule(self.model, microbatches, collect, forward_only=True)]
+
+    def train(self, microbatches: list[MicroBatch], *, denom: float, scale: float) -> tuple[list[dict], float]:
+        """One optimizer step on the micro-batches' extras "returns" and "old_values" (loss over loss_mask tokens)."""
+        clip = self.cfg.trainer.critic.value_clip
+
+        def loss_fn(mb, hidden):
+            loss, metrics = value_loss(self.head.values(hidden), mb.extras["old_values"], mb.extras["returns"],
+                                       mb.loss_mask, clip=clip, denom=denom)
+            return loss * scale, metrics
+
+        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn)
+
+    def save(self, path: str) -> None:
+        from slimish.trainer import checkpoint
+
+        checkpoint.save(self.module, self.optimizer, path)
+
+    def load(self, path: str) -> None:
+        from slimish.trainer import checkpoint
+
+        checkpoint.load(self.module, self.optimizer, path)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.trainer.critic.lr

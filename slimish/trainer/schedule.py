@@ -1,0 +1,33 @@
+"""Megatron's forward / backward schedule over a list of micro-batches, and one optimizer step with it (any
+pipeline-parallel size: the same calls on every rank; outputs on the last stage only)."""
+
+from __future__ import annotations
+
+import functools
+
+from slimish.trainer.batch import MicroBatch
+
+
+def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+    """loss_fn(mb, hidden) -> (loss, metrics) on the last stage, where `hidden` is what the model returns there (its
+    last hidden states: see `LogprobHead`); returns the metrics of every micro-batch (empty on other stages)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params())
+        return hidden, functools.partial(loss_fn, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+        micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches), forward_only=forward_only)
+
+
+def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
+    """Zeroed grads, forward and backward over `microbatches`, one optimizer step: (metrics, grad norm)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = run_schedule(model, microbatches, loss_fn, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    return outputs, float(grad_norm or 0.0)
