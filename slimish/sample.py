@@ -42,6 +42,7 @@ class Sample:
     error: str = ""
     excluded: str = ""               # why a scored sample is kept out of the loss ("overlong"); "" = it trains
     meta: dict = field(default_factory=dict)
+    columns: dict = field(default_factory=dict)  # its prompt's dataset row (every column), for the reward hook
 
     @property
     def tokens(self) -> list[int]:

@@ -201,9 +201,11 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str = doc("", "Prompt dataset (jsonl).")
-    prompt_key: str = doc("prompt", "jsonl field holding the prompt text.")
-    label_key: str = doc("label", "jsonl field holding the label passed to the reward function.")
+    path: str = doc("", "Prompt dataset: .jsonl, .parquet, .json / .csv (datasets.load_dataset on the local file), or "
+                        "a directory written by datasets' save_to_disk.")
+    prompt_key: str = doc("prompt", "Column holding the prompt: text, or a list of chat messages.")
+    label_key: str = doc("label", "Column holding the label passed to the reward function (`labels`).")
+    split: str = doc("train", "The split to read when data.path is a saved Hugging Face DatasetDict.")
     shuffle: bool = doc(True, "Shuffle prompts each epoch (seeded by run.seed).")
     apply_chat_template: bool = doc(False, "Render each prompt as one user message with the tokenizer's chat "
                                            "template, the assistant's turn opened (instruct / reasoning models).")
@@ -211,7 +213,15 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    fn: str = doc("", "Dotted path of fn(completions, **kwargs) -> list[float].")
+    fn: str = doc("", "Dotted path of fn(completions, **kwargs) -> list[float], called as TRL calls reward "
+                      "functions: prompts, labels, samples and every dataset column by name.")
+    fns: list[str] = doc([], "More reward hooks (dotted paths); the reward is the weighted sum of every term.")
+    weights: list[float] = doc([], "One weight per term, in the order fn, fns..., url; empty = all 1.")
+    url: str = doc("", "A reward service over HTTP (`slimish/rollout/remote_reward.py`), a term like a hook.")
+    max_concurrency: int = doc(8, "reward.url: requests in flight at once.")
+    retries: int = doc(2, "reward.url: retries of a request that failed to connect, timed out or got a 5xx.")
+    request_timeout_s: float = doc(30.0, "reward.url: seconds one request may take.")
+    batch_size: int = doc(16, "reward.url: completions per request.")
     failure_reward: float = doc(0.0, "Reward given when the reward function raises (the failure is counted).")
     timeout_s: float = doc(0.0, "Seconds one reward call may take; past it its samples get failure_reward (counted) "
                                 "and the call is abandoned (0 = no limit).")

@@ -125,7 +125,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
-    _check_hook("reward.fn", cfg.reward.fn)
+    _check_reward(cfg.reward)
     if cfg.weight_sync.after_bucket_hook:
         _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
 
@@ -189,6 +189,25 @@ def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
         raise ConfigError("parallel.expert_parallel",
                           f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
                           f"pipeline_parallel) = {data_parallel}, got {ep}")
+
+
+def _check_reward(reward) -> None:
+    if not (reward.fn or reward.fns or reward.url):
+        raise ConfigError("reward.fn", "is required (or reward.fns / reward.url): a dotted path such as "
+                                       "'package.module.function'")
+    if reward.fn:
+        _check_hook("reward.fn", reward.fn)
+    for k, dotted in enumerate(reward.fns):
+        _check_hook(f"reward.fns[{k}]", dotted)
+    terms = bool(reward.fn) + len(reward.fns) + bool(reward.url)
+    if reward.weights and len(reward.weights) != terms:
+        raise ConfigError("reward.weights", f"got {len(reward.weights)} weights for {terms} reward terms (reward.fn, "
+                                            "reward.fns, reward.url in that order); give one each or none")
+    if reward.url and not reward.url.startswith(("http://", "https://")):
+        raise ConfigError("reward.url", f"got {reward.url!r}; expected an http:// or https:// URL")
+    for key in ("max_concurrency", "batch_size", "request_timeout_s"):
+        _positive(f"reward.{key}", getattr(reward, key))
+    _positive("reward.retries", reward.retries, allow_zero=True)
 
 
 def _check_hook(key: str, dotted: str) -> None:

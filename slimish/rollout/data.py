@@ -1,7 +1,11 @@
-"""Prompt dataset: a jsonl file of {prompt, label}, tokenised once, served in seeded shuffled epochs.
+"""Prompt dataset: rows with a prompt, a label and any other columns, tokenised once, served in seeded shuffled
+epochs.
 
-With `chat_template`, each prompt becomes one user message rendered by the tokenizer's chat template with the
-assistant's turn opened (what an instruct or reasoning model expects); otherwise its text is tokenised as is.
+Rows come from a jsonl file, a Parquet file, a Hugging Face `datasets` dataset saved with `save_to_disk` (a
+directory; a DatasetDict gives its `split`), or a local .json / .csv file read by `datasets.load_dataset` (nothing is
+downloaded). A prompt is text, or a list of chat messages ({"role", "content"}) rendered by the tokenizer's chat
+template with the assistant's turn opened; with `chat_template`, a text prompt becomes one user message first.
+Every column of a row travels with its samples to the reward hook (`Sample.columns`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,41 @@ class Prompt:
     text: str
     ids: list[int]
     label: object
+    columns: dict  # the whole row
+
+
+def read_rows(path: str | Path, *, split: str = "train") -> list[dict]:
+    """The rows of the dataset at `path` (see the module docstring), as JSON values (they are checkpointed with
+    the samples: a timestamp or bytes column becomes its string)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return read_jsonl(path)
+    return json.loads(json.dumps(_read_table(path, split), default=str))
+
+
+def _read_table(path: Path, split: str) -> list[dict]:
+    if path.is_dir():
+        import datasets
+
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"{path}: no split {split!r} (data.split); it has {sorted(data)}")
+            data = data[split]
+        return data.to_list()
+    if path.suffix == ".parquet":
+        import pyarrow.parquet
+
+        return pyarrow.parquet.read_table(path).to_pylist()
+    if path.suffix in (".json", ".csv"):
+        import datasets
+
+        return datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train").to_list()
+    return read_jsonl(path)
+
+
+def is_messages(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -34,24 +73,30 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 class PromptDataset:
     def __init__(self, path: str, *, tokenizer, prompt_key: str, label_key: str, shuffle: bool, seed: int,
-                 chat_template: bool = False):
-        rows = read_jsonl(path)
+                 chat_template: bool = False, split: str = "train"):
+        rows = read_rows(path, split=split)
         if not rows:
             raise ValueError(f"{path}: no prompts")
         for lineno, row in enumerate(rows, 1):
             if prompt_key not in row:
                 raise ValueError(f"{path}: row {lineno} has no key {prompt_key!r} (data.prompt_key)")
-        if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data.apply_chat_template: the model's tokenizer has no chat template "
-                             "(tokenizer_config.json / chat_template.jinja); set it to false")
+            if not isinstance(row[prompt_key], str) and not is_messages(row[prompt_key]):
+                raise ValueError(f"{path}: row {lineno}: {prompt_key!r} is neither text nor a list of chat messages "
+                                 "({'role', 'content'})")
+        needs_template = chat_template or any(is_messages(row[prompt_key]) for row in rows)
+        if needs_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template (tokenizer_config.json / chat_template.jinja):"
+                             " set data.apply_chat_template to false and give prompts as text")
 
-        def encode(text: str) -> list[int]:
-            if chat_template:
-                return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                          add_generation_prompt=True, return_dict=False))
-            return tokenizer(text)["input_ids"]
+        def encode(prompt) -> tuple[str, list[int]]:
+            if is_messages(prompt) or chat_template:
+                messages = prompt if is_messages(prompt) else [{"role": "user", "content": prompt}]
+                ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                         return_dict=False))
+                return (prompt if isinstance(prompt, str) else tokenizer.decode(ids)), ids
+            return prompt, tokenizer(prompt)["input_ids"]
 
-        self.prompts = [Prompt(row[prompt_key], encode(row[prompt_key]), row.get(label_key)) for row in rows]
+        self.prompts = [Prompt(*encode(row[prompt_key]), row.get(label_key), row) for row in rows]
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.cursor = 0, 0
         self._order = self._make_order()

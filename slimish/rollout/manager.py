@@ -18,6 +18,21 @@ from slimish.rollout.watchdog import EngineWatchdog
 from slimish.sample import Sample, Status
 
 
+def build_reward_fn(reward):
+    """The reward hook of `reward` (RewardConfig): its one hook, or the weighted sum of its terms (reward.fn,
+    reward.fns, reward.url, in that order)."""
+    from slimish.rollout.remote_reward import RemoteReward
+
+    names = ([reward.fn] if reward.fn else []) + list(reward.fns)
+    fns = [load_function(dotted) for dotted in names]
+    if reward.url:
+        names.append("remote")
+        fns.append(RemoteReward(reward.url, max_concurrency=reward.max_concurrency, retries=reward.retries,
+                                timeout_s=reward.request_timeout_s, batch_size=reward.batch_size))
+    weights = list(reward.weights) or [1.0] * len(fns)
+    return rewards.weighted_sum(list(zip(names, fns, weights)))
+
+
 class RolloutManager:
     def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict]):
         from transformers import AutoTokenizer
@@ -26,8 +41,8 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.dataset = PromptDataset(cfg.data.path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
                                      label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed,
-                                     chat_template=cfg.data.apply_chat_template)
-        self.reward_fn = load_function(cfg.reward.fn)
+                                     chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
+        self.reward_fn = build_reward_fn(cfg.reward)
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options)
         self.scheduler: RolloutScheduler | None = None
@@ -60,8 +75,8 @@ class RolloutManager:
 
     def _new_group(self, group_id: int) -> list[Sample]:
         prompt = self.dataset.next_batch(1)[0]
-        return [Sample(group_id=group_id, index=i, prompt=prompt.text, prompt_ids=list(prompt.ids), label=prompt.label)
-                for i in range(self.cfg.rollout.samples_per_prompt)]
+        return [Sample(group_id=group_id, index=i, prompt=prompt.text, prompt_ids=list(prompt.ids), label=prompt.label,
+                       columns=prompt.columns) for i in range(self.cfg.rollout.samples_per_prompt)]
 
     def _score(self, samples: list[Sample]) -> int:
         failures = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,

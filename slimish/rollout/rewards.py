@@ -1,5 +1,9 @@
 """Call the user's reward hook `fn(completions, **kwargs) -> list[float]` and contain its failures.
 
+The hook is called as TRL calls a reward function: the completions, then by keyword `prompts`, `labels`, `samples`
+(slimish's `Sample`s) and every other column of the samples' dataset rows under its own name (a list, one value per
+completion; None where a row lacks it). A column named like one of those keywords is left out.
+
 A hook that raises, returns the wrong shape or overruns its time limit does not stop the run: the affected samples
 get `failure_reward`, carry the error, and are counted in `reward_failures`.
 """
@@ -18,8 +22,17 @@ class RewardContractError(ValueError):
     """The hook returned something other than one finite float per completion."""
 
 
+RESERVED = ("completions", "prompts", "labels", "samples")
+
+
+def column_kwargs(samples: list[Sample]) -> dict[str, list]:
+    """Every dataset column of `samples` by name, one value per sample, except the reserved keywords."""
+    names = dict.fromkeys(name for s in samples for name in s.columns)
+    return {name: [s.columns.get(name) for s in samples] for name in names if name not in RESERVED}
+
+
 def _call(fn: Callable, samples: list[Sample]) -> list[float]:
-    rewards = fn([s.response for s in samples], prompts=[s.prompt for s in samples],
+    rewards = fn([s.response for s in samples], **column_kwargs(samples), prompts=[s.prompt for s in samples],
                  labels=[s.label for s in samples], samples=samples)
     rewards = [float(r) for r in rewards]
     if len(rewards) != len(samples):
@@ -79,3 +92,27 @@ def _fail(samples: list[Sample], exc: Exception, failure_reward: float) -> int:
         sample.reward = failure_reward
         sample.error = f"reward failed: {type(exc).__name__}: {exc}"
     return len(samples)
+
+
+def weighted_sum(terms: list[tuple[str, Callable, float]]) -> Callable:
+    """One hook from several: sum of weight x each term's rewards (every term is called with the same arguments).
+    Each sample keeps its terms' values in `meta["reward_terms"]` (for the metrics). A term that fails fails the
+    sum, so `score` retries per sample and counts the failure."""
+    if len(terms) == 1 and terms[0][2] == 1.0:
+        return terms[0][1]
+
+    def combined(completions, **kwargs):
+        total = [0.0] * len(completions)
+        values = {}
+        for name, fn, weight in terms:
+            rewards = [float(r) for r in fn(completions, **kwargs)]
+            if len(rewards) != len(completions):
+                raise RewardContractError(f"reward term {name!r} returned {len(rewards)} values for "
+                                          f"{len(completions)} completions")
+            values[name] = rewards
+            total = [t + weight * r for t, r in zip(total, rewards)]
+        for k, sample in enumerate(kwargs.get("samples") or []):
+            sample.meta["reward_terms"] = {name: rewards[k] for name, rewards in values.items()}
+        return total
+
+    return combined
