@@ -29,6 +29,9 @@ setup(
         "tqdm",
         "psutil",
         "math-verify",  # the math-answer reward hook (slimish.tasks.math_answer)
+        "matplotlib",  # slimish report
+        "datasets",  # Parquet / saved datasets as prompt data
+        "pyarrow",
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff"],

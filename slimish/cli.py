@@ -3,6 +3,7 @@
   slimish train --config CONFIG [key.sub=value ...]     run an RL job
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
+  slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
   slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
@@ -56,6 +57,17 @@ def cmd_plan(args) -> int:
     except FileNotFoundError as exc:
         raise UserError(f"config file not found: {exc.filename}") from None
     print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from slimish.reporting.page import write_report
+
+    try:
+        page = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    print(f"report: {page}")
     return 0
 
 
@@ -131,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides (plan.* states the cluster and workload)")
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("report", help="a run's metrics as plots: RUN_DIR/report/report.html (self-contained) and PNGs")
+    p.add_argument("run_dir", help="the run directory (runs/<run.name>)")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("make-tiny", help="build the tiny CPU model + task data (nothing is downloaded)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe",

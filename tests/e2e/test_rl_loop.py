@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -55,6 +56,28 @@ def test_two_real_rl_steps(task_assets, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "step   2/2" in result.stdout
     assert not leftovers(), "processes left running after the job"
+    assert_report_renders(run_dir, tmp_path)
+
+
+def assert_report_renders(run_dir, tmp_path):
+    """`slimish report` on the run: the page, opened in headless Chromium as a person would, decodes and paints
+    every plot (the screenshot has the plots' colours, not just text on white)."""
+    import re
+
+    from PIL import Image
+
+    from tests.browser import render
+
+    report = subprocess.run([sys.executable, "-m", "slimish.cli", "report", str(run_dir)], capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    page = run_dir / "report" / "report.html"
+    plots = page.read_text().count('<img class="plot"')
+    assert plots >= 5 and len(list((run_dir / "report").glob("*.png"))) == plots
+    dom, screenshot = render(page, tmp_path)
+    assert re.search(r'data-plots-drawn="(\d+)"', dom).group(1) == str(plots), "every plot decoded in the browser"
+    colours = Image.open(screenshot).convert("RGB").getcolors(1 << 24)
+    assert len(colours) > 200, "the plots are painted (lines, bars, antialiasing), not a blank or text-only page"
 
 
 def test_bf16_rl_steps_keep_engine_and_trainer_logprobs_together(task_assets, tmp_path):
