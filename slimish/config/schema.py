@@ -26,6 +26,8 @@ class RunConfig:
     log_every: int = doc(1, "Print one line every this many steps.")
     save_rollouts: bool = doc(False, "Write every step's samples (tokens, logprobs, versions, reward, advantage, "
                                      "status) to <run dir>/rollouts/step_<N>.jsonl.")
+    wandb_project: str = doc("", "Also log every step's metrics to this Weights & Biases project (needs a W&B login, "
+                                 "or WANDB_MODE=offline for files under the run directory); '' = off.")
 
 
 @dataclass(kw_only=True)

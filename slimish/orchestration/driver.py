@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from slimish.config import JobConfig, save_config
+from slimish.config import JobConfig, save_config, to_dict
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import Slot, placement_record, release
@@ -32,7 +32,8 @@ class RLJob:
         self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
         self.timer = PhaseTimer()
         self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
-                                     else None)
+                                     else None, wandb_project=cfg.run.wandb_project, run_name=cfg.run.name,
+                                     config=to_dict(cfg))
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
         self.synced_engines: list[str] = []
@@ -126,6 +127,14 @@ class RLJob:
     def train(self) -> dict:
         return self.trainer.call("train")
 
+    def gpu_telemetry(self) -> dict[str, float]:
+        """GPU memory and utilisation of every trainer rank and engine now (nothing without GPUs)."""
+        out: dict[str, float] = {}
+        for rank_metrics in self.trainer.call_all("gpu_telemetry"):
+            out.update(rank_metrics)
+        out.update(ray.get(self.rollout_manager.gpu_telemetry.remote()))
+        return out
+
     def save_rollouts(self, step: int, samples: list[Sample], advantages: list[float]) -> None:
         """rollouts/step_<step>.jsonl: one sample per line, with its advantage (run.save_rollouts)."""
         out = self.run_dir / "rollouts"
@@ -196,7 +205,7 @@ class RLJob:
                 with self.timer("sync"):
                     sync_metrics = self.sync_weights(version=step)
                 metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,
-                           **self.timer.pop(), "weight_version": step}
+                           **self.timer.pop(), **self.gpu_telemetry(), "weight_version": step}
                 metrics["time_step_s"] = metrics["time_rollout_s"] + metrics["time_train_s"] + metrics["time_sync_s"]
                 # Tokens the engines produced per second of the whole step (in retract mode they also generate
                 # while the trainer trains).

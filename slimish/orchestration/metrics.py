@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from pathlib import Path
 
 
@@ -28,10 +29,12 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    """Appends to metrics.jsonl. `resume_after=N` (a resumed run) first drops records of steps > N, which an
-    interrupted run logged after its last checkpoint, and TensorBoard events of those steps likewise."""
+    """Appends to metrics.jsonl, TensorBoard and, with `wandb_project`, Weights & Biases. `resume_after=N` (a
+    resumed run) first drops records of steps > N, which an interrupted run logged after its last checkpoint, and
+    TensorBoard events of those steps likewise (W&B resumes the run of the same id, run_dir/wandb_id)."""
 
-    def __init__(self, run_dir: Path, *, resume_after: int | None = None):
+    def __init__(self, run_dir: Path, *, resume_after: int | None = None, wandb_project: str = "",
+                 run_name: str = "", config: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
@@ -41,6 +44,9 @@ class MetricsLogger:
             truncate_metrics(self.path, resume_after)
         purge = None if resume_after is None else resume_after + 1
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        self.wandb = None
+        if wandb_project:
+            self.wandb = _wandb_run(run_dir, wandb_project, run_name, config or {}, resume=resume_after is not None)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
@@ -50,9 +56,24 @@ class MetricsLogger:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
         self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(run_dir: Path, project: str, name: str, config: dict, *, resume: bool):
+    """A W&B run for this job (WANDB_MODE=offline writes it under run_dir/wandb for a later `wandb sync`). Its id
+    is kept in run_dir/wandb_id so that a resumed job continues the same W&B run."""
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

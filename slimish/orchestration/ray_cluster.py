@@ -38,7 +38,11 @@ class TrainerGroup:
                        for rank, slot in enumerate(slots)]
 
     def call(self, method: str, *args, **kwargs):
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])[0]
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        """Every rank's result, in rank order."""
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def setup(self) -> dict:
         master_addr, master_port = ray.get(self.actors[0].address.remote())

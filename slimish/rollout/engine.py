@@ -59,6 +59,14 @@ class EngineProcess:
         self.stop(grace_s=2.0)
         return self.start()
 
+    def gpu_telemetry(self) -> dict[str, float]:
+        """The GPUs Ray gave this engine: memory and utilisation now ({} without GPUs)."""
+        if not hasattr(self, "_telemetry"):
+            from slimish.telemetry import GpuTelemetry
+
+            self._telemetry = GpuTelemetry(f"engine{self.index}")
+        return self._telemetry.sample()
+
     def info(self) -> dict:
         import ray
 

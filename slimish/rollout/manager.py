@@ -46,6 +46,7 @@ class RolloutManager:
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options)
         self.scheduler: RolloutScheduler | None = None
+        self._progress = None  # the current step's rollout progress bar
         self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
 
@@ -70,6 +71,9 @@ class RolloutManager:
                 "router_url": self.servers.router_url, "pids": self.servers.pids(),
                 "engines": self.servers.engine_info()}
 
+    def gpu_telemetry(self) -> dict[str, float]:
+        return self.servers.gpu_telemetry()
+
     def engine_urls(self) -> list[str]:
         return self.servers.engine_urls
 
@@ -82,12 +86,23 @@ class RolloutManager:
         failures = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
                                  timeout_s=self.cfg.reward.timeout_s)
         overlong.apply(samples, self.cfg.rollout.overlong, max_tokens=self.cfg.rollout.max_new_tokens)
+        if self._progress is not None:
+            self._progress.update(1)
         return failures
 
     def rollout(self, *, policy_version: int) -> tuple[list[Sample], dict]:
         """`prompts_per_step` scored groups (see `RolloutScheduler.collect`) and the step's rollout metrics."""
+        from ray.experimental import tqdm_ray  # a bar the driver draws, fed from this actor
+
         t0 = time.monotonic()
-        samples, counters = self.scheduler.collect(policy_version=policy_version)
+        # Groups scored so far this step (dropped ones count too: the bar shows work, not the step's yield).
+        self._progress = tqdm_ray.tqdm(total=self.cfg.rollout.prompts_per_step, desc="rollout groups",
+                                       position=0)
+        try:
+            samples, counters = self.scheduler.collect(policy_version=policy_version)
+        finally:
+            self._progress.close()
+            self._progress = None
         statuses = Counter(s.status.value for s in samples)
         self.totals.update(statuses)
         self.totals["reward_failures"] += counters.get("reward_failures", 0)

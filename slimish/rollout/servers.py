@@ -21,6 +21,7 @@ from slimish.rollout.engine import EngineProcess
 from slimish.rollout.processes import ManagedProcess
 
 HOST = "127.0.0.1"
+TELEMETRY_TIMEOUT_S = 10.0
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
@@ -125,6 +126,16 @@ class RolloutServers:
     def _router_workers(self) -> list[dict]:
         workers = httpx.get(f"{self.router_url}/workers", timeout=10).json()
         return workers.get("workers", workers) if isinstance(workers, dict) else workers
+
+    def gpu_telemetry(self) -> dict[str, float]:
+        """Every engine's GPU memory and utilisation now; an engine that does not answer in time is left out."""
+        out: dict[str, float] = {}
+        for engine in self.engines:
+            try:
+                out.update(ray.get(engine.gpu_telemetry.remote(), timeout=TELEMETRY_TIMEOUT_S))
+            except Exception:  # a dead or restarting engine: the watchdog deals with it, telemetry just skips it
+                continue
+        return out
 
     def engine_info(self) -> list[dict]:
         """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES."""

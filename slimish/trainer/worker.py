@@ -96,6 +96,14 @@ class TrainerWorker:
         self.pad_id = 0
         return {"num_params": sum(p.numel() for p in self.module.parameters())}
 
+    def gpu_telemetry(self) -> dict[str, float]:
+        """This rank's GPU memory and utilisation now (`slimish.telemetry`; {} without GPUs)."""
+        if not hasattr(self, "_telemetry"):
+            from slimish.telemetry import GpuTelemetry
+
+            self._telemetry = GpuTelemetry(f"trainer{self.layout.rank}")
+        return self._telemetry.sample()
+
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
