@@ -30,15 +30,21 @@ def _has(records: list[dict], *keys: str) -> bool:
     return any(key in r for r in records for key in keys)
 
 
+def _second_axis(records, ax, key: str, *, label: str, ylabel: str, color: str) -> None:
+    """`key` on a right-hand y axis, and one legend for both axes."""
+    other = ax.twinx()
+    steps, values = _series(records, key)
+    other.plot(steps, values, marker=".", color=color, label=label)
+    other.set_ylabel(ylabel)
+    _legend(ax, other)
+
+
 def reward_and_length(records, ax):
     steps, reward = _series(records, "reward_mean")
     ax.plot(steps, reward, marker="o", color="tab:blue", label="reward (mean)")
     ax.set_ylabel("reward")
-    other = ax.twinx()
-    steps, length = _series(records, "response_len_mean")
-    other.plot(steps, length, marker=".", color="tab:orange", label="response length (mean tokens)")
-    other.set_ylabel("tokens")
-    _legend(ax, other)
+    _second_axis(records, ax, "response_len_mean", label="response length (mean tokens)", ylabel="tokens",
+                 color="tab:orange")
 
 
 def timeline(records, ax):
@@ -66,11 +72,8 @@ def off_policy(records, ax):
     steps, staleness = _series(records, "staleness_max")
     ax.step(steps, staleness, where="mid", label="staleness (max versions behind)")
     ax.set_ylabel("versions")
-    other = ax.twinx()
-    steps, fraction = _series(records, "off_policy_token_frac")
-    other.plot(steps, fraction, marker=".", color="tab:red", label="off-policy token fraction")
-    other.set_ylabel("fraction")
-    _legend(ax, other)
+    _second_axis(records, ax, "off_policy_token_frac", label="off-policy token fraction", ylabel="fraction",
+                 color="tab:red")
 
 
 def sync_throughput(records, ax):

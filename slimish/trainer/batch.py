@@ -42,13 +42,6 @@ class MicroBatch:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
                                max_seqlen_kv=longest)
 
-    def per_sample(self, values: list[float]) -> torch.Tensor:
-        """[B, S-1]: each sample's value over its response span, 0 elsewhere (per-sample advantages as per-token)."""
-        out = torch.zeros_like(self.loss_mask)
-        for row, (start, end), value in zip(self.rows, self.spans, values):
-            out[row, start:end] = value
-        return out
-
     def scatter(self, values: list[torch.Tensor]) -> torch.Tensor:
         """[B, S-1]: each sample's [response length] values over its response span, 0 elsewhere."""
         out = torch.zeros_like(self.loss_mask)

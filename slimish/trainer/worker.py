@@ -158,12 +158,7 @@ class TrainerWorker:
         return [out["logprobs"] for out in outputs], [out["entropy"] for out in outputs]
 
     def _global_sum(self, value: float) -> float:
-        import torch.distributed as dist
-
-        tensor = torch.tensor([value], dtype=torch.float64)
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
-        return float(tensor.item())
+        return float(self._dp_sum(torch.tensor([value], dtype=torch.float64)).item())
 
     def _from_last_stage(self, metrics: dict) -> dict:
         """The last pipeline stage's `metrics` on every stage (only it sees logprobs and losses)."""
@@ -337,7 +332,7 @@ class TrainerWorker:
     def _critic_step(self, mbs: list[MicroBatch], index: int, returns, scale: float):
         """One critic optimizer step on minibatch `index`: regression to the estimator's returns, clipped around the
         values of `compute_logprobs`, normalised like the policy loss (token_mean over the same tokens)."""
-        token_denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+        token_denom = self._denominator(mbs, "token_mean", len(mbs))
         for mb, old_values in zip(mbs, self._rollout["values"][index]):
             mb.extras["old_values"] = old_values
             mb.extras["returns"] = mb.scatter([next(returns) for _ in mb.spans])
@@ -348,7 +343,7 @@ class TrainerWorker:
         """One supervised step: mean token NLL over the loss-masked (response) tokens."""
         (chunks,), _, _ = self._plan(samples, num_minibatches=1)
         mbs = [self._collate(chunk) for chunk in chunks]
-        denom = self._global_sum(sum(float(mb.loss_mask.sum()) for mb in mbs))
+        denom = self._denominator(mbs, "token_mean", len(samples))
         scale = len(mbs) * self.dp_size
 
         def loss_fn(mb, hidden):
