@@ -18,7 +18,7 @@ setup(
         "megatron-core>=0.16,<0.20",
         "sglang>=0.5.23",
         "sglang-router>=0.3.2",
-        "ray[default]>=2.50",
+        "ray[default]>=2.59",  # token authentication on by default for a local Ray
         "pyyaml",
         "httpx",
         "nvidia-ml-py",

@@ -9,11 +9,13 @@ last periodic one (checkpoint.save_every), so a kill during a save costs at most
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
 
 from slimish.config import JobConfig, save_config, to_dict
+from slimish.network import JOB_KEY_FILE, new_job_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import Slot, placement_record, release
@@ -38,16 +40,18 @@ class RLJob:
         self.rollout_manager = None
         self.synced_engines: list[str] = []
         self.slots: dict[str, list[Slot]] = {}
+        self.api_key = new_job_key()  # engines and router refuse calls without it
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
+        self._write_job_key()
         init_ray(self.cfg)
         # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
         # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         self.slots = reserve_slots(self.cfg)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
-                                             engine_slots=self.slots["engines"])
+                                             engine_slots=self.slots["engines"], api_key=self.api_key)
         engines = self.rollout_manager.start.remote()   # engines boot while the trainer builds its model
         self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
         info = self.trainer.setup()
@@ -64,7 +68,16 @@ class RLJob:
         self.synced_engines = list(urls)
         return self.trainer.call("connect_engines", engine_urls=list(urls),
                                  engine_tp=self.cfg.rollout.engine.tensor_parallel,
-                                 master_addr=self.trainer_master_addr)
+                                 master_addr=self.trainer_master_addr, api_key=self.api_key)
+
+    def _write_job_key(self) -> None:
+        """The key, readable by the job's user only, for their own calls to the engines (curl -H "Authorization:
+        Bearer $(cat RUN_DIR/job_key)"). A new job (also a resumed one) draws a new key."""
+        path = self.run_dir / JOB_KEY_FILE
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
 
     def warmup(self) -> None:
         """Optional SFT warm-up in Megatron, then push the warmed-up weights (version 0) to the engines."""

@@ -13,6 +13,7 @@ import os
 import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 
 from slimish.config.schema import JobConfig
+from slimish.network import interface_of
 from slimish.orchestration.placement import Slot, cluster_gpus, on_this_node, release, reserve
 
 
@@ -21,6 +22,11 @@ def init_ray(cfg: JobConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": env})
         return
+    # gloo and NCCL pick their interface from the hostname unless told: on one host, loopback (the job's listeners
+    # bind the node's Ray address, see slimish/network.py). launch/train.sbatch sets them from SLIMISH_NET_IFNAME.
+    loopback = interface_of("127.0.0.1") or "lo"
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env[name] = os.environ.get(name, loopback)
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=True, runtime_env={"env_vars": env})
 
@@ -58,12 +64,12 @@ class TrainerGroup:
             ray.kill(actor)
 
 
-def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot]):
-    """The rollout manager, on the driver's node; its engines go to `engine_slots`."""
+def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_key: str | None):
+    """The rollout manager, on the driver's node; its engines go to `engine_slots` and require `api_key`."""
     from slimish.rollout.manager import RolloutManager
 
     return ray.remote(RolloutManager).options(**on_this_node()).remote(
-        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots])
+        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots], api_key=api_key)
 
 
 def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:

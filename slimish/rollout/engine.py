@@ -1,15 +1,24 @@
 """One SGLang engine: the server process on the node (and GPUs) Ray placed it on, started, watched and restarted by
 a Ray actor of this class (`RolloutServers` creates them). The process is started from the actor's own thread, so
-that it dies with the actor (its parent-death signal fires when the thread that started it exits)."""
+that it dies with the actor (its parent-death signal fires when the thread that started it exits).
+
+Listeners (slimish/network.py): the server binds the node's address; the store of SGLang's own torch.distributed
+rendezvous is hosted here, on that address only, and SGLang joins it as a client through its documented override
+(SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=env://) and torch's agent-store convention (TORCHELASTIC_USE_AGENT_STORE
+with MASTER_ADDR/MASTER_PORT): left to itself, SGLang's rank 0 would host it on all interfaces."""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
+from slimish.network import hosted_store
 from slimish.orchestration.placement import node_ip
 from slimish.rollout.processes import ManagedProcess
 
@@ -23,12 +32,15 @@ def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: st
 
 
 class EngineProcess:
-    def __init__(self, *, index: int, rollout: RolloutConfig, model: ModelConfig, log_dir: str, seed: int):
-        self.index, self.rollout, self.model, self.seed = index, rollout, model, seed
+    def __init__(self, *, index: int, rollout: RolloutConfig, model: ModelConfig, log_dir: str, seed: int,
+                 api_key: str | None = None):
+        self.index, self.rollout, self.model, self.seed, self.api_key = index, rollout, model, seed, api_key
         self.log_path = Path(log_dir) / f"engine{index}.log"
         self.host = node_ip()  # what other nodes reach this engine at (loopback on a local Ray)
         self.port = rollout.engine.base_port + index
         self.proc: ManagedProcess | None = None
+        self._store = None  # the SGLang server's rendezvous store (a fresh one per start)
+        self._secret_file: str | None = None  # the key, for SGLang's --config, until the server is up
 
     @property
     def url(self) -> str:
@@ -40,13 +52,33 @@ class EngineProcess:
         argv = engine_argv(model_path=self.model.hf_path, host=self.host, port=self.port,
                            device=sglang_cpu.resolve_device(eng.device), dtype=self.model.dtype,
                            tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=self.seed + self.index,
-                           extra=eng.extra_args)
-        self.proc = ManagedProcess(f"engine{self.index}", argv, env=sglang_cpu.server_env(), log_path=self.log_path)
+                           extra=[*self._secret_args(), *eng.extra_args])
+        self._store, store_port = hosted_store(self.host)
+        env = {**sglang_cpu.server_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}
+        self.proc = ManagedProcess(f"engine{self.index}", argv, env=env, log_path=self.log_path)
         self.proc.start()
         return self.url
 
+    def _secret_args(self) -> list[str]:
+        """The key goes in through SGLang's `--config` YAML, in a file only this user can read, not on the command
+        line, which every local user can read; the file is removed once the server is up."""
+        if not self.api_key:
+            return []
+        self._remove_secret_file()
+        fd, self._secret_file = tempfile.mkstemp(prefix=f"slimish-engine{self.index}-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump({"api-key": self.api_key}, f)  # the option's own spelling: "--" + key
+        return ["--config", self._secret_file]
+
+    def _remove_secret_file(self) -> None:
+        if self._secret_file:
+            Path(self._secret_file).unlink(missing_ok=True)
+            self._secret_file = None
+
     def wait_healthy(self) -> None:
         self.proc.wait_http_ok(f"{self.url}/health_generate", self.rollout.engine.startup_timeout_s)
+        self._remove_secret_file()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -82,5 +114,7 @@ class EngineProcess:
     def stop(self, grace_s: float = 5.0) -> None:
         if self.proc is not None:
             self.proc.stop(grace_s)
+        self._store = None
+        self._remove_secret_file()
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import httpx
 
+from slimish.network import auth_headers
+
 
 class EngineError(RuntimeError):
     """Any failed control call: the engine could not be reached, timed out, answered non-200 or success=false.
@@ -15,9 +17,11 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, url: str, timeout_s: float = 600.0):
+    """`api_key`: the job's key, which engines started by a job require (None for an engine started without one)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, *, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key))
 
     def close(self) -> None:
         self._http.close()

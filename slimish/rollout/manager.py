@@ -34,7 +34,7 @@ def build_reward_fn(reward):
 
 
 class RolloutManager:
-    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict]):
+    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -44,7 +44,7 @@ class RolloutManager:
                                      chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
         self.reward_fn = build_reward_fn(cfg.reward)
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
-                                      seed=cfg.run.seed, engine_options=engine_options)
+                                      seed=cfg.run.seed, engine_options=engine_options, api_key=api_key)
         self.scheduler: RolloutScheduler | None = None
         self._progress = None  # the current step's rollout progress bar
         self.watchdog: EngineWatchdog | None = None
@@ -60,12 +60,12 @@ class RolloutManager:
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, new_group=self._new_group,
             score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            dynamic_sampling=ro.dynamic_sampling)
+            dynamic_sampling=ro.dynamic_sampling, api_key=self.servers.api_key)
         if ro.engine.restart_dead:
             self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
                                            health_interval_s=ro.engine.health_interval_s,
-                                           hang_timeout_s=ro.engine.hang_timeout_s)
+                                           hang_timeout_s=ro.engine.hang_timeout_s, api_key=self.servers.api_key)
             self.watchdog.start()
         return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
                 "router_url": self.servers.router_url, "pids": self.servers.pids(),

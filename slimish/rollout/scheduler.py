@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import httpx
 
 from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
+from slimish.network import auth_headers
 from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
 from slimish.sample import Sample, Status
 
@@ -78,8 +79,9 @@ class RolloutScheduler:
                  partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float, max_retries: int,
                  new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
                  detokenize: Callable[[list[int]], str],
-                 dynamic_sampling: DynamicSamplingConfig | None = None):
+                 dynamic_sampling: DynamicSamplingConfig | None = None, api_key: str | None = None):
         self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
+        self._headers = auth_headers(api_key)  # router and engines refuse calls without the job's key
         self.max_retries = max_retries
         self.batch_groups, self.mode = prompts_per_step, partial.mode
         self.capacity = prompts_per_step + partial.over_sampling
@@ -147,8 +149,8 @@ class RolloutScheduler:
     # ------------------------------------------------------------------------------------------ the loop
     async def _setup(self) -> None:
         limits = httpx.Limits(max_connections=self._max_concurrency, max_keepalive_connections=self._max_concurrency)
-        self._http = httpx.AsyncClient(timeout=self._timeout_s, limits=limits)
-        self._control_http = httpx.AsyncClient(timeout=60.0)
+        self._http = httpx.AsyncClient(timeout=self._timeout_s, limits=limits, headers=self._headers)
+        self._control_http = httpx.AsyncClient(timeout=60.0, headers=self._headers)
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
         self._changed = asyncio.Event()
 

@@ -17,7 +17,9 @@ import ray
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
+from slimish.network import auth_headers
 from slimish.rollout.engine import EngineProcess
+from slimish.rollout.launch_router import API_KEY_ENV
 from slimish.rollout.processes import ManagedProcess
 
 HOST = "127.0.0.1"
@@ -25,7 +27,9 @@ TELEMETRY_TIMEOUT_S = 10.0
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+    """sglang_router's launcher through ours (slimish.rollout.launch_router): with the job's key in its environment,
+    the router refuses clients without it (/generate and /workers alike) and sends it to the workers."""
+    return [sys.executable, "-m", "slimish.rollout.launch_router", "--host", HOST, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--disable-circuit-breaker",
             "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
             "--health-check-endpoint", "/ready", "--health-check-interval-secs", "10", "--log-level", "warn"]
@@ -34,14 +38,17 @@ def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, poli
 class RolloutServers:
     """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate.
 
-    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement)."""
+    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement).
+    With `api_key`, engines and router refuse callers without it (slimish/network.py)."""
 
     def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
-                 engine_options: list[dict]):
+                 engine_options: list[dict], api_key: str | None = None):
         if len(engine_options) != rollout.engine.num_engines:
             raise ValueError(f"{len(engine_options)} placement slots for {rollout.engine.num_engines} engines")
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
+        self.api_key = api_key
+        self._headers = auth_headers(api_key)
         self.engine_urls: list[str] = []
         self.router_url = f"http://{HOST}:{rollout.router.port}"
         self.engines: list = []  # EngineProcess actors
@@ -52,7 +59,8 @@ class RolloutServers:
         t0 = time.monotonic()
         actor = ray.remote(EngineProcess)
         self.engines = [actor.options(**options).remote(index=i, rollout=self.rollout, model=self.model,
-                                                        log_dir=str(self.log_dir), seed=self.seed)
+                                                        log_dir=str(self.log_dir), seed=self.seed,
+                                                        api_key=self.api_key)
                         for i, options in enumerate(self.engine_options)]
         try:
             self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
@@ -61,7 +69,8 @@ class RolloutServers:
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=router.port,
                                       prometheus_port=router.prometheus_port, policy=router.policy),
-                env=sglang_cpu.server_env(), log_path=self.log_dir / "router.log")
+                env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.api_key} if self.api_key else {})},
+                log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=120, interval_s=0.5)
             self._wait_workers_registered(timeout_s=120)
@@ -112,11 +121,12 @@ class RolloutServers:
         by the scheduler)."""
         for worker in self._router_workers():
             if worker.get("url") == url:
-                resp = httpx.delete(f"{self.router_url}/workers/{worker['id']}", timeout=10)
+                resp = httpx.delete(f"{self.router_url}/workers/{worker['id']}", timeout=10, headers=self._headers)
                 resp.raise_for_status()
 
     def router_add(self, url: str) -> None:
-        httpx.post(f"{self.router_url}/workers", json={"url": url}, timeout=10).raise_for_status()
+        httpx.post(f"{self.router_url}/workers", json={"url": url}, timeout=10,
+                   headers=self._headers).raise_for_status()
         deadline = time.monotonic() + 60
         while not any(w.get("url") == url for w in self._router_workers()):
             if time.monotonic() > deadline:
@@ -124,7 +134,7 @@ class RolloutServers:
             time.sleep(0.2)
 
     def _router_workers(self) -> list[dict]:
-        workers = httpx.get(f"{self.router_url}/workers", timeout=10).json()
+        workers = httpx.get(f"{self.router_url}/workers", timeout=10, headers=self._headers).json()
         return workers.get("workers", workers) if isinstance(workers, dict) else workers
 
     def gpu_telemetry(self) -> dict[str, float]:

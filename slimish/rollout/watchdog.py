@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from slimish.network import auth_headers
 from slimish.rollout.servers import RolloutServers
 
 LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
@@ -30,8 +31,10 @@ LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
 
 class EngineWatchdog:
     def __init__(self, servers: RolloutServers, *, interval_s: float, on_live_change: Callable[[list[str]], None],
-                 health_interval_s: float = 0.0, hang_timeout_s: float = 0.0):
+                 health_interval_s: float = 0.0, hang_timeout_s: float = 0.0, api_key: str | None = None):
         self.servers = servers
+        self._headers = auth_headers(api_key)  # /model_info answers 401 without the job's key, without asking the
+        # scheduler: a key-less probe would call every engine hung
         self.interval_s = interval_s
         self.health_interval_s, self.hang_timeout_s = health_interval_s, hang_timeout_s
         self._on_live_change = on_live_change
@@ -160,7 +163,8 @@ class EngineWatchdog:
         """Kill those of `urls` that do not answer the probe (`/model_info` when `paused`, else `/health_generate`,
         discarded if the job has paused the engines since the `pauses`-th pause); returns them."""
         path = "/model_info" if paused else "/health_generate"
-        answered = dict(zip(urls, _in_parallel(lambda url: _answers(url, path, self.hang_timeout_s), urls)))
+        answered = dict(zip(urls, _in_parallel(lambda url: _answers(url, path, self.hang_timeout_s, self._headers),
+                                               urls)))
         hung = []
         for i, url in enumerate(self.servers.engine_urls):
             with self._lock:
@@ -216,9 +220,9 @@ class EngineWatchdog:
               flush=True)
 
 
-def _answers(url: str, path: str, timeout_s: float) -> bool:
+def _answers(url: str, path: str, timeout_s: float, headers: dict) -> bool:
     try:
-        return httpx.get(f"{url}{path}", timeout=timeout_s).status_code == 200
+        return httpx.get(f"{url}{path}", timeout=timeout_s, headers=headers).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -31,22 +31,25 @@ def contains_reward(completions: list[str], labels: list, **kwargs) -> list[floa
     return [1.0 if str(label) in text else 0.0 for text, label in zip(completions, labels, strict=True)]
 
 
-def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, seed: int = 0,
+def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, num_eval: int = 64, seed: int = 0,
                    sft_correct_fraction: float = 1.0) -> dict:
-    """Write train.jsonl (prompt, label) and sft.jsonl (prompt, response: right with prob. sft_correct_fraction)."""
+    """Write train.jsonl (prompt, label), sft.jsonl (prompt, response: right with prob. sft_correct_fraction) and
+    eval.jsonl (prompt, label: prompts for evaluation during training, drawn from a stream of their own; the task has
+    only 60 distinct prompts, so these are another draw of the same distribution, not unseen ones)."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, sft = out_dir / "train.jsonl", out_dir / "sft.jsonl"
-    with train.open("w") as f:
-        for _ in range(num_prompts):
-            prompt, label = make_prompt(rng)
-            f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
+    train, sft, held_out = out_dir / "train.jsonl", out_dir / "sft.jsonl", out_dir / "eval.jsonl"
+    for path, count, stream in ((train, num_prompts, rng), (held_out, num_eval, random.Random(seed + 1))):
+        with path.open("w") as f:
+            for _ in range(count):
+                prompt, label = make_prompt(stream)
+                f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
     with sft.open("w") as f:
         for _ in range(num_sft):
             prompt, label = make_prompt(rng)
             response = label if rng.random() < sft_correct_fraction else str(rng.randrange(10))
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
-    return {"train": str(train), "sft": str(sft)}
+    return {"train": str(train), "sft": str(sft), "eval": str(held_out)}
 
 
 def corpus() -> list[str]:

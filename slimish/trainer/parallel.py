@@ -54,14 +54,26 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
     if torch.cuda.is_available():
         torch.cuda.set_device(layout.rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=layout.rank, world_size=layout.world_size, timeout=timedelta(minutes=30))
+        timeout = timedelta(minutes=30)
+        dist.init_process_group(backend=backend, store=_rendezvous_store(layout, master_addr, master_port, timeout),
+                                rank=layout.rank, world_size=layout.world_size, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
                                                  pipeline_model_parallel_size=layout.pipeline_parallel,
                                                  expert_model_parallel_size=layout.expert_parallel)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def _rendezvous_store(layout: ParallelLayout, master_addr: str, master_port: int, timeout: timedelta):
+    """Rank 0 hosts the store on `master_addr` only (see slimish/network.py); the other ranks connect to it."""
+    import torch.distributed as dist
+
+    from slimish.network import hosted_store
+
+    if layout.rank == 0:
+        return hosted_store(master_addr, master_port, world_size=layout.world_size, timeout=timeout)[0]
+    return dist.TCPStore(master_addr, master_port, layout.world_size, False, timeout)
 
 
 def shutdown_parallel() -> None:

@@ -42,6 +42,7 @@ class TrainerWorker:
         self._stage_sender = None  # a later pipeline stage's leader, with stage senders
         self._stage_links: list = []
         self._groups_made = 0
+        self._api_key: str | None = None  # the job's key, for the engines' control endpoints (connect_engines)
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -377,13 +378,16 @@ class TrainerWorker:
         self._rollout = None
 
     # ------------------------------------------------------------------------------------------ weight sync
-    def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Rank 0 joins a process group with every engine in `engine_urls` (at `master_addr`); with stage senders
-        (`weight_sync.stage_senders`) so does every later pipeline stage's leader, each with a group of its own.
+    def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str,
+                        api_key: str | None = None) -> dict:
+        """Rank 0 joins a process group with every engine in `engine_urls` (at `master_addr`; it calls them with
+        `api_key`); with stage senders (`weight_sync.stage_senders`) so does every later pipeline stage's leader,
+        each with a group of its own.
         Other ranks only take part in the export's gathers. Every rank calls it. Called again when the engines
         change (one died, a restarted one joins): the old groups are torn down and new ones, under new names and
         on free ports, replace them."""
         self._groups_made += 1
+        self._api_key = api_key
         for sender in (self._sender, self._stage_sender):
             if sender is not None:
                 sender.close()
@@ -429,7 +433,7 @@ class TrainerWorker:
 
         return TransportContext(master_addr=master_addr, master_port=master_port,
                                 backend=resolve_backend(self.cfg.parallel.backend), group_name=group_name,
-                                engine_tp=engine_tp, disk_dir=self.weight_sync_dir())
+                                engine_tp=engine_tp, disk_dir=self.weight_sync_dir(), api_key=self._api_key)
 
     def _expected_checksums(self, engine_tp: int):
         """What makes the expected engine checksums of the tensors a sender sends (None: layout not predicted)."""

@@ -2,7 +2,7 @@
 
 It must be created exactly as SGLang's engines create their side (`init_custom_process_group` in sglang): a TCP
 rendezvous at master_address:master_port whose store is wrapped in a PrefixStore named after the group. The
-trainer is rank 0 and hosts the store.
+trainer is rank 0 and hosts the store, listening on master_address only (slimish/network.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ def new_weight_update_group(*, backend: str, master_address: str, master_port: i
                             group_name: str, timeout: timedelta = timedelta(minutes=10)):
     from torch.distributed import distributed_c10d as c10d
 
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
+    from slimish.network import hosted_store
+
+    if rank == 0:
+        store = hosted_store(master_address, master_port, world_size=world_size, timeout=timeout)[0]
+    else:
+        store = torch.distributed.TCPStore(master_address, master_port, world_size, False, timeout)
     store = c10d.PrefixStore(group_name, store)
     options_key = "backend_options" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6) \
         else "pg_options"

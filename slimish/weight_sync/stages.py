@@ -86,7 +86,7 @@ class StageSender:
         self.stage, self.bucket_bytes = stage, bucket_bytes
         self.coordinator, self.group = coordinator, group
         self.expected_checksums = expected_checksums
-        self.clients = [EngineClient(url) for url in engine_urls]
+        self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
         self.transport = BroadcastTransport(context)
 
     def connect(self) -> None:

@@ -43,7 +43,7 @@ class WeightSync:
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
                  after_bucket: Callable[[str, int, list[str]], None] | None = None):
-        self.clients = [EngineClient(url) for url in engine_urls]
+        self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None

@@ -28,6 +28,7 @@ class TransportContext:
     group_name: str       # unique per (re)connection
     engine_tp: int        # tensor-parallel ranks per engine
     disk_dir: str         # a directory the engines can read (the disk transport)
+    api_key: str | None = None  # the job's key, which the engines' control endpoints require
 
 
 class Transport(ABC):

@@ -46,3 +46,60 @@ def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> 
     os.killpg(os.getpgid(listening_pid(url)), getattr(signal, armed["signal"]))
     with (run_dir / DONE).open("a") as f:
         f.write(json.dumps({"version": int(version), **armed}) + "\n")
+
+
+SECURITY_PROBE = "security_probe.json"  # what probe_security saw, in the run directory
+
+
+def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
+    """`weight_sync.after_bucket_hook`, on trainer rank 0, once (the first bucket of the first sync), while
+    everything the job listens on is up: engines, router, the trainer's and the weight-sync group's rendezvous
+    stores. Records in SECURITY_PROBE: the answers to control calls made without the job's key, with a wrong one
+    and with the right one; every listening socket of the job's processes (the `slimish train` process and its
+    descendants); and the ports of the rendezvous stores this process hosts."""
+    import httpx
+    import psutil
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
+    out = run_dir / SECURITY_PROBE
+    if out.exists() or bucket != 1:
+        return
+    key = (run_dir / "job_key").read_text().strip()
+    router = "http://127.0.0.1:30999"
+    engine = engine_urls[0]
+    bearer = {"Authorization": f"Bearer {key}"}
+    calls = {
+        "engine_abort_no_key": httpx.post(f"{engine}/abort_request", json={"abort_all": True}),
+        "engine_update_weights_wrong_key": httpx.post(f"{engine}/update_weights_from_disk", json={"model_path": "/x"},
+                                                      headers={"Authorization": "Bearer wrong"}),
+        "engine_pause_no_key": httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}),
+        "router_generate_no_key": httpx.post(f"{router}/generate", json={"text": "1", "sampling_params": {}}),
+        "router_workers_no_key": httpx.get(f"{router}/workers"),
+        "engine_model_info_with_key": httpx.get(f"{engine}/model_info", headers=bearer),
+        "router_workers_with_key": httpx.get(f"{router}/workers", headers=bearer),
+    }
+    job = psutil.Process()
+    while not any("slimish.cli" in part for part in job.cmdline()):
+        job = job.parent()
+    processes = {p.pid: p for p in [job, *job.children(recursive=True)]}
+    listeners = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in processes:
+            try:
+                proc = processes[conn.pid]
+                listeners.append({"pid": conn.pid, "name": proc.name(), "cmdline": " ".join(proc.cmdline())[:200],
+                                  "ip": conn.laddr.ip, "port": conn.laddr.port})
+            except psutil.NoSuchProcess:
+                continue
+    stores = []
+    for _, store in c10d._world.pg_map.values():
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore):
+            stores.append(store.port)
+    out.write_text(json.dumps({"calls": {name: resp.status_code for name, resp in calls.items()},
+                               "listeners": listeners, "store_ports": sorted(set(stores)), "pid": os.getpid(),
+                               "ray_auth_mode": os.environ.get("RAY_AUTH_MODE")},
+                              indent=1))

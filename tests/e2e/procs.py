@@ -57,3 +57,11 @@ def train_command(task_assets: dict, output_dir, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
             f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
             f"sft.data_path={task_assets['sft']}", f"run.output_dir={output_dir}", *overrides]
+
+
+def hook_env(run_dir) -> dict:
+    """The environment of a job whose hooks are in tests/ (tests.e2e.hooks) and write to `run_dir`."""
+    from tests.conftest import REPO
+
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir), "PYTHONPATH": pythonpath}

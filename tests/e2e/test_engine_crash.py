@@ -27,7 +27,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.procs import become_subreaper, leftovers, train_command
+from slimish.network import JOB_KEY_FILE, auth_headers
+from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
 
@@ -57,10 +58,10 @@ def _requests_on(load: dict | list) -> int:
                else _requests_on(value) for key, value in load.items())
 
 
-def kill_while_generating(url: str, engine_pid: int, *, timeout_s: float) -> int:
+def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s: float) -> int:
     """SIGKILL the engine's process group at a moment it holds requests; returns how many it held."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with httpx.Client(base_url=url, timeout=30, headers=auth_headers(api_key)) as http:
         while time.monotonic() < deadline:
             http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
             held = _requests_on(http.get("/v1/loads").json()["loads"])
@@ -82,7 +83,6 @@ def rejoined_after(metrics, restarts: int):
 
 
 def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
-    from tests.conftest import REPO
     from tests.e2e import hooks
 
     become_subreaper()
@@ -97,16 +97,15 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
                         "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets")
     log = tmp_path / "driver.log"
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the hook is in tests/
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
-                            env={**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir), "PYTHONPATH": pythonpath})
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=hook_env(run_dir))
     metrics = run_dir / "metrics.jsonl"
     try:
         wait_for(proc, lambda: read_metrics(metrics)[1:], timeout_s=900, log=log)  # two steps done
         # 1. Engine 1, mid-rollout.
         engine_pid = json.loads((run_dir / "pids.json").read_text())["servers"][1]
         engine_url = json.loads((run_dir / "placement.json").read_text())["engines"][1]["url"]
-        held = kill_while_generating(engine_url, engine_pid, timeout_s=300)
+        held = kill_while_generating(engine_url, engine_pid, api_key=(run_dir / JOB_KEY_FILE).read_text().strip(),
+                                     timeout_s=300)
         killed_at = len(read_metrics(metrics))
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
         # 2. Engine 0 killed between two buckets of the next sync.

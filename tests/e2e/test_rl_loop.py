@@ -6,13 +6,14 @@ written) and that nothing keeps running afterwards.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.procs import become_subreaper, leftovers, train_command
+from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +32,12 @@ def test_two_real_rl_steps(task_assets, tmp_path):
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=2", "run.name=e2e",
                         "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1", "rollout.temperature=0.7",
                         "rollout.overlong.mode=penalty", "rollout.overlong.buffer_tokens=4",
-                        "trainer.max_tokens_per_micro_batch=64", "trainer.logprob_chunk_tokens=16")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+                        "trainer.max_tokens_per_micro_batch=64", "trainer.logprob_chunk_tokens=16",
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.probe_security")
     run_dir = tmp_path / "e2e"
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+                            env=hook_env(run_dir))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -56,7 +59,52 @@ def test_two_real_rl_steps(task_assets, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "step   2/2" in result.stdout
     assert not leftovers(), "processes left running after the job"
+    assert_strangers_refused(run_dir)
     assert_report_renders(run_dir, tmp_path)
+
+
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def _is_ray_process(listener: dict) -> bool:
+    """Ray's daemons, its workers (our actors among them), its Python agents (a script under ray/) and the driver
+    (`slimish train`, which Ray makes a worker too)."""
+    argv = listener["cmdline"].split()
+    return (listener["name"] in RAY_DAEMONS or listener["name"].startswith("ray::")
+            or any("/ray/" in arg or arg == "slimish.cli" for arg in argv[1:4]))
+
+
+def assert_strangers_refused(run_dir):
+    """Seen mid-sync by tests.e2e.hooks.probe_security: control calls to the engines and the router without the job's
+    key (or with a wrong one) are refused, with it they are answered; every socket the job's own servers (engines
+    with all their processes, router) listen on, and the rendezvous stores the trainer hosts, bind loopback. Any
+    listener off loopback is Ray's own (its daemons and its workers' gRPC servers, which bind all interfaces on a
+    host with other interfaces), which Ray's token authentication guards."""
+    from tests.e2e.hooks import SECURITY_PROBE
+
+    probe = json.loads((run_dir / SECURITY_PROBE).read_text())
+    listing = "\n".join(f"{x['ip']}:{x['port']} pid {x['pid']} {x['name']}: {x['cmdline'][:100]}"
+                         for x in sorted(probe["listeners"], key=lambda x: (x["name"], x["port"])))
+    print(f"the job's listening sockets:\n{listing}")
+    calls = probe["calls"]
+    assert {name: code for name, code in calls.items() if "with_key" not in name} == {
+        "engine_abort_no_key": 401, "engine_update_weights_wrong_key": 401, "engine_pause_no_key": 401,
+        "router_generate_no_key": 401, "router_workers_no_key": 401}, calls
+    assert calls["engine_model_info_with_key"] == calls["router_workers_with_key"] == 200, calls
+    servers = set(json.loads((run_dir / "pids.json").read_text())["servers"])
+    server_listeners = [x for x in probe["listeners"] if x["pid"] in servers or not _is_ray_process(x)]
+    assert {31000, 31001, 30999} <= {x["port"] for x in server_listeners}, listing
+    assert all(_loopback(x["ip"]) for x in server_listeners), listing
+    trainer = {x["port"]: x["ip"] for x in probe["listeners"] if x["pid"] == probe["pid"]}
+    assert len(probe["store_ports"]) >= 2, "the trainer's rendezvous and the weight-sync group's"
+    assert all(_loopback(trainer.get(port, "0.0.0.0")) for port in probe["store_ports"]), listing
+    assert all(_is_ray_process(x) for x in probe["listeners"] if not _loopback(x["ip"])), listing
+    assert probe["ray_auth_mode"] == "token", "Ray's own listeners require its token"
 
 
 def assert_report_renders(run_dir, tmp_path):

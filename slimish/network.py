@@ -1,0 +1,63 @@
+"""Where the job's listeners bind, and the job's key.
+
+Every socket the job listens on binds the job's chosen interface (the node's Ray address: loopback on one host,
+`SLIMISH_NET_IFNAME`'s address under launch/train.sbatch), never all interfaces. torch's `TCPStore` server binds all
+interfaces whatever host it is given, so the stores we host (the trainer's rendezvous, the weight-sync groups'
+rendezvous, each engine's internal one) are given a socket we bound ourselves (`master_listen_fd`).
+
+Control endpoints refuse strangers: each job draws a key (`new_job_key`); engines run with SGLang's `--api-key`, the
+router with its own `--api-key`, and every client of either sends `auth_headers(key)`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from datetime import timedelta
+
+JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's own calls to the engines
+
+
+def new_job_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header SGLang's and the router's API-key check expects; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `host:port` only (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def hosted_store(host: str, port: int = 0, *, world_size: int | None = None,
+                 timeout: timedelta = timedelta(minutes=10)):
+    """A torch `TCPStore` server listening on `host:port` only; returns (store, port). The store owns the socket
+    and closes it when it is dropped."""
+    import torch.distributed as dist
+
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that holds address `ip` on this host (None if none does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addresses):
+            return name
+    return None

@@ -1,0 +1,99 @@
+"""Evaluation during training: held-out prompts, `samples_per_prompt` samples each, generated through the router on
+the job's engines at the policy they serve now, scored by the job's reward, never trained on.
+
+A sample passes when its reward reaches `eval.pass_threshold`. pass@j is the unbiased estimator of Chen et al.
+(2021): with n samples of a prompt of which c pass, 1 - C(n - c, j) / C(n, j), averaged over the prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from math import comb
+from pathlib import Path
+
+import httpx
+
+from slimish.network import auth_headers
+from slimish.rollout.data import PromptDataset
+from slimish.rollout.generate import RequestError, SamplingParams, generate_one
+from slimish.sample import Sample, Status
+
+RETRIES = 2  # per request whose engine may have died (connection error, 5xx): the router picks another
+
+
+def pass_at(n: int, c: int, j: int) -> float:
+    """The probability that at least one of j samples drawn without replacement from n, c of them passing, passes."""
+    if n - c < j:
+        return 1.0
+    return 1.0 - comb(n - c, j) / comb(n, j)
+
+
+class EvalSet:
+    """One held-out prompt file, named by its file stem; the first `max_prompts` prompts (0: all)."""
+
+    def __init__(self, path: str, *, tokenizer, prompt_key: str, label_key: str, chat_template: bool,
+                 max_prompts: int):
+        self.name = Path(path.rstrip("/")).stem
+        prompts = PromptDataset(path, tokenizer=tokenizer, prompt_key=prompt_key, label_key=label_key, shuffle=False,
+                                seed=0, chat_template=chat_template).prompts
+        self.prompts = prompts[:max_prompts] if max_prompts > 0 else prompts
+
+
+def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, params: SamplingParams,
+             samples_per_prompt: int, score: Callable[[list[Sample]], int], pass_threshold: float,
+             max_concurrency: int, timeout_s: float) -> tuple[dict[str, float], list[Sample]]:
+    """Metrics `eval/<set>/{pass@1, pass@k, reward_mean, response_len_mean, samples_failed}` and the scored
+    samples (group_id: the prompt's index in its set; meta["eval_set"]: the set's name). A sample whose request
+    failed is scored as failing and counted."""
+    samples = {s.name: [Sample(group_id=g, index=i, prompt=p.text, prompt_ids=list(p.ids), label=p.label,
+                               columns=p.columns, meta={"eval_set": s.name})
+                        for g, p in enumerate(s.prompts) for i in range(samples_per_prompt)] for s in sets}
+    everything = [sample for group in samples.values() for sample in group]
+    t0 = time.monotonic()
+    failed = asyncio.run(_generate(everything, router_url=router_url, headers=auth_headers(api_key), params=params,
+                                   max_concurrency=max_concurrency, timeout_s=timeout_s))
+    generated = [s for s in everything if id(s) not in failed]
+    if generated:
+        score(generated)
+    metrics: dict[str, float] = {"time_eval_generate_s": time.monotonic() - t0}
+    k = samples_per_prompt
+    for name, group in samples.items():
+        passes = [0] * (len(group) // k)
+        for sample in group:
+            ok = id(sample) not in failed and sample.reward is not None and sample.reward >= pass_threshold
+            passes[sample.group_id] += int(ok)
+        scored = [s for s in group if id(s) not in failed]
+        metrics[f"eval/{name}/pass@1"] = sum(pass_at(k, c, 1) for c in passes) / max(len(passes), 1)
+        metrics[f"eval/{name}/pass@{k}"] = sum(pass_at(k, c, k) for c in passes) / max(len(passes), 1)
+        metrics[f"eval/{name}/reward_mean"] = sum(s.reward for s in scored) / max(len(scored), 1)
+        metrics[f"eval/{name}/response_len_mean"] = sum(len(s.response_ids) for s in scored) / max(len(scored), 1)
+        metrics[f"eval/{name}/samples_failed"] = len(group) - len(scored)
+    return metrics, everything
+
+
+async def _generate(samples: list[Sample], *, router_url: str, headers: dict, params: SamplingParams,
+                    max_concurrency: int, timeout_s: float) -> set[int]:
+    """Generate every sample whole (no aborts: evaluation is not paused by a weight sync); the ids of those whose
+    request failed for good."""
+    semaphore = asyncio.Semaphore(max_concurrency)
+    prefix = f"eval-{uuid.uuid4().hex[:8]}"
+    failed: set[int] = set()
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
+        async def one(n: int, sample: Sample) -> None:
+            async with semaphore:
+                for attempt in range(RETRIES + 1):
+                    try:
+                        await generate_one(http, router_url, sample, params, rid=f"{prefix}-{n}-{attempt}")
+                        if sample.status is not Status.ABORTED:
+                            return
+                    except RequestError as exc:
+                        if not exc.retriable or attempt == RETRIES:
+                            break
+                failed.add(id(sample))
+
+        await asyncio.gather(*(one(n, s) for n, s in enumerate(samples)))
+    return failed

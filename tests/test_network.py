@@ -1,0 +1,43 @@
+"""The stores the job hosts listen on the address they are given only (torch's own TCPStore server listens on all
+interfaces), serve their clients, and stop listening when dropped."""
+
+from __future__ import annotations
+
+import gc
+from datetime import timedelta
+
+import psutil
+import torch.distributed as dist
+
+from slimish.network import auth_headers, hosted_store, interface_of
+
+
+def _listening(port: int) -> list[str]:
+    return [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+            and c.laddr.port == port]
+
+
+def test_a_hosted_store_listens_on_its_host_only_and_serves_clients():
+    store, port = hosted_store("127.0.0.1", timeout=timedelta(seconds=10))
+    assert _listening(port) == ["127.0.0.1"]
+    client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    client.set("weights", "v1")
+    assert store.get("weights") == b"v1"
+    del client, store
+    gc.collect()
+    assert _listening(port) == []
+
+
+def test_torch_alone_would_listen_on_every_interface():
+    """Why hosted_store exists: the same host name given to torch's TCPStore."""
+    sock_port = hosted_store("127.0.0.1")[1]  # a free port, released when the store is dropped
+    gc.collect()
+    store = dist.TCPStore("127.0.0.1", sock_port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    assert set(_listening(sock_port)) & {"0.0.0.0", "::"}
+    del store
+
+
+def test_loopback_interface_and_auth_header():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.7") is None
+    assert auth_headers("k") == {"Authorization": "Bearer k"} and auth_headers(None) == {}
