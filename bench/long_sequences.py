@@ -96,7 +96,8 @@ def child_step(args) -> dict:
     torch.set_num_threads(2)
     world()
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={args.model}", f"data.path={args.data}", "sft.steps=0", "trainer.torch_threads=2",
+        f"model.hf_path={args.model}", f"data.path={args.data}", "eval.every=0", "sft.steps=0",
+        "trainer.torch_threads=2",
         f"trainer.logprob_chunk_tokens={CHUNK}", *MODES[args.mode]])
     worker = TrainerWorker(cfg, rank=0, world_size=1)
     worker.setup(master_addr="unused", master_port=0)

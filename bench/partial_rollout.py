@@ -30,7 +30,8 @@ MODES = {"off": [], "abort": ["rollout.partial.over_sampling=4"], "retract": ["r
 # mean 28, median 22, 90th percentile 60, max 156 of 64), so a step's slowest sample is several times its mean.
 JOB = ["sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "rollout.stop=[e]",
        "rollout.max_new_tokens=256", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
-       "trainer.micro_batch_size=32", "weight_sync.bucket_mb=1", "trainer.loss.tis_cap=2.0", "checkpoint.save_every=0"]
+       "trainer.micro_batch_size=32", "weight_sync.bucket_mb=1", "trainer.loss.tis_cap=2.0", "checkpoint.save_every=0",
+       "eval.every=0"]
 
 
 def run_mode(mode: str, *, assets: Path, out: Path, steps: int) -> list[dict]:

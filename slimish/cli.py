@@ -79,7 +79,8 @@ def cmd_make_tiny(args) -> int:
     out = Path(args.out)
     model_dir = build_tiny_model(out / "model", corpus=echo_digit.corpus(), family=args.family, seed=args.seed)
     paths = echo_digit.write_datasets(out, seed=args.seed)
-    print(f"model: {model_dir}\ntrain prompts: {paths['train']}\nsft data: {paths['sft']}")
+    print(f"model: {model_dir}\ntrain prompts: {paths['train']}\nsft data: {paths['sft']}\n"
+          f"held-out prompts: {paths['eval']}")
     return 0
 
 

@@ -253,6 +253,18 @@ class WeightSyncConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    every: int = doc(0, "Evaluate the policy after every this many RL steps' weight sync, and after the last step "
+                        "(0 = never); on the job's engines, never trained on.")
+    data_path: str = doc("", "Held-out prompts (any format data.path takes, same prompt_key and label_key); the "
+                             "metrics are named after the file: eval/<stem>/pass@1, pass@k, reward_mean.")
+    more_data_paths: list[str] = doc([], "More evaluation sets, each reported under its own name.")
+    samples_per_prompt: int = doc(4, "k of pass@k: samples per held-out prompt.")
+    max_prompts: int = doc(0, "Evaluate on the first this many prompts of each set (0 = all).")
+    pass_threshold: float = doc(1.0, "A sample passes when its reward is at least this.")
+
+
+@dataclass(kw_only=True)
 class RlConfig:
     num_steps: int = doc(30, "RL steps (rollout -> train -> sync) to run.")
 
@@ -298,6 +310,7 @@ class JobConfig:
     sft: SftConfig = field(default_factory=SftConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     rl: RlConfig = field(default_factory=RlConfig)

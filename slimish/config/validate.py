@@ -126,6 +126,9 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_reward(cfg.reward)
+    _positive("eval.every", cfg.eval.every, allow_zero=True)
+    _positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
+    _positive("eval.max_prompts", cfg.eval.max_prompts, allow_zero=True)
     if cfg.weight_sync.after_bucket_hook:
         _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
 
@@ -138,8 +141,14 @@ def _check_paths(cfg: JobConfig) -> None:
     _check_model(cfg.model.hf_path)
     if not cfg.data.path:
         raise ConfigError("data.path", "is required: a jsonl file of prompts")
-    if not Path(cfg.data.path).is_file():
-        raise ConfigError("data.path", f"file {cfg.data.path!r} does not exist")
+    if not Path(cfg.data.path).exists():
+        raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
+    if cfg.eval.every > 0 and not cfg.eval.data_path:
+        raise ConfigError("eval.data_path", "is required when eval.every > 0: a file of held-out prompts")
+    for key, path in [("eval.data_path", cfg.eval.data_path)] + [
+            (f"eval.more_data_paths[{k}]", p) for k, p in enumerate(cfg.eval.more_data_paths)]:
+        if cfg.eval.every > 0 and path and not Path(path).exists():
+            raise ConfigError(key, f"{path!r} does not exist")
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
         raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
 

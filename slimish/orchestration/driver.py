@@ -156,6 +156,20 @@ class RLJob:
             for sample, advantage in zip(samples, advantages, strict=True):
                 f.write(json.dumps({**sample.to_dict(), "advantage": advantage}) + "\n")
 
+    def evaluate(self, step: int) -> dict:
+        """The eval sets (eval.*) at the weights of `step`, which the engines now serve: metrics, a printed line,
+        and the samples in eval/step_<step>.jsonl."""
+        metrics, samples = ray.get(self.rollout_manager.evaluate.remote())
+        out = self.run_dir / "eval"
+        out.mkdir(exist_ok=True)
+        with (out / f"step_{step}.jsonl").open("w") as f:
+            for sample in samples:
+                f.write(json.dumps(sample) + "\n")
+        results = " | ".join(f"{key[len('eval/'):]} {value:.3f}" for key, value in metrics.items()
+                             if key.startswith("eval/") and ("pass@" in key or "reward_mean" in key))
+        print(f"eval after step {step}: {results} ({metrics['time_eval_s']:.1f}s)", flush=True)
+        return metrics
+
     def sync_weights(self, version: int) -> dict:
         """Send the trainer's weights to the engines as `version`. In retract mode the engines are generating: they
         are paused around the sync, and running requests continue with the new weights. When an engine died or a
@@ -219,6 +233,9 @@ class RLJob:
                     sync_metrics = self.sync_weights(version=step)
                 metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,
                            **self.timer.pop(), **self.gpu_telemetry(), "weight_version": step}
+                every = self.cfg.eval.every
+                if every and (step % every == 0 or step == total):
+                    metrics.update(self.evaluate(step))
                 metrics["time_step_s"] = metrics["time_rollout_s"] + metrics["time_train_s"] + metrics["time_sync_s"]
                 # Tokens the engines produced per second of the whole step (in retract mode they also generate
                 # while the trainer trains).

@@ -18,7 +18,7 @@ import httpx
 
 from slimish.network import auth_headers
 from slimish.rollout.data import PromptDataset
-from slimish.rollout.generate import RequestError, SamplingParams, generate_one
+from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
 from slimish.sample import Sample, Status
 
 RETRIES = 2  # per request whose engine may have died (connection error, 5xx): the router picks another
@@ -44,7 +44,8 @@ class EvalSet:
 
 def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, params: SamplingParams,
              samples_per_prompt: int, score: Callable[[list[Sample]], int], pass_threshold: float,
-             max_concurrency: int, timeout_s: float) -> tuple[dict[str, float], list[Sample]]:
+             max_concurrency: int, timeout_s: float,
+             detokenize: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
     """Metrics `eval/<set>/{pass@1, pass@k, reward_mean, response_len_mean, samples_failed}` and the scored
     samples (group_id: the prompt's index in its set; meta["eval_set"]: the set's name). A sample whose request
     failed is scored as failing and counted."""
@@ -56,6 +57,9 @@ def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, param
     failed = asyncio.run(_generate(everything, router_url=router_url, headers=auth_headers(api_key), params=params,
                                    max_concurrency=max_concurrency, timeout_s=timeout_s))
     generated = [s for s in everything if id(s) not in failed]
+    for sample in generated:
+        if sample.meta.get("segments", 0) > 1:  # continued after an abort: decode the whole response
+            finish_multi_segment(sample, params.stop, detokenize)
     if generated:
         score(generated)
     metrics: dict[str, float] = {"time_eval_generate_s": time.monotonic() - t0}

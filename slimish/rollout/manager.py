@@ -11,6 +11,7 @@ from slimish.config.schema import JobConfig
 from slimish.hooks import load_function
 from slimish.rollout import overlong, rewards
 from slimish.rollout.data import PromptDataset
+from slimish.rollout.evaluation import EvalSet, evaluate
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
 from slimish.rollout.servers import RolloutServers
@@ -43,6 +44,11 @@ class RolloutManager:
                                      label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed,
                                      chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
         self.reward_fn = build_reward_fn(cfg.reward)
+        ev = cfg.eval
+        self.eval_sets = [EvalSet(path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
+                                  label_key=cfg.data.label_key, chat_template=cfg.data.apply_chat_template,
+                                  max_prompts=ev.max_prompts)
+                          for path in ([ev.data_path] + list(ev.more_data_paths) if ev.every > 0 else [])]
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options, api_key=api_key)
         self.scheduler: RolloutScheduler | None = None
@@ -136,6 +142,30 @@ class RolloutManager:
                if status is not Status.PENDING},
         }
         return samples, metrics
+
+    def evaluate(self) -> tuple[dict[str, float], list[dict]]:
+        """Every eval set (eval.*) through the router at the policy the engines serve now: the metrics
+        (`evaluation.evaluate`) and the samples as dicts. Reward failures count in the job's totals."""
+        ro, ev = self.cfg.rollout, self.cfg.eval
+        failures = Counter()
+
+        def score(samples: list[Sample]) -> int:
+            failed = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
+                                   timeout_s=self.cfg.reward.timeout_s)
+            failures["eval_reward_failures"] += failed
+            return failed
+
+        t0 = time.monotonic()
+        metrics, samples = evaluate(
+            self.eval_sets, router_url=self.servers.router_url, api_key=self.servers.api_key,
+            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                                  stop=tuple(str(s) for s in ro.stop)),
+            samples_per_prompt=ev.samples_per_prompt, score=score, pass_threshold=ev.pass_threshold,
+            max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s,
+            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        self.totals.update(failures)
+        return {**metrics, "eval_reward_failures": failures["eval_reward_failures"],
+                "time_eval_s": time.monotonic() - t0}, [s.to_dict() for s in samples]
 
     def pause(self) -> None:
         if self.watchdog is not None:  # a paused engine does not answer /health_generate: probe /model_info

@@ -34,11 +34,11 @@ def contains_reward(completions: list[str], labels: list, **kwargs) -> list[floa
 def write_datasets(out_dir: Path, *, num_prompts: int = 512, num_sft: int = 2048, num_eval: int = 64, seed: int = 0,
                    sft_correct_fraction: float = 1.0) -> dict:
     """Write train.jsonl (prompt, label), sft.jsonl (prompt, response: right with prob. sft_correct_fraction) and
-    eval.jsonl (prompt, label: prompts for evaluation during training, drawn from a stream of their own; the task has
-    only 60 distinct prompts, so these are another draw of the same distribution, not unseen ones)."""
+    held_out.jsonl (prompt, label: prompts for evaluation during training, drawn from a stream of their own; the
+    task has only 60 distinct prompts, so these are another draw of the same distribution, not unseen ones)."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, sft, held_out = out_dir / "train.jsonl", out_dir / "sft.jsonl", out_dir / "eval.jsonl"
+    train, sft, held_out = out_dir / "train.jsonl", out_dir / "sft.jsonl", out_dir / "held_out.jsonl"
     for path, count, stream in ((train, num_prompts, rng), (held_out, num_eval, random.Random(seed + 1))):
         with path.open("w") as f:
             for _ in range(count):

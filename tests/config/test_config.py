@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 @pytest.fixture()
 def base(task_assets) -> list[str]:
-    return [f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+    return [f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
             f"sft.data_path={task_assets['sft']}", "reward.fn=slimish.tasks.echo_digit.reward"]
 
 

@@ -15,7 +15,8 @@ FROZEN_KEYS = {
     "trainer.loss.kl_coef", "sft.steps", "rollout.prompts_per_step", "rollout.samples_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.engine.num_engines", "rollout.router.port",
     "data.path", "reward.fn", "weight_sync.bucket_mb", "rl.num_steps", "rollout.partial.mode",
-    "rollout.partial.over_sampling", "rollout.partial.max_staleness", "trainer.loss.tis_cap",
+    "rollout.partial.over_sampling", "rollout.partial.max_staleness", "trainer.loss.tis_cap", "eval.every",
+    "eval.data_path", "eval.samples_per_prompt",
 }
 
 

@@ -1,7 +1,8 @@
 """Two real RL steps: Megatron-Core trainer + 2 SGLang CPU engines behind sglang-router + gloo weight sync + Ray.
 
 Asserts the acceptance figures of the skeleton (logprob parity after every sync, exact first-step ppo_kl, outputs
-written) and that nothing keeps running afterwards.
+written), evaluation after every step, that engines and router refuse strangers, and that nothing keeps running
+afterwards.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def test_two_real_rl_steps(task_assets, tmp_path):
                         "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1", "rollout.temperature=0.7",
                         "rollout.overlong.mode=penalty", "rollout.overlong.buffer_tokens=4",
                         "trainer.max_tokens_per_micro_batch=64", "trainer.logprob_chunk_tokens=16",
-                        "weight_sync.after_bucket_hook=tests.e2e.hooks.probe_security")
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.probe_security", "eval.every=1",
+                        f"eval.data_path={task_assets['eval']}", "eval.samples_per_prompt=4", "eval.max_prompts=8")
     run_dir = tmp_path / "e2e"
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
                             env=hook_env(run_dir))
@@ -51,6 +53,14 @@ def test_two_real_rl_steps(task_assets, tmp_path):
         assert record["response_len_max"] <= 8
         assert 0 < record["entropy"] < 6, "mean entropy at temperature 0.7 of a vocabulary of a few hundred"
     assert records[0]["ppo_kl"] == 0.0
+    for record in records:  # evaluated after every step (eval.every=1): 8 held-out prompts, 4 samples each
+        assert record["eval/held_out/samples_failed"] == 0 and record["eval_reward_failures"] == 0
+        assert 0 <= record["eval/held_out/pass@1"] <= record["eval/held_out/pass@4"] <= 1
+        assert 0 <= record["eval/held_out/reward_mean"] <= 1
+        evaluated = [json.loads(line) for line in (run_dir / "eval" / f"step_{record['step']}.jsonl").open()]
+        assert len(evaluated) == 32 and all(s["weight_versions"] == [record["step"]] * len(s["response_ids"])
+                                            for s in evaluated), "sampled at the step's weights"
+        assert record["eval/held_out/reward_mean"] == pytest.approx(sum(s["reward"] for s in evaluated) / 32)
     placement = json.loads((run_dir / "placement.json").read_text())
     assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
         "a local Ray stays on loopback, and so do the engines it places"

@@ -23,7 +23,7 @@ def _worker(task_assets):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
         f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
         "trainer.loss.kl_coef=0.1"])
     w = TrainerWorker(cfg, rank=0, world_size=1)
@@ -115,7 +115,7 @@ def test_ppo_critic_is_saved_beside_the_policy_and_resumes_exactly(task_assets, 
 
     def ppo_worker():
         cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-            f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "sft.steps=0",
+            f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
             "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01", "trainer.loss.advantage_estimator=ppo",
             "trainer.critic.lr=0.01"])
         w = TrainerWorker(cfg, rank=0, world_size=1)

@@ -123,7 +123,7 @@ def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
     from tests.trainer.test_packed_parity import _by_sample, _samples
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "sft.steps=0",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
         f"trainer.loss.advantage_estimator={name}", "trainer.loss.reward_kl_coef=0.1",
         "trainer.max_tokens_per_micro_batch=24", "trainer.loss.mis_low=0.5", "trainer.loss.mis_high=2",
         "trainer.loss.clip_eps_low=0.01", "trainer.loss.clip_eps_high=0.01"])

@@ -16,7 +16,7 @@ def _worker(task_assets, *overrides):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "sft.steps=0",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
         "trainer.optimizer.lr=0.01", "trainer.micro_batch_size=2", "rollout.temperature=0.8", *overrides])
     worker = TrainerWorker(cfg, rank=0, world_size=1)
     worker.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)

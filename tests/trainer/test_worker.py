@@ -16,7 +16,7 @@ def worker(task_assets, megatron_world):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
         f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", "trainer.optimizer.lr=0.01"])
     w = TrainerWorker(cfg, rank=0, world_size=1)
     w.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
@@ -72,7 +72,7 @@ def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
         f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
         "trainer.loss.kl_coef=0.1"])
     w = TrainerWorker(cfg, rank=0, world_size=1)
@@ -113,7 +113,7 @@ def test_worker_logprobs_follow_the_sampling_temperature(task_assets, megatron_w
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
         f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", "rollout.temperature=0.7"])
     w = TrainerWorker(cfg, rank=0, world_size=1)
     w.setup(master_addr="unused", master_port=0)

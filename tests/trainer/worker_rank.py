@@ -63,7 +63,8 @@ def make_worker(args: argparse.Namespace):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={args.hf}", f"data.path={args.data}", "sft.steps=0", "trainer.micro_batch_size=2",
+        f"model.hf_path={args.hf}", f"data.path={args.data}", "eval.every=0", "sft.steps=0",
+        "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
         f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}",
         f"model.dtype={args.dtype}", *args.set])
