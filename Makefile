@@ -2,14 +2,14 @@
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
 # Other targets: make venv | make test-fast | make lint | make bench | make bench-partial | make bench-sync |
-#   make bench-flatten | make bench-long
+#   make bench-flatten | make bench-long | make bench-estimators
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten bench-long clean
+.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten bench-long bench-estimators clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,9 @@ bench-flatten: venv
 
 bench-long: venv
 	$(BIN)/python bench/long_sequences.py
+
+bench-estimators: venv
+	$(BIN)/python bench/estimators.py
 
 clean:
 	rm -rf $(VENV) artifacts runs .pytest_cache

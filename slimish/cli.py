@@ -4,7 +4,7 @@
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
-  slimish make-tiny --out DIR [--family qwen3]          build the tiny CPU model, tokenizer and task data
+  slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
 
@@ -72,13 +72,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from slimish.tasks import echo_digit
+    import importlib
+
     from slimish.tasks.tiny_model import build_tiny_model
 
     _output_dir(args.out, "--out")
+    task = importlib.import_module(f"slimish.tasks.{args.task}")
     out = Path(args.out)
-    model_dir = build_tiny_model(out / "model", corpus=echo_digit.corpus(), family=args.family, seed=args.seed)
-    paths = echo_digit.write_datasets(out, seed=args.seed)
+    model_dir = build_tiny_model(out / "model", corpus=task.corpus(), family=args.family, seed=args.seed)
+    paths = task.write_datasets(out, seed=args.seed)
     print(f"model: {model_dir}\ntrain prompts: {paths['train']}\nsft data: {paths['sft']}\n"
           f"held-out prompts: {paths['eval']}")
     return 0
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe",
                                                          "deepseek_v3"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="echo_digit", choices=["echo_digit", "calculator"],
+                   help="the task's tokenizer corpus and data: the quickstart's, or the tool-use one")
     p.set_defaults(fn=cmd_make_tiny)
     p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron-Core (torch_dist)")
     directions = p.add_subparsers(dest="direction", required=True)

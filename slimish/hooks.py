@@ -3,6 +3,9 @@
 Hooks and their contracts (see README "Hooks"):
   reward.fn   fn(completions: list[str], **kwargs) -> list[float]
               kwargs: prompts (list[str]), labels (list), samples (list[Sample])
+  rollout.generate_fn
+              async fn(sample: Sample, client: RolloutClient) -> Sample | list[Sample]
+              a rollout program: multi-turn generation, tools (slimish/rollout/programs.py)
   weight_sync.after_bucket_hook
               fn(version: str, bucket: int, engine_urls: list[str]) -> None
               on the sending trainer rank, after bucket number `bucket` (0-based; not the last) of the sync to

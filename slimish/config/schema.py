@@ -190,6 +190,8 @@ class RolloutConfig:
                                   "parity) are of softmax(logits / T), the distribution the engines sample from.")
     top_p: float = doc(1.0, "Nucleus sampling threshold; only 1.0 (SGLang's logprobs ignore the truncation).")
     stop: list = doc([], "Stop strings: a response ends (status completed) after the first one it produces.")
+    generate_fn: str = doc("", "Dotted path of a rollout program, async fn(sample, client) -> Sample | list[Sample] "
+                               "(multi-turn, tools; slimish/rollout/programs.py); empty = one generation per sample.")
     max_concurrency: int = doc(64, "Maximum in-flight /generate requests.")
     request_timeout_s: float = doc(600.0, "Timeout of one /generate request.")
     max_retries: int = doc(3, "Times a request whose engine failed (connection error, HTTP 5xx) is sent again; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
@@ -131,6 +132,13 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _positive("eval.max_prompts", cfg.eval.max_prompts, allow_zero=True)
     if cfg.weight_sync.after_bucket_hook:
         _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
+    if cfg.rollout.generate_fn:
+        _check_hook("rollout.generate_fn", cfg.rollout.generate_fn)
+        from slimish.hooks import load_function
+
+        if not inspect.iscoroutinefunction(load_function(cfg.rollout.generate_fn)):
+            raise ConfigError("rollout.generate_fn", f"{cfg.rollout.generate_fn!r} is not an async function: define "
+                                                     "it with `async def program(sample, client)`")
 
 
 def _check_paths(cfg: JobConfig) -> None:

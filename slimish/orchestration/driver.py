@@ -279,11 +279,19 @@ class RLJob:
         samples = []
         for i, row in enumerate(read_jsonl(self.cfg.sft.data_path)):
             prompt_ids = tokenizer(row["prompt"])["input_ids"]
-            response_ids = tokenizer(row["response"])["input_ids"] + [tokenizer.eos_token_id]
+            # A response is text, or turns [{"text", "env": bool}] whose environment turns are not trained on.
+            turns = row["turns"] if "turns" in row else [{"text": row["response"]}]
+            response_ids, loss_mask = [], []
+            for turn in turns:
+                ids = tokenizer(turn["text"], add_special_tokens=False)["input_ids"]
+                response_ids += ids
+                loss_mask += [0 if turn.get("env") else 1] * len(ids)
+            response_ids.append(tokenizer.eos_token_id)
+            loss_mask.append(1)
             samples.append(Sample(group_id=i, index=0, prompt=row["prompt"], prompt_ids=prompt_ids,
-                                  status=Status.COMPLETED, response=row["response"], response_ids=response_ids,
-                                  rollout_logprobs=[0.0] * len(response_ids),
-                                  weight_versions=[0] * len(response_ids), loss_mask=[1] * len(response_ids)))
+                                  status=Status.COMPLETED, response="".join(t["text"] for t in turns),
+                                  response_ids=response_ids, rollout_logprobs=[0.0] * len(response_ids),
+                                  weight_versions=[0] * len(response_ids), loss_mask=loss_mask))
         return samples
 
 

@@ -18,10 +18,12 @@ import httpx
 
 from slimish.network import auth_headers
 from slimish.rollout.data import PromptDataset
-from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
+from slimish.rollout.generate import SamplingParams, finish_multi_segment
+from slimish.rollout.programs import Interrupted, RolloutClient, single_turn
 from slimish.sample import Sample, Status
 
 RETRIES = 2  # per request whose engine may have died (connection error, 5xx): the router picks another
+RETRY_DELAY_S = 1.0
 
 
 def pass_at(n: int, c: int, j: int) -> float:
@@ -44,21 +46,26 @@ class EvalSet:
 
 def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, params: SamplingParams,
              samples_per_prompt: int, score: Callable[[list[Sample]], int], pass_threshold: float,
-             max_concurrency: int, timeout_s: float,
-             detokenize: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
+             max_concurrency: int, timeout_s: float, tokenize: Callable[[str], list[int]],
+             detokenize: Callable[[list[int]], str], program: Callable | None = None,
+             policy_version: int = 0) -> tuple[dict[str, float], list[Sample]]:
     """Metrics `eval/<set>/{pass@1, pass@k, reward_mean, response_len_mean, samples_failed}` and the scored
-    samples (group_id: the prompt's index in its set; meta["eval_set"]: the set's name). A sample whose request
-    failed is scored as failing and counted."""
+    samples (group_id: the prompt's index in its set; meta["eval_set"]: the set's name). Each sample goes through
+    the job's rollout program (`rollout.generate_fn`; one generation without one), as training samples do. A
+    sample whose request or program failed is scored as failing and counted."""
     samples = {s.name: [Sample(group_id=g, index=i, prompt=p.text, prompt_ids=list(p.ids), label=p.label,
                                columns=p.columns, meta={"eval_set": s.name})
                         for g, p in enumerate(s.prompts) for i in range(samples_per_prompt)] for s in sets}
     everything = [sample for group in samples.values() for sample in group]
     t0 = time.monotonic()
     failed = asyncio.run(_generate(everything, router_url=router_url, headers=auth_headers(api_key), params=params,
-                                   max_concurrency=max_concurrency, timeout_s=timeout_s))
+                                   max_concurrency=max_concurrency, timeout_s=timeout_s, program=program,
+                                   tokenize=tokenize, detokenize=detokenize, policy_version=policy_version))
     generated = [s for s in everything if id(s) not in failed]
     for sample in generated:
-        if sample.meta.get("segments", 0) > 1:  # continued after an abort: decode the whole response
+        if program is not None:  # as the scheduler does: a program's response is its decoded transcript
+            sample.response = detokenize(sample.response_ids)
+        elif sample.meta.get("segments", 0) > 1:  # continued after an abort: decode the whole response
             finish_multi_segment(sample, params.stop, detokenize)
     if generated:
         score(generated)
@@ -79,25 +86,30 @@ def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, param
 
 
 async def _generate(samples: list[Sample], *, router_url: str, headers: dict, params: SamplingParams,
-                    max_concurrency: int, timeout_s: float) -> set[int]:
-    """Generate every sample whole (no aborts: evaluation is not paused by a weight sync); the ids of those whose
-    request failed for good."""
+                    max_concurrency: int, timeout_s: float, program: Callable | None, tokenize: Callable,
+                    detokenize: Callable, policy_version: int) -> set[int]:
+    """Run every sample to its end (an interrupted one is continued: nothing pauses evaluation, but an engine may
+    abort); the ids of those whose requests or program failed for good."""
     semaphore = asyncio.Semaphore(max_concurrency)
     prefix = f"eval-{uuid.uuid4().hex[:8]}"
     failed: set[int] = set()
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
         async def one(n: int, sample: Sample) -> None:
-            async with semaphore:
-                for attempt in range(RETRIES + 1):
-                    try:
-                        await generate_one(http, router_url, sample, params, rid=f"{prefix}-{n}-{attempt}")
-                        if sample.status is not Status.ABORTED:
-                            return
-                    except RequestError as exc:
-                        if not exc.retriable or attempt == RETRIES:
-                            break
-                failed.add(id(sample))
+            client = RolloutClient(http=http, url=router_url, params=params, semaphore=semaphore, rid=f"{prefix}-{n}",
+                                   max_retries=RETRIES, retry_delay_s=RETRY_DELAY_S, tokenize=tokenize,
+                                   detokenize=detokenize, policy_version=lambda: policy_version)
+            for _ in range(RETRIES + 1):
+                try:
+                    await (program or single_turn)(sample, client)
+                    return
+                except Interrupted:
+                    sample.status = Status.PENDING
+                except Exception as exc:  # RequestFailed, or the program's own error: the sample fails, counted
+                    print(f"warning: evaluation sample {sample.meta['eval_set']}/{sample.group_id} failed: "
+                          f"{type(exc).__name__}: {exc}", flush=True)
+                    break
+            failed.add(id(sample))
 
         await asyncio.gather(*(one(n, s) for n, s in enumerate(samples)))
     return failed

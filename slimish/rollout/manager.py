@@ -44,6 +44,7 @@ class RolloutManager:
                                      label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed,
                                      chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
         self.reward_fn = build_reward_fn(cfg.reward)
+        self.program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
         ev = cfg.eval
         self.eval_sets = [EvalSet(path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
                                   label_key=cfg.data.label_key, chat_template=cfg.data.apply_chat_template,
@@ -65,8 +66,9 @@ class RolloutManager:
                                   stop=tuple(str(s) for s in ro.stop)),
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, new_group=self._new_group,
-            score=self._score, detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            dynamic_sampling=ro.dynamic_sampling, api_key=self.servers.api_key)
+            score=self._score, detokenize=self._detokenize,
+            dynamic_sampling=ro.dynamic_sampling, api_key=self.servers.api_key,
+            program=self.program, tokenize=self._tokenize)
         if ro.engine.restart_dead:
             self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
@@ -76,6 +78,12 @@ class RolloutManager:
         return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
                 "router_url": self.servers.router_url, "pids": self.servers.pids(),
                 "engines": self.servers.engine_info()}
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def gpu_telemetry(self) -> dict[str, float]:
         return self.servers.gpu_telemetry()
@@ -161,8 +169,8 @@ class RolloutManager:
             params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
                                   stop=tuple(str(s) for s in ro.stop)),
             samples_per_prompt=ev.samples_per_prompt, score=score, pass_threshold=ev.pass_threshold,
-            max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s,
-            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s, tokenize=self._tokenize,
+            detokenize=self._detokenize, program=self.program, policy_version=self.scheduler.policy_version)
         self.totals.update(failures)
         return {**metrics, "eval_reward_failures": failures["eval_reward_failures"],
                 "time_eval_s": time.monotonic() - t0}, [s.to_dict() for s in samples]

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import httpx
 from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
 from slimish.network import auth_headers
 from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
+from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient
 from slimish.sample import Sample, Status
 
 ABORT_RETRY_S = 1.0  # re-send abort_all while requests are still out (one may reach an engine after the abort)
@@ -79,7 +81,8 @@ class RolloutScheduler:
                  partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float, max_retries: int,
                  new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
                  detokenize: Callable[[list[int]], str],
-                 dynamic_sampling: DynamicSamplingConfig | None = None, api_key: str | None = None):
+                 dynamic_sampling: DynamicSamplingConfig | None = None, api_key: str | None = None,
+                 program: Callable | None = None, tokenize: Callable[[str], list[int]] | None = None):
         self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
         self._headers = auth_headers(api_key)  # router and engines refuse calls without the job's key
         self.max_retries = max_retries
@@ -87,6 +90,7 @@ class RolloutScheduler:
         self.capacity = prompts_per_step + partial.over_sampling
         self.max_staleness = partial.max_staleness
         self._new_group, self._score, self._detokenize = new_group, score, detokenize
+        self._program, self._tokenize = program, tokenize  # rollout.generate_fn (slimish/rollout/programs.py)
         self.dynamic_sampling = dynamic_sampling or DynamicSamplingConfig()
         self._dropped = 0  # uninformative groups dropped since the last collect
         self._max_concurrency, self._timeout_s = max_concurrency, request_timeout_s
@@ -125,6 +129,11 @@ class RolloutScheduler:
         self._policy_version = policy_version
         if self.mode == "retract":
             self._call(self._control_all("/continue_generation", {}))
+
+    @property
+    def policy_version(self) -> int:
+        """The weight version the engines serve (as of the last collect or resume)."""
+        return self._policy_version
 
     def set_engine_urls(self, urls: list[str]) -> None:
         """The engines that control calls (abort, pause, continue) go to: the live ones."""
@@ -207,6 +216,54 @@ class RolloutScheduler:
             self._finish(group)
 
     async def _generate(self, group: Group, sample: Sample, rid: str) -> None:
+        if self._program is not None:
+            await self._run_program(group, sample, rid)
+            return
+        await self._generate_one(group, sample, rid)
+
+    async def _run_program(self, group: Group, sample: Sample, rid: str) -> None:
+        """One sample through the rollout program: what it returns takes the sample's place in its group. An
+        interrupted program leaves the sample aborted (continued later); one whose request failed for good, or that
+        raised, leaves it failed (counted: requests_failed, program_errors)."""
+        model_tokens = sum(sample.loss_mask)
+        client = RolloutClient(http=self._http, url=self.router_url, params=self.params, semaphore=self._semaphore,
+                               rid=rid, max_retries=self.max_retries, retry_delay_s=RETRY_DELAY_S,
+                               tokenize=self._tokenize, detokenize=self._detokenize,
+                               policy_version=lambda: self._policy_version,
+                               on_retry=lambda: self._counters.update(["requests_retried"]))
+        try:
+            try:
+                returned = await self._program(sample, client)
+                results = [returned] if isinstance(returned, Sample) else list(returned)
+                if not results or any(not isinstance(s, Sample) or not s.finished for s in results):
+                    raise TypeError(f"returned {returned!r}: a finished Sample or a non-empty list of them")
+            except Interrupted:
+                results = [sample]
+                self._counters["requests_aborted"] += 1
+            except RequestFailed as exc:
+                sample.status, sample.error, results = Status.FAILED, str(exc), [sample]
+                self._counters["requests_failed"] += 1
+                print(f"warning: a request of {rid} failed for good, its sample will not train: {exc}", flush=True)
+            except Exception as exc:  # the program's own error: its sample fails, the job goes on
+                sample.status, sample.error, results = Status.FAILED, f"{type(exc).__name__}: {exc}", [sample]
+                self._counters["program_errors"] += 1
+                print(f"warning: the rollout program failed on {rid}, its sample will not train:\n"
+                      f"{traceback.format_exc()}", flush=True)
+            for result in results:
+                result.group_id = group.group_id
+                result.meta["program"] = True
+                if result.status in (Status.COMPLETED, Status.TRUNCATED):
+                    result.response = self._detokenize(result.response_ids)
+            self._counters["engine_tokens"] += sum(sum(s.loss_mask) for s in results) - model_tokens
+            if results != [sample]:
+                at = group.samples.index(sample)
+                group.samples[at:at + 1] = results
+        finally:
+            group.outstanding -= 1
+        if group.outstanding == 0:
+            self._finish(group)
+
+    async def _generate_one(self, group: Group, sample: Sample, rid: str) -> None:
         """One sample's request; a request whose engine failed is sent again (after a pause in which the watchdog
         takes a dead engine out of the router), up to `max_retries` times. A sample that still fails is FAILED:
         counted, never trained on, its group trained without it."""
@@ -249,8 +306,10 @@ class RolloutScheduler:
 
     async def _score_group(self, group: Group) -> None:
         try:
-            for sample in group.samples:
-                if sample.meta.get("segments", 0) > 1:  # decode the whole response, not the segments' texts joined
+            for index, sample in enumerate(group.samples):
+                sample.index = index  # a rollout program may have put several samples in one's place
+                if sample.meta.get("segments", 0) > 1 and not sample.meta.get("program"):
+                    # decode the whole response, not the segments' texts joined (a program's is decoded already)
                     finish_multi_segment(sample, self.params.stop, self._detokenize)
                 if sample.status is not Status.FAILED:
                     sample.check()
