@@ -255,8 +255,8 @@ class RolloutScheduler:
                 if result.status in (Status.COMPLETED, Status.TRUNCATED):
                     result.response = self._detokenize(result.response_ids)
             self._counters["engine_tokens"] += sum(sum(s.loss_mask) for s in results) - model_tokens
-            if results != [sample]:
-                at = group.samples.index(sample)
+            if len(results) != 1 or results[0] is not sample:
+                at = next(i for i, s in enumerate(group.samples) if s is sample)
                 group.samples[at:at + 1] = results
         finally:
             group.outstanding -= 1

@@ -49,7 +49,7 @@ def reward_by_length(samples: list[Sample]) -> int:
 
 def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0,
                    max_concurrency: int = 64, score=reward_by_length,
-                   dynamic_sampling: DynamicSamplingConfig | None = None) -> RolloutScheduler:
+                   dynamic_sampling: DynamicSamplingConfig | None = None, program=None) -> RolloutScheduler:
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]
@@ -60,7 +60,8 @@ def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness
                                                                               max_staleness=max_staleness),
                             max_concurrency=max_concurrency, request_timeout_s=120, max_retries=2,
                             new_group=new_group, score=score,
-                            detokenize=lambda ids: " ".join(map(str, ids)), dynamic_sampling=dynamic_sampling)
+                            detokenize=lambda ids: " ".join(map(str, ids)), dynamic_sampling=dynamic_sampling,
+                            program=program, tokenize=lambda text: [int(t) for t in text.split()])
 
 
 def check_batch(samples: list[Sample]) -> set[int]:
@@ -164,3 +165,36 @@ def test_dynamic_sampling_keeps_uninformative_groups_past_its_bound(engine_url):
     samples, counters = one_dynamic_step(engine_url, no_variance, max_extra_groups=1)
     assert len({s.group_id for s in samples}) == 4
     assert counters["groups_dropped_uninformative"] == 1 and counters["groups_kept_uninformative"] == 4
+
+
+async def twins_but_index_1_fails(sample: Sample, client) -> list[Sample]:
+    """A rollout program that returns two samples in each one's place, and raises on index 1."""
+    if sample.index == 1:
+        raise ValueError("the environment broke")
+    await client.generate(sample)
+    if client.remaining(sample) >= 2:
+        client.append_environment(sample, "9 9")
+    return [sample, Sample.from_dict(sample.to_dict())]
+
+
+def test_a_rollout_programs_samples_take_the_place_of_its_sample(engine_url):
+    """What a program returns replaces its sample in the group (renumbered); a program that raises fails its sample
+    (counted), and the group trains without it."""
+    scheduler = make_scheduler(engine_url, "off", over_sampling=0, program=twins_but_index_1_fails,
+                               score=lambda samples: 0)
+    try:
+        samples, counters = scheduler.collect(policy_version=0)
+    finally:
+        scheduler.close()
+    groups: dict[int, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    assert len(groups) == 4 and counters["program_errors"] == 4
+    for group in groups.values():
+        assert sorted(s.index for s in group) == list(range(2 * GROUP - 1)), "3 twins and the failed one, renumbered"
+        failed = [s for s in group if s.status is Status.FAILED]
+        assert len(failed) == 1 and "the environment broke" in failed[0].error
+        for sample in group:
+            if sample.status is not Status.FAILED:
+                sample.check()
+                assert sample.meta["program"] and sample.response == " ".join(map(str, sample.response_ids))
