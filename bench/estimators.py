@@ -3,9 +3,10 @@
     python bench/estimators.py [--steps 30] [--estimators grpo,ppo,...] [--workdir /tmp]   (or: make bench-estimators)
 
 Each estimator runs `slimish train` on configs/quickstart_cpu.yaml (its short SFT warm-up, then RL), same seed and
-data, only `trainer.loss.advantage_estimator` differing (ppo with its critic at the trainer.critic defaults); no
-evaluation. Per estimator it prints the mean reward of the first 3 and the last 3 steps and the rise between them.
-The baseline is grpo, run in the same invocation; the last line is
+data, only `trainer.loss.advantage_estimator` differing (ppo with its critic at the trainer.critic defaults, gspo
+with the sequence-level clip range the README gives); no evaluation. Per estimator it prints the mean reward of the
+first 3 and the last 3 steps and the rise between them. The baseline is grpo, run in the same invocation; the last
+line is
     estimators_rising=<n>/<total> min_rise=<x> min_rise_vs_grpo=<y>
 with rise = last-3 mean - first-3 mean. About 4-5 minutes per estimator on a 2-core machine.
 """
@@ -22,13 +23,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo"]
+EXTRA = {"gspo": ["trainer.loss.clip_eps_low=3e-4", "trainer.loss.clip_eps_high=4e-4"]}  # README: sequence clipping
 
 
 def run(estimator: str, *, assets: Path, out: Path, steps: int) -> list[float]:
     cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
            f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}",
            f"sft.data_path={assets / 'sft.jsonl'}", f"run.output_dir={out}", f"run.name={estimator}",
-           f"rl.num_steps={steps}", f"trainer.loss.advantage_estimator={estimator}", "eval.every=0"]
+           f"rl.num_steps={steps}", f"trainer.loss.advantage_estimator={estimator}", "eval.every=0",
+           *EXTRA.get(estimator, [])]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise RuntimeError(f"{estimator} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
