@@ -167,8 +167,15 @@ class EngineWatchdog:
                                                urls)))
         hung = []
         for i, url in enumerate(self.servers.engine_urls):
+            if answered.get(url, True):
+                continue
+            # An engine that exited (killed, crashed) also answers nothing: that is a death, which check() handles,
+            # not a hang. Asked after the probe failed, so whichever of the death and the probe came first, an
+            # exited process is never counted as hung.
+            if not self.servers.engine_alive(i):
+                continue
             with self._lock:
-                if answered.get(url, True) or self.state[url] not in (LIVE, JOINING) or url in self._killing:
+                if self.state[url] not in (LIVE, JOINING) or url in self._killing:
                     continue
                 if not paused and (self._paused or self._pauses != pauses):  # /health_generate met a pause
                     continue
@@ -178,7 +185,7 @@ class EngineWatchdog:
                   flush=True)
             self.servers.kill_engine(i)
             hung.append(url)
-        if hung:
+        if hung or any(not ok for ok in answered.values()):
             self.check()
         return hung
 

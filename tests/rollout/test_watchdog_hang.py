@@ -61,10 +61,11 @@ class StandInServers:
         self.engines = engines
         self.engine_urls = [e.url for e in engines]
         self.killed: list[int] = []
+        self.exited: set[int] = set()  # processes that died on their own (or by a signal from outside)
         self.respawned: list[int] = []
 
     def engine_alive(self, i):
-        return i not in self.killed
+        return i not in self.killed and i not in self.exited
 
     def engine_exit_code(self, i):
         return -9
@@ -98,6 +99,19 @@ def test_a_hung_engine_is_killed_and_handled_as_dead(engines):
     assert servers.killed == [1] and servers.respawned == [1]
     assert watchdog.metrics()["engine_hangs"] == 1 and watchdog.metrics()["engine_deaths"] == 1
     assert watchdog.live() == [engines[0].url]
+
+
+def test_an_engine_that_died_is_a_death_not_a_hang(engines):
+    """Killed from outside just before the probe: its port refuses the probe at once. Counted once, as a death
+    (the crash e2e test's fault 1 was once counted as a hang too, when the probe came first)."""
+    engines += [StandInEngine(), StandInEngine()]
+    servers = StandInServers(engines)
+    watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
+    engines[1].close()
+    servers.exited.add(1)
+    assert watchdog.probe() == [] and servers.killed == []
+    assert watchdog.metrics()["engine_hangs"] == 0 and watchdog.metrics()["engine_deaths"] == 1
+    assert servers.respawned == [1] and watchdog.live() == [engines[0].url]
 
 
 def test_a_probe_that_overlaps_a_pause_kills_nothing(engines):
