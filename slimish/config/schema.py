@@ -129,6 +129,8 @@ class EngineConfig:
     num_engines: int = doc(2, "SGLang servers to launch (each one process group).")
     tensor_parallel: int = doc(1, "SGLang --tp-size of each engine.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
+    require_key: bool = doc(True, "Start engines with the job's key (SGLang --api-key): their endpoints, but the "
+                                  "health checks, refuse callers without it. false: open to anyone who reaches them.")
     base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
