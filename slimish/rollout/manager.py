@@ -45,6 +45,9 @@ class RolloutManager:
                                      chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
         self.reward_fn = build_reward_fn(cfg.reward)
         self.program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
+        ro = cfg.rollout  # training rollouts and evaluation sample alike
+        self.sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                                       stop=tuple(str(s) for s in ro.stop))
         ev = cfg.eval
         self.eval_sets = [EvalSet(path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
                                   label_key=cfg.data.label_key, chat_template=cfg.data.apply_chat_template,
@@ -62,10 +65,9 @@ class RolloutManager:
         ro = self.cfg.rollout
         self.scheduler = RolloutScheduler(
             router_url=self.servers.router_url, engine_urls=self.servers.engine_urls,
-            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                                  stop=tuple(str(s) for s in ro.stop)),
-            prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
-            request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, new_group=self._new_group,
+            params=self.sampling, prompts_per_step=ro.prompts_per_step, partial=ro.partial,
+            max_concurrency=ro.max_concurrency, request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
+            new_group=self._new_group,
             score=self._score, detokenize=self._detokenize,
             dynamic_sampling=ro.dynamic_sampling, api_key=self.servers.api_key,
             program=self.program, tokenize=self._tokenize)
@@ -166,10 +168,9 @@ class RolloutManager:
         t0 = time.monotonic()
         metrics, samples = evaluate(
             self.eval_sets, router_url=self.servers.router_url, api_key=self.servers.api_key,
-            params=SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                                  stop=tuple(str(s) for s in ro.stop)),
-            samples_per_prompt=ev.samples_per_prompt, score=score, pass_threshold=ev.pass_threshold,
-            max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s, tokenize=self._tokenize,
+            params=self.sampling, samples_per_prompt=ev.samples_per_prompt, score=score,
+            pass_threshold=ev.pass_threshold, max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s,
+            tokenize=self._tokenize,
             detokenize=self._detokenize, program=self.program, policy_version=self.scheduler.policy_version)
         self.totals.update(failures)
         return {**metrics, "eval_reward_failures": failures["eval_reward_failures"],
