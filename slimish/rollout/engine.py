@@ -63,7 +63,7 @@ class EngineProcess:
     def _secret_args(self) -> list[str]:
         """The key goes in through SGLang's `--config` YAML, in a file only this user can read, not on the command
         line, which every local user can read; the file is removed once the server is up."""
-        if not (self.api_key and self.rollout.engine.require_key):
+        if not self.api_key:
             return []
         self._remove_secret_file()
         fd, self._secret_file = tempfile.mkstemp(prefix=f"slimish-engine{self.index}-", suffix=".yaml")

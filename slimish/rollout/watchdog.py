@@ -163,11 +163,11 @@ class EngineWatchdog:
         """Kill those of `urls` that do not answer the probe (`/model_info` when `paused`, else `/health_generate`,
         discarded if the job has paused the engines since the `pauses`-th pause); returns them."""
         path = "/model_info" if paused else "/health_generate"
-        answered = dict(zip(urls, _in_parallel(lambda url: _answers(url, path, self.hang_timeout_s, self._headers),
+        failures = dict(zip(urls, _in_parallel(lambda url: _answer(url, path, self.hang_timeout_s, self._headers),
                                                urls)))
         hung = []
         for i, url in enumerate(self.servers.engine_urls):
-            if answered.get(url, True):
+            if failures.get(url) is None:
                 continue
             # An engine that exited (killed, crashed) also answers nothing: that is a death, which check() handles,
             # not a hang. Asked after the probe failed, so whichever of the death and the probe came first, an
@@ -181,11 +181,11 @@ class EngineWatchdog:
                     continue
                 self._killing.add(url)
                 self.counts["hangs"] += 1
-            print(f"engine {url} is hung: {path} gave no answer in {self.hang_timeout_s:.0f}s; killing it",
+            print(f"engine {url} is hung: {path} {failures[url]} (the bound: {self.hang_timeout_s:.0f}s); killing it",
                   flush=True)
             self.servers.kill_engine(i)
             hung.append(url)
-        if hung or any(not ok for ok in answered.values()):
+        if hung or any(failures.values()):
             self.check()
         return hung
 
@@ -227,11 +227,14 @@ class EngineWatchdog:
               flush=True)
 
 
-def _answers(url: str, path: str, timeout_s: float, headers: dict) -> bool:
+def _answer(url: str, path: str, timeout_s: float, headers: dict) -> str | None:
+    """None when `url` answers `path` with 200 within `timeout_s`; else what happened instead, for the log."""
+    start = time.monotonic()
     try:
-        return httpx.get(f"{url}{path}", timeout=timeout_s, headers=headers).status_code == 200
-    except httpx.HTTPError:
-        return False
+        status = httpx.get(f"{url}{path}", timeout=timeout_s, headers=headers).status_code
+    except httpx.HTTPError as e:
+        return f"gave no answer ({type(e).__name__}) after {time.monotonic() - start:.1f}s"
+    return None if status == 200 else f"answered {status} after {time.monotonic() - start:.1f}s"
 
 
 def _in_parallel(fn: Callable, items: list) -> list:

@@ -59,16 +59,20 @@ def _requests_on(load: dict | list) -> int:
 
 
 def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s: float) -> int:
-    """SIGKILL the engine's process group at a moment it holds requests; returns how many it held."""
+    """SIGKILL the engine's process group at a moment it holds requests; returns how many it held. It is paused in
+    place (so that what it holds stays held until the kill) only once it was seen generating, and for one
+    /v1/loads call: an engine kept paused would fail the watchdog's /health_generate probe, a hang this test does
+    not mean to cause here."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=url, timeout=30, headers=auth_headers(api_key)) as http:
         while time.monotonic() < deadline:
-            http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
-            held = _requests_on(http.get("/v1/loads").json()["loads"])
-            if held:
-                os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
-                return held
-            http.post("/continue_generation", json={}).raise_for_status()
+            if _requests_on(http.get("/v1/loads").json()["loads"]):
+                http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
+                held = _requests_on(http.get("/v1/loads").json()["loads"])
+                if held:
+                    os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
+                    return held
+                http.post("/continue_generation", json={}).raise_for_status()
             time.sleep(0.05)
     raise AssertionError(f"{url} held no request for {timeout_s} s")
 
@@ -88,18 +92,13 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     become_subreaper()
     run_dir = tmp_path / "crash"
     # Small buckets: a sync spans several (the quickstart model is 0.44 MiB), so there is a "between two buckets".
-    # Hang probes every 5 s, hung after the default 60 s without an answer: fault 1 pauses engine 1 in place (so
-    # /health_generate cannot answer) until it holds requests, at most one train + sync long. A probe that lands
-    # just after fault 1's kill finds the port refusing; the watchdog counts that as the death it is, not a hang.
+    # Hang probes every 5 s, hung after the default 60 s without an answer. A probe that lands just after fault
+    # 1's kill finds the port refusing; the watchdog counts that as the death it is, not a hang.
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
                         "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2",
                         "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=60",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
-                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets",
-                        # Keyed engines paused in place by fault 1's loop stopped answering /health_generate for 60 s
-                        # and were killed as hung (2 runs out of 2 on 2026-11-24; keyless, it passes): not yet
-                        # understood, see README "Who can call a running job".
-                        "rollout.engine.require_key=false")
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets")
     log = tmp_path / "driver.log"
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=hook_env(run_dir))
     metrics = run_dir / "metrics.jsonl"
