@@ -1,4 +1,7 @@
-"""One /generate request through the router with `input_ids` + `return_logprob`, appended to a `Sample`.
+"""/generate requests through the router with `input_ids` + `return_logprob`, each reply appended to its `Sample`.
+A request carries one sample, or several that share a token budget (SGLang's batched input, answered as a list in
+the same order): one request per GRPO group reaches the engine at once, rather than as many scattered arrivals,
+each of which the engine would schedule in a batch of its own.
 
 Response token ids and logprobs are taken from the engine's reply (`output_ids`, `meta_info.output_token_logprobs`)
 and never re-tokenised; the decoded `text` is only used for the reward. A sample that already holds a partial
@@ -67,10 +70,19 @@ def request_body(sample: Sample, params: SamplingParams, rid: str) -> dict:
             "return_logprob": True, "rid": rid}
 
 
-def append_reply(sample: Sample, reply: dict) -> Sample:
-    """Append the engine's tokens, logprobs and versions to `sample` and take its finish reason (all or nothing).
+def batch_body(samples: list[Sample], params: SamplingParams, rid: str) -> dict:
+    """The /generate body for `samples`, which have the same number of response tokens left to generate. SGLang
+    names the requests `{rid}_{i}`."""
+    budgets = {params.max_new_tokens - len(s.response_ids) for s in samples}
+    if len(budgets) != 1:
+        raise ValueError(f"one request's samples must share a token budget, got {sorted(budgets)}")
+    body = request_body(samples[0], params, rid)
+    body["input_ids"] = [s.prompt_ids + s.response_ids for s in samples]
+    return body
 
-    An aborted request may end before the engine produced any token; it then appends nothing."""
+
+def _checked(reply: dict) -> tuple[Status, list[int], list, dict]:
+    """`reply`'s status, token ids, logprob triples and meta_info, after checking they agree (ValueError)."""
     meta = reply["meta_info"]
     finish = (meta.get("finish_reason") or {}).get("type")
     status = FINISH_STATUS.get(finish)
@@ -83,6 +95,17 @@ def append_reply(sample: Sample, reply: dict) -> Sample:
     for (_, token_id, *_), out_id in zip(triples, ids):
         if token_id != out_id:
             raise ValueError(f"logprob token {token_id} != output token {out_id}")
+    return status, ids, triples, meta
+
+
+def append_reply(sample: Sample, reply: dict) -> Sample:
+    """Append the engine's tokens, logprobs and versions to `sample` and take its finish reason (all or nothing).
+
+    An aborted request may end before the engine produced any token; it then appends nothing."""
+    return _append(sample, reply, *_checked(reply))
+
+
+def _append(sample: Sample, reply: dict, status: Status, ids: list[int], triples: list, meta: dict) -> Sample:
     sample.response = sample.response + reply.get("text", "") if sample.response_ids else reply.get("text", "")
     sample.response_ids = sample.response_ids + ids
     sample.rollout_logprobs = sample.rollout_logprobs + [float(t[0]) for t in triples]
@@ -131,8 +154,21 @@ async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params
                        rid: str) -> Sample:
     """Generate (or continue) `sample` through `url`/generate and append the reply; raises `RequestError` (the
     sample unchanged) if the request fails."""
+    await _post(http, url, [sample], params, request_body(sample, params, rid))
+    return sample
+
+
+async def generate_batch(http: httpx.AsyncClient, url: str, samples: list[Sample], params: SamplingParams, *,
+                         rid: str) -> list[Sample]:
+    """`generate_one` for several samples that share a token budget, in one request: each reply is appended to its
+    sample; if the request fails, `RequestError` is raised and every sample is unchanged."""
+    await _post(http, url, samples, params, batch_body(samples, params, rid))
+    return samples
+
+
+async def _post(http: httpx.AsyncClient, url: str, samples: list[Sample], params: SamplingParams, body: dict) -> None:
     try:
-        resp = await http.post(f"{url}/generate", json=request_body(sample, params, rid))
+        resp = await http.post(f"{url}/generate", json=body)
     except httpx.TimeoutException as exc:
         raise RequestError(f"{type(exc).__name__}: {exc}", retriable=False) from exc
     except httpx.TransportError as exc:
@@ -140,11 +176,16 @@ async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params
     if resp.status_code != 200:
         raise RequestError(f"HTTP {resp.status_code}: {resp.text[:300]}", retriable=resp.status_code >= 500)
     try:
-        append_reply(sample, resp.json())
+        replies = resp.json()
+        replies = replies if isinstance(body["input_ids"][0], list) else [replies]
+        if len(replies) != len(samples):
+            raise ValueError(f"{len(replies)} replies to {len(samples)} inputs")
+        checked = [_checked(reply) for reply in replies]  # every reply, before any sample changes
     except (ValueError, KeyError, TypeError) as exc:
         raise RequestError(f"malformed reply: {type(exc).__name__}: {exc}", retriable=False) from exc
-    if sample.status is Status.ABORTED and len(sample.response_ids) >= params.max_new_tokens:
-        # The abort landed on the last token of the budget: nothing is left to continue (a continuation would ask
-        # for max_new_tokens=0).
-        sample.status = Status.TRUNCATED
-    return sample
+    for sample, reply, parts in zip(samples, replies, checked):
+        _append(sample, reply, *parts)
+        if sample.status is Status.ABORTED and len(sample.response_ids) >= params.max_new_tokens:
+            # The abort landed on the last token of the budget: nothing is left to continue (a continuation would
+            # ask for max_new_tokens=0).
+            sample.status = Status.TRUNCATED

@@ -171,7 +171,7 @@ class RolloutManager:
             params=self.sampling, samples_per_prompt=ev.samples_per_prompt, score=score,
             pass_threshold=ev.pass_threshold, max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s,
             tokenize=self._tokenize,
-            detokenize=self._detokenize, program=self.program, policy_version=self.scheduler.policy_version)
+            detokenize=self._detokenize, program=self.program, policy_version=self.scheduler.engine_version)
         self.totals.update(failures)
         return {**metrics, "eval_reward_failures": failures["eval_reward_failures"],
                 "time_eval_s": time.monotonic() - t0}, [s.to_dict() for s in samples]

@@ -37,7 +37,7 @@ import httpx
 
 from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
 from slimish.network import auth_headers
-from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_one
+from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_batch
 from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient
 from slimish.sample import Sample, Status
 
@@ -51,6 +51,7 @@ class Group:
     samples: list[Sample]
     outstanding: int = 0  # requests in flight
     restarts: int = 0  # times regenerated from the prompt (stale); part of request ids
+    submitted_version: int = 0  # the weight version the engines served when it was last submitted
 
     def oldest_version(self) -> int | None:
         versions = [v for s in self.samples for v in s.weight_versions]
@@ -96,7 +97,8 @@ class RolloutScheduler:
         self._max_concurrency, self._timeout_s = max_concurrency, request_timeout_s
         self._rid_prefix = uuid.uuid4().hex[:8]
         self._next_group_id = 0
-        self._policy_version = 0
+        self._policy_version = 0  # the version that trains the batch being collected (staleness is measured to it)
+        self._engine_version = 0  # the version the engines serve (as of the last resume)
         self._backlog: collections.deque[Group] = collections.deque()  # to (re)submit; partial groups first
         self._active: dict[int, Group] = {}  # submitted: generating or being scored
         self._ready: list[Group] = []  # finished and scored
@@ -114,7 +116,8 @@ class RolloutScheduler:
 
     def collect(self, *, policy_version: int) -> tuple[list[Sample], dict]:
         """The samples of `prompts_per_step` finished groups (group by group) and the scheduler's counters since the
-        last call. `policy_version` is the weight version the engines serve and the trainer starts from."""
+        last call. `policy_version` is the weight version that will train them (the engines serve it, or, with
+        rl.mode one_step_off / async, an older one)."""
         return self._call(self._collect(policy_version))
 
     def pause(self) -> None:
@@ -126,14 +129,14 @@ class RolloutScheduler:
 
     def resume(self, *, policy_version: int) -> None:
         """After a weight sync: the engines serve `policy_version`; retracted requests continue."""
-        self._policy_version = policy_version
+        self._engine_version = policy_version
         if self.mode == "retract":
             self._call(self._control_all("/continue_generation", {}))
 
     @property
-    def policy_version(self) -> int:
-        """The weight version the engines serve (as of the last collect or resume)."""
-        return self._policy_version
+    def engine_version(self) -> int:
+        """The weight version the engines serve (as of the last resume)."""
+        return self._engine_version
 
     def set_engine_urls(self, urls: list[str]) -> None:
         """The engines that control calls (abort, pause, continue) go to: the live ones."""
@@ -200,26 +203,31 @@ class RolloutScheduler:
             self._submit(group)
 
     def _submit(self, group: Group) -> None:
+        """Start generating `group`'s unfinished samples: one request per set of samples with the same token budget
+        (a new group is one request), or one rollout program per sample."""
         self._active[group.group_id] = group
+        group.submitted_version = self._engine_version
         if group.oldest_version() is not None:
             self._counters["groups_continued"] += 1
-        for sample in group.samples:
-            if sample.status in (Status.PENDING, Status.ABORTED):
-                sample.status = Status.PENDING
-                group.outstanding += 1
-                segment = sample.meta.get("segments", 0)
-                rid = f"slimish-{self._rid_prefix}-{group.group_id}-{sample.index}-{group.restarts}-{segment}"
-                task = self._loop.create_task(self._generate(group, sample, rid))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        todo = [s for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)]
+        for sample in todo:
+            sample.status = Status.PENDING
+        tag = f"slimish-{self._rid_prefix}-{group.group_id}-{group.restarts}"
+        if self._program is not None:
+            work = [self._run_program(group, s, f"{tag}-{s.index}-{s.meta.get('segments', 0)}") for s in todo]
+        else:
+            by_budget: dict[int, list[Sample]] = {}
+            for sample in todo:
+                by_budget.setdefault(len(sample.response_ids), []).append(sample)
+            work = [self._generate_batch(group, batch, f"{tag}-{batch[0].index}-{batch[0].meta.get('segments', 0)}")
+                    for batch in by_budget.values()]
+        group.outstanding += len(work)
+        for coro in work:
+            task = self._loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         if group.outstanding == 0:  # nothing left to generate (e.g. every sample failed before an abort)
             self._finish(group)
-
-    async def _generate(self, group: Group, sample: Sample, rid: str) -> None:
-        if self._program is not None:
-            await self._run_program(group, sample, rid)
-            return
-        await self._generate_one(group, sample, rid)
 
     async def _run_program(self, group: Group, sample: Sample, rid: str) -> None:
         """One sample through the rollout program: what it returns takes the sample's place in its group. An
@@ -229,7 +237,7 @@ class RolloutScheduler:
         client = RolloutClient(http=self._http, url=self.router_url, params=self.params, semaphore=self._semaphore,
                                rid=rid, max_retries=self.max_retries, retry_delay_s=RETRY_DELAY_S,
                                tokenize=self._tokenize, detokenize=self._detokenize,
-                               policy_version=lambda: self._policy_version,
+                               policy_version=lambda: self._engine_version,
                                on_retry=lambda: self._counters.update(["requests_retried"]))
         try:
             try:
@@ -263,31 +271,32 @@ class RolloutScheduler:
         if group.outstanding == 0:
             self._finish(group)
 
-    async def _generate_one(self, group: Group, sample: Sample, rid: str) -> None:
-        """One sample's request; a request whose engine failed is sent again (after a pause in which the watchdog
-        takes a dead engine out of the router), up to `max_retries` times. A sample that still fails is FAILED:
-        counted, never trained on, its group trained without it."""
-        before = len(sample.response_ids)
+    async def _generate_batch(self, group: Group, samples: list[Sample], rid: str) -> None:
+        """One request for `samples` (a share of `group` with the same token budget); a request whose engine failed
+        is sent again (after a pause in which the watchdog takes a dead engine out of the router), up to
+        `max_retries` times. Samples whose request still fails are FAILED: counted (per sample), never trained on,
+        their group trained without them."""
+        before = sum(len(s.response_ids) for s in samples)
         try:
             for attempt in range(self.max_retries + 1):
                 try:
                     async with self._semaphore:
-                        await generate_one(self._http, self.router_url, sample, self.params,
-                                           rid=rid if attempt == 0 else f"{rid}-retry{attempt}")
+                        await generate_batch(self._http, self.router_url, samples, self.params,
+                                             rid=rid if attempt == 0 else f"{rid}-retry{attempt}")
                     break
                 except RequestError as exc:
                     if not exc.retriable or attempt == self.max_retries:
-                        sample.status, sample.error = Status.FAILED, str(exc)
-                        self._counters["requests_failed"] += 1
+                        for sample in samples:
+                            sample.status, sample.error = Status.FAILED, str(exc)
+                        self._counters["requests_failed"] += len(samples)
                         # Counted in metrics.jsonl; the reason is only here (and in run.save_rollouts files).
-                        print(f"warning: request {rid} failed after {attempt + 1} attempt(s), its sample will not "
-                              f"train: {exc}", flush=True)
+                        print(f"warning: request {rid} failed after {attempt + 1} attempt(s), its {len(samples)} "
+                              f"sample(s) will not train: {exc}", flush=True)
                         break
                     self._counters["requests_retried"] += 1
                     await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
-            self._counters["engine_tokens"] += len(sample.response_ids) - before
-            if sample.status is Status.ABORTED:
-                self._counters["requests_aborted"] += 1
+            self._counters["engine_tokens"] += sum(len(s.response_ids) for s in samples) - before
+            self._counters["requests_aborted"] += sum(1 for s in samples if s.status is Status.ABORTED)
         finally:
             group.outstanding -= 1
         if group.outstanding == 0:
@@ -361,12 +370,16 @@ class RolloutScheduler:
 
     def _restart_stale_ready(self) -> None:
         stale = [g for g in self._ready if self._stale(g)]
-        for group in stale:
+        for group in stale:  # when regenerating would not help, fail loudly
             newest = max(v for s in group.samples for v in s.weight_versions)
-            if self._policy_version - newest > self.max_staleness:  # regenerating would not help: fail loudly
-                raise RuntimeError(f"group {group.group_id} was just sampled with weight version {newest}, but the "
-                                   f"policy is at version {self._policy_version}: the engines do not serve the "
-                                   "trained weights")
+            if newest < group.submitted_version:
+                raise RuntimeError(f"group {group.group_id} was sampled with weight version {newest} after the "
+                                   f"engines were synced to version {group.submitted_version}: the engines do not "
+                                   "serve the trained weights")
+            if self._policy_version - self._engine_version > self.max_staleness:
+                raise RuntimeError(f"the engines serve weight version {self._engine_version} and the policy is at "
+                                   f"version {self._policy_version}, beyond rollout.partial.max_staleness "
+                                   f"{self.max_staleness}: the engines do not serve the trained weights")
         if stale:
             self._ready = [g for g in self._ready if not self._stale(g)]
             self._backlog.extendleft(self._restart(g) for g in reversed(stale))

@@ -207,3 +207,45 @@ def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
 
     assert asyncio.run(generate(2)).status is Status.TRUNCATED
     assert asyncio.run(generate(3)).status is Status.ABORTED
+
+
+def test_a_batched_request_fills_each_sample_or_none():
+    """Several samples with the same budget go in one request (input_ids batched, answered in order); a reply list
+    with one malformed entry changes no sample. Served by httpx's MockTransport."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from slimish.rollout.generate import RequestError, batch_body, generate_batch
+
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1.0)
+    truncated = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "length"}}}
+    bodies = []
+
+    def run(replies: list[dict]) -> list[Sample]:
+        def answer(request):
+            bodies.append(json.loads(request.content))
+            return httpx.Response(200, json=replies)
+
+        async def go():
+            samples = [_sample(), Sample(group_id=0, index=1, prompt="say 7", prompt_ids=[269, 221, 23], label="7")]
+            async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+                try:
+                    await generate_batch(http, "http://engine", samples, params, rid="g")
+                except RequestError:
+                    pass
+            return samples
+        return asyncio.run(go())
+
+    first, second = run([RECORDED_REPLY, truncated])
+    assert bodies[0]["input_ids"] == [[269, 221, 23], [269, 221, 23]] and bodies[0]["rid"] == "g"
+    assert bodies[0]["sampling_params"]["max_new_tokens"] == 8
+    assert (first.status, second.status) == (Status.COMPLETED, Status.TRUNCATED)
+    assert first.response_ids == second.response_ids == [23, 0]
+    untouched = run([RECORDED_REPLY, {**RECORDED_REPLY, "output_ids": [23, 5]}])
+    assert all(s.response_ids == [] and s.status is Status.PENDING for s in untouched)
+    continued = append_reply(_sample(), {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"],
+                                                                         "finish_reason": {"type": "abort"}}})
+    with pytest.raises(ValueError, match="share a token budget"):
+        batch_body([continued, _sample()], params, rid="g")

@@ -119,11 +119,15 @@ def test_retract_pause_keeps_requests_alive(engine_url):
     assert retractions > 0
 
 
-def test_engines_behind_the_policy_fail_loudly(engine_url):
+@pytest.mark.parametrize("synced_to", [0, 5])
+def test_engines_behind_the_policy_fail_loudly(engine_url, synced_to):
+    """The engine serves version 0. Told so, a policy at version 5 is too far ahead of it; told it was synced to
+    version 5, it answers with version-0 tokens: either way regenerating cannot help."""
     scheduler = make_scheduler(engine_url, "abort", max_staleness=1)
     try:
+        scheduler.resume(policy_version=synced_to)
         with pytest.raises(RuntimeError, match="do not serve the trained weights"):
-            scheduler.collect(policy_version=5)  # the engine serves version 0
+            scheduler.collect(policy_version=5)
     finally:
         scheduler.close()
 
