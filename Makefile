@@ -2,14 +2,14 @@
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
 # Other targets: make venv | make test-fast | make lint | make bench | make bench-partial | make bench-sync |
-#   make bench-flatten | make bench-long | make bench-estimators
+#   make bench-flatten | make bench-long | make bench-estimators | make bench-async | make bench-rollout
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten bench-long bench-estimators clean
+.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,12 @@ bench-long: venv
 
 bench-estimators: venv
 	$(BIN)/python bench/estimators.py
+
+bench-async: venv
+	$(BIN)/python bench/async_modes.py
+
+bench-rollout: venv
+	$(BIN)/python bench/rollout_overhead.py
 
 clean:
 	rm -rf $(VENV) artifacts runs .pytest_cache

@@ -14,28 +14,14 @@ with rise = last-3 mean - first-3 mean. About 4-5 minutes per estimator on a 2-c
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from rl_jobs import make_assets, train
+
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo"]
 EXTRA = {"gspo": ["trainer.loss.clip_eps_low=3e-4", "trainer.loss.clip_eps_high=4e-4"]}  # README: sequence clipping
-
-
-def run(estimator: str, *, assets: Path, out: Path, steps: int) -> list[float]:
-    cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
-           f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}",
-           f"sft.data_path={assets / 'sft.jsonl'}", f"run.output_dir={out}", f"run.name={estimator}",
-           f"rl.num_steps={steps}", f"trainer.loss.advantage_estimator={estimator}", "eval.every=0",
-           *EXTRA.get(estimator, [])]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if result.returncode:
-        raise RuntimeError(f"{estimator} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return [json.loads(line)["reward_mean"] for line in (out / estimator / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
@@ -50,10 +36,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="slimish-bench-estimators-", dir=args.workdir))
     rises = {}
     try:
-        subprocess.run([sys.executable, "-m", "slimish.cli", "make-tiny", "--out", str(root / "assets")],
-                       check=True, capture_output=True, cwd=REPO)
+        assets = make_assets(root / "assets")
         for name in names:
-            rewards = run(name, assets=root / "assets", out=root / "runs", steps=args.steps)
+            overrides = [f"rl.num_steps={args.steps}", f"trainer.loss.advantage_estimator={name}", *EXTRA.get(name, [])]
+            rewards = [r["reward_mean"] for r in train(name, overrides, assets=assets, out=root / "runs")]
             first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
             rises[name] = last - first
             print(f"{name:>29}: first-3 mean {first:.3f} | last-3 mean {last:.3f} | rise {last - first:+.3f} | "

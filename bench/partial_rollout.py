@@ -16,15 +16,12 @@ step in every mode). Engine start-up (~1-2 min per job on a 2-core machine) is e
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from rl_jobs import make_assets, steady_state, train
+
 MODES = {"off": [], "abort": ["rollout.partial.over_sampling=4"], "retract": ["rollout.partial.over_sampling=4"]}
 # An untrained model samples near-uniformly: ending a response at the first "e" makes lengths geometric (measured:
 # mean 28, median 22, 90th percentile 60, max 156 of 64), so a step's slowest sample is several times its mean.
@@ -34,27 +31,6 @@ JOB = ["sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "rol
        "eval.every=0"]
 
 
-def run_mode(mode: str, *, assets: Path, out: Path, steps: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
-           f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}", f"run.output_dir={out}",
-           f"run.name=mode_{mode}", f"rl.num_steps={steps}", f"rollout.partial.mode={mode}", *JOB, *MODES[mode]]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if result.returncode:
-        raise RuntimeError(f"mode {mode} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return [json.loads(line) for line in (out / f"mode_{mode}" / "metrics.jsonl").read_text().splitlines()]
-
-
-def summarize(records: list[dict]) -> dict:
-    steady = records[1:]
-    step_s = statistics.mean(r["time_step_s"] for r in steady)
-    samples = statistics.mean(r["samples_completed"] + r["samples_truncated"] for r in steady)
-    return {"step_s": step_s, "samples_per_s": samples / step_s,
-            "engine_tokens_per_s": sum(r["engine_tokens"] for r in steady) / sum(r["time_step_s"] for r in steady),
-            "off_policy_token_frac": statistics.mean(r["off_policy_token_frac"] for r in steady),
-            "staleness_max": max(r["staleness_max"] for r in steady),
-            "reward_mean": statistics.mean(r["reward_mean"] for r in steady)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
@@ -62,11 +38,11 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="slimish-bench-partial-", dir=args.workdir))
     try:
-        subprocess.run([sys.executable, "-m", "slimish.cli", "make-tiny", "--out", str(root / "assets")],
-                       check=True, capture_output=True, cwd=REPO)
+        assets = make_assets(root / "assets")
         results = {}
         for mode in MODES:
-            results[mode] = summarize(run_mode(mode, assets=root / "assets", out=root / "runs", steps=args.steps))
+            overrides = [f"rl.num_steps={args.steps}", f"rollout.partial.mode={mode}", *JOB, *MODES[mode]]
+            results[mode] = steady_state(train(f"mode_{mode}", overrides, assets=assets, out=root / "runs"))
             r = results[mode]
             print(f"{mode:>8}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | engines "
                   f"{r['engine_tokens_per_s']:.0f} tok/s | off-policy tokens {r['off_policy_token_frac']:.2f} "

@@ -14,6 +14,24 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _check_rl_mode(cfg: JobConfig) -> None:
+    rl, partial = cfg.rl, cfg.rollout.partial
+    _positive("rl.sync_every", rl.sync_every)
+    if rl.sync_every > 1 and rl.mode != "async":
+        raise ConfigError("rl.sync_every", f"got {rl.sync_every}, but only rl.mode 'async' syncs less often than "
+                                           f"every step (rl.mode is {rl.mode!r}); use 1 or rl.mode=async")
+    if rl.mode == "async" and partial.mode != "retract":
+        raise ConfigError("rl.mode", "'async' generates without stopping, which needs rollout.partial.mode 'retract' "
+                                     f"(got {partial.mode!r}): set rollout.partial.mode=retract")
+    # A group is at least this many versions old when it trains; a tighter bound would regenerate every group.
+    least = {"sync": 0, "one_step_off": 1, "async": rl.sync_every}[rl.mode]
+    if partial.max_staleness and partial.max_staleness < least:
+        raise ConfigError("rollout.partial.max_staleness",
+                          f"got {partial.max_staleness}, but with rl.mode {rl.mode!r}"
+                          + (f" and rl.sync_every {rl.sync_every}" if rl.mode == "async" else "")
+                          + f" a step trains tokens up to {least} version(s) old: use >= {least} (or 0, no bound)")
+
+
 def validate(cfg: JobConfig, *, files: bool = True) -> None:
     """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`)."""
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
@@ -67,6 +85,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         raise ConfigError("rollout.partial.over_sampling",
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "
                           "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
+    _check_rl_mode(cfg)
     if ro.top_p != 1:
         # SGLang samples from the top-p-truncated distribution but returns the logprobs of the untruncated
         # softmax(logits / T): every importance ratio and the parity metric would compare the wrong policy.

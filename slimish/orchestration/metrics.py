@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 class PhaseTimer:
-    """`with timer("rollout"):` records `time_rollout_s` into the current step's metrics."""
+    """`with timer("rollout"):` adds its seconds to `time_rollout_s` of the current step's metrics."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -21,7 +21,8 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.times[f"time_{phase}_s"] = time.monotonic() - t0
+            key = f"time_{phase}_s"
+            self.times[key] = self.times.get(key, 0.0) + time.monotonic() - t0
 
     def pop(self) -> dict[str, float]:
         times, self.times = self.times, {}

@@ -89,6 +89,29 @@ def test_bad_config_names_key_and_allowed(base, override, key, fragment):
     assert str(err.value).startswith(f"config key '{key}'")
 
 
+RL_MODE_CASES = [
+    # (overrides, key named in the error, a fragment of the explanation)
+    (["rl.mode=async"], "rl.mode", "set rollout.partial.mode=retract"),
+    (["rl.sync_every=2"], "rl.sync_every", "only rl.mode 'async'"),
+    (["rl.mode=async", "rollout.partial.mode=retract", "rl.sync_every=0"], "rl.sync_every", "must be > 0"),
+    (["rl.mode=async", "rollout.partial.mode=retract", "rl.sync_every=3", "rollout.partial.max_staleness=2"],
+     "rollout.partial.max_staleness", "up to 3 version(s) old: use >= 3"),
+    (["rl.mode=one_step_off", "rollout.partial.mode=abort", "rollout.partial.max_staleness=0"], None, None),
+    (["rl.mode=one_step_off"], None, None),
+    (["rl.mode=async", "rollout.partial.mode=retract", "rl.sync_every=2"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", RL_MODE_CASES, ids=[" ".join(c[0]) for c in RL_MODE_CASES])
+def test_rl_mode_checks(base, overrides, key, fragment):
+    if key is None:
+        assert load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides).rl.mode == overrides[0][8:]
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
+    assert err.value.key == key and fragment in str(err.value), str(err.value)
+
+
 def test_pipeline_parallel_is_allowed(base):
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml",
                       base + ["parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2"])
