@@ -19,7 +19,9 @@ JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's o
 
 
 def new_job_key() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits as hex. Not urlsafe base64: its alphabet has '-', and a key that begins with one is taken for
+    an option by the engines' and the router's argument parsers ("--api-key: expected one argument")."""
+    return secrets.token_hex(32)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

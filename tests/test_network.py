@@ -41,3 +41,21 @@ def test_loopback_interface_and_auth_header():
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("203.0.113.7") is None
     assert auth_headers("k") == {"Authorization": "Bearer k"} and auth_headers(None) == {}
+
+
+def test_job_keys_parse_as_option_values():
+    """A key is handed to SGLang's and the router's argument parsers as `--api-key KEY`; a key beginning with '-'
+    would be taken for an option there ("expected one argument": 1 key in 64 of urlsafe base64 did)."""
+    import argparse
+
+    import pytest
+    from sglang.srt.server_args import ServerArgs
+
+    from slimish.network import new_job_key
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    for key in [new_job_key() for _ in range(256)]:
+        assert parser.parse_args(["--model-path", "m", "--api-key", key]).api_key == key
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--model-path", "m", "--api-key", "-starts-with-a-dash"])
