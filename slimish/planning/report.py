@@ -74,7 +74,8 @@ def _walls(cfg, arch, params: ParamCount) -> list[str]:
     if walls.sync is None:
         lines.append(f"  sync    (no estimate for weight_sync.transport {cfg.weight_sync.transport!r})")
     binding = walls.binding
-    lines.append(f"binding wall: {binding} ({walls.seconds()[binding]:.1f} s of "
-                 f"{sum(walls.seconds().values()):.1f} s per step, run one after another); to move it: "
-                 f"{ADVICE[binding]}")
+    how = (f"generation overlapping training (rl.mode {cfg.rl.mode})" if walls.overlapped
+           else "run one after another")
+    lines.append(f"binding wall: {binding} ({walls.seconds()[binding]:.1f} s of {walls.step_seconds():.1f} s per "
+                 f"step, {how}); to move it: {ADVICE[binding]}")
     return lines

@@ -7,6 +7,10 @@
   rollout  the step's generated tokens over the engines' decode throughput, and never less than the longest
            response at one request's pace (a step waits for its slowest group).
   reward   samples x seconds per sample over the reward calls that run at once.
+
+A step takes the sum of the walls with rl.mode sync; with one_step_off or async generation overlaps training, so it
+takes the longer of train and rollout + reward, plus the sync (with async, a sync every rl.sync_every steps: its
+share per step).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from slimish.weight_sync.estimate import Cluster, sync_seconds
 ADVICE = {
     "train": "more trainer GPUs (data parallel), trainer.max_tokens_per_micro_batch (packing), or recompute off if "
              "memory allows",
-    "sync": "stage senders (weight_sync.stage_senders with pipeline parallelism), fewer syncs, or a faster link",
-    "rollout": "more engines, or rollout.partial.mode abort / retract so that generation overlaps training",
+    "sync": "stage senders (weight_sync.stage_senders with pipeline parallelism), fewer syncs (rl.mode async with "
+            "rl.sync_every), or a faster link",
+    "rollout": "more engines, or rl.mode one_step_off / async, or rollout.partial.mode abort / retract, so that "
+               "generation overlaps training",
     "reward": "more reward workers (a remote reward service), or a cheaper reward",
 }
 
@@ -32,6 +38,14 @@ class Walls:
     sync: float | None  # None: no estimate for the transport
     rollout: float
     reward: float
+    overlapped: bool = False  # rl.mode one_step_off / async: generation overlaps training
+
+    def step_seconds(self) -> float:
+        """What a step takes: the walls one after another, or, overlapped, the longer of train and rollout +
+        reward, plus the sync."""
+        if not self.overlapped:
+            return sum(self.seconds().values())
+        return max(self.train, self.rollout + self.reward) + (self.sync or 0.0)
 
     def seconds(self) -> dict[str, float]:
         out = {"train": self.train, "rollout": self.rollout, "reward": self.reward}
@@ -65,4 +79,6 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
     rollout = max(samples * response / (ro.engine.num_engines * plan.decode_tokens_per_s),
                   ro.max_new_tokens / plan.request_tokens_per_s)
     reward = samples * plan.reward_s_per_sample / plan.reward_workers
-    return Walls(train=train, sync=sync, rollout=rollout, reward=reward)
+    if sync is not None and cfg.rl.mode == "async":
+        sync /= cfg.rl.sync_every  # its share per step
+    return Walls(train=train, sync=sync, rollout=rollout, reward=reward, overlapped=cfg.rl.mode != "sync")

@@ -103,6 +103,23 @@ def test_the_405b_full_broadcast_sync_is_its_bytes_over_one_link(tmp_path):
     assert step_walls(funnel, arch, params).sync == pytest.approx(16.23 * (1 + 6 / 7), abs=0.01)
 
 
+def test_overlapped_modes_take_the_longer_of_training_and_generation(tmp_path):
+    """rl.mode sync adds the walls; one_step_off and async take max(train, rollout + reward) + sync, async with a
+    sync every rl.sync_every steps (its share per step)."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    arch, params = architecture_from_hf(LLAMA31_405B), count_params(LLAMA31_405B)
+    serial = step_walls(recipe("llama31_405b_math_grpo", tmp_path), arch, params)
+    assert serial.step_seconds() == pytest.approx(serial.train + serial.rollout + serial.reward + serial.sync)
+    off = step_walls(recipe("llama31_405b_math_grpo", tmp_path, "rl.mode=one_step_off"), arch, params)
+    assert off.step_seconds() == pytest.approx(max(off.train, off.rollout + off.reward) + serial.sync)
+    overlapped = recipe("llama31_405b_math_grpo", tmp_path, "rl.mode=async", "rl.sync_every=4",
+                        "rollout.partial.mode=retract")
+    walls = step_walls(overlapped, arch, params)
+    assert walls.sync == pytest.approx(serial.sync / 4)
+    assert walls.step_seconds() == pytest.approx(max(walls.train, walls.rollout + walls.reward) + serial.sync / 4)
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_plan_prints_memory_and_the_binding_wall(name, tmp_path, capsys):
     from slimish.cli import main
