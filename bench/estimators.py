@@ -8,7 +8,7 @@ with the sequence-level clip range the README gives); no evaluation. Per estimat
 first 3 and the last 3 steps and the rise between them. The baseline is grpo, run in the same invocation; the last
 line is
     estimators_rising=<n>/<total> min_rise=<x> min_rise_vs_grpo=<y>
-with rise = last-3 mean - first-3 mean. About 4-5 minutes per estimator on a 2-core machine.
+with rise = last-3 mean - first-3 mean. About 2 minutes per estimator on a 2-core machine.
 """
 
 from __future__ import annotations
