@@ -77,9 +77,10 @@ def check_batch(samples: list[Sample]) -> set[int]:
 
 
 def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
-    # 8 requests at a time: a step's 4 groups (16 requests) are done while the over-sampled groups' requests are still
-    # running, however alike the responses' lengths are (unthrottled, all 24 can finish in the same decode step).
-    scheduler = make_scheduler(engine_url, "abort", max_concurrency=8)
+    # 2 requests (a group each) at a time: a step's 4 groups are done while an over-sampled group's request is still
+    # running, however alike the responses' lengths are (unthrottled, all 6 groups can finish in the same decode
+    # step; so they did, once, when this limit still counted 8 per-sample requests and a request became a group).
+    scheduler = make_scheduler(engine_url, "abort", max_concurrency=2)
     trained: list[int] = []
     totals = {"requests_aborted": 0, "groups_continued": 0}
     multi_segment = 0
