@@ -46,7 +46,7 @@ class RLJob:
         self.synced_engines: list[str] = []
         self.slots: dict[str, list[Slot]] = {}
         self.api_key = new_job_key()  # engines and router refuse calls without it
-        self.engine_version = 0  # the weight version the engines serve
+        self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -110,7 +110,6 @@ class RLJob:
             self.resume_from)
         ray.get(self.rollout_manager.load_state.remote(rollout))
         self.sync_weights(version=state["weight_version"])
-        self.engine_version = state["weight_version"]
         print(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})",
               flush=True)
         return state["step"]
@@ -213,6 +212,7 @@ class RLJob:
                       f"({reason}); syncing again to the others", flush=True)
                 self.synced_engines = []  # that group held the dead engine: build a new one
         ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
+        self.engine_version = version
         return {**metrics, "weight_sync_retries": retries}
 
     # ---------------------------------------------------------------------------------------------- loop
@@ -261,7 +261,6 @@ class RLJob:
                 if self.sync_due(step, evaluating=evaluating):
                     with self.timer("sync"):
                         sync_metrics = self.sync_weights(version=step)
-                        self.engine_version = step
                 metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,
                            "time_sync_s": 0.0, **self.timer.pop(), **self.gpu_telemetry(), "weight_version": step,
                            "engine_weight_version": self.engine_version}

@@ -212,15 +212,17 @@ class RolloutScheduler:
         todo = [s for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)]
         for sample in todo:
             sample.status = Status.PENDING
-        tag = f"slimish-{self._rid_prefix}-{group.group_id}-{group.restarts}"
+        def rid(first: Sample) -> str:
+            return f"slimish-{self._rid_prefix}-{group.group_id}-{group.restarts}-{first.index}-" \
+                   f"{first.meta.get('segments', 0)}"
+
         if self._program is not None:
-            work = [self._run_program(group, s, f"{tag}-{s.index}-{s.meta.get('segments', 0)}") for s in todo]
+            work = [self._run_program(group, s, rid(s)) for s in todo]
         else:
             by_budget: dict[int, list[Sample]] = {}
             for sample in todo:
                 by_budget.setdefault(len(sample.response_ids), []).append(sample)
-            work = [self._generate_batch(group, batch, f"{tag}-{batch[0].index}-{batch[0].meta.get('segments', 0)}")
-                    for batch in by_budget.values()]
+            work = [self._generate_batch(group, batch, rid(batch[0])) for batch in by_budget.values()]
         group.outstanding += len(work)
         for coro in work:
             task = self._loop.create_task(coro)
