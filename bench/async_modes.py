@@ -18,13 +18,8 @@ trained token and the policy that trained it, in any mode (rollout.partial.max_s
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
-from pathlib import Path
-
 from partial_rollout import JOB
-from rl_jobs import make_assets, steady_state, train
+from rl_jobs import bench_parser, steady_state, train, workspace
 
 MODES = {
     "sync": ["rl.mode=sync", "rollout.partial.mode=off"],
@@ -34,23 +29,16 @@ MODES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--workdir", default="/tmp")
-    args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="slimish-bench-async-", dir=args.workdir))
-    try:
-        assets = make_assets(root / "assets")
-        results = {}
+    args = bench_parser(__doc__, steps=10).parse_args()
+    results = {}
+    with workspace("async", args.workdir) as (assets, runs):
         for mode, overrides in MODES.items():
-            records = train(mode, [f"rl.num_steps={args.steps}", *JOB, *overrides], assets=assets, out=root / "runs")
+            records = train(mode, [f"rl.num_steps={args.steps}", *JOB, *overrides], assets=assets, out=runs)
             r = results[mode] = steady_state(records)
             print(f"{mode:>12}: step {r['step_s']:.2f} s (waiting for rollout {r['rollout_s']:.2f} s, train "
                   f"{r['train_s']:.2f} s, sync {r['sync_s']:.2f} s) | {r['samples_per_s']:.1f} samples/s | "
                   f"off-policy tokens {r['off_policy_token_frac']:.2f} (max staleness {r['staleness_max']}) | "
                   f"reward {r['reward_mean']:.2f}", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     base = results["sync"]["step_s"]
     print(f"one_step_off_vs_sync={base / results['one_step_off']['step_s']:.2f} "
           f"async_vs_sync={base / results['async']['step_s']:.2f} "

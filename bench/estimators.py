@@ -13,39 +13,28 @@ with rise = last-3 mean - first-3 mean. About 2 minutes per estimator on a 2-cor
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
-from pathlib import Path
-
-from rl_jobs import make_assets, train
+from rl_jobs import bench_parser, train, workspace
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo"]
 EXTRA = {"gspo": ["trainer.loss.clip_eps_low=3e-4", "trainer.loss.clip_eps_high=4e-4"]}  # README: sequence clipping
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser = bench_parser(__doc__, steps=30)
     parser.add_argument("--estimators", default=",".join(ESTIMATORS))
-    parser.add_argument("--workdir", default="/tmp")
     args = parser.parse_args()
     names = args.estimators.split(",")
     if "grpo" not in names:
         names.insert(0, "grpo")  # the baseline
-    root = Path(tempfile.mkdtemp(prefix="slimish-bench-estimators-", dir=args.workdir))
     rises = {}
-    try:
-        assets = make_assets(root / "assets")
+    with workspace("estimators", args.workdir) as (assets, runs):
         for name in names:
             overrides = [f"rl.num_steps={args.steps}", f"trainer.loss.advantage_estimator={name}", *EXTRA.get(name, [])]
-            rewards = [r["reward_mean"] for r in train(name, overrides, assets=assets, out=root / "runs")]
+            rewards = [r["reward_mean"] for r in train(name, overrides, assets=assets, out=runs)]
             first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
             rises[name] = last - first
             print(f"{name:>29}: first-3 mean {first:.3f} | last-3 mean {last:.3f} | rise {last - first:+.3f} | "
                   f"per step {' '.join(f'{r:.2f}' for r in rewards)}", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     worst = min(rises.values())
     print(f"estimators_rising={sum(r > 0 for r in rises.values())}/{len(rises)} min_rise={worst:.3f} "
           f"min_rise_vs_grpo={worst / rises['grpo']:.2f}")

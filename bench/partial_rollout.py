@@ -15,12 +15,7 @@ step in every mode). Engine start-up (~1-2 min per job on a 2-core machine) is e
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
-from pathlib import Path
-
-from rl_jobs import make_assets, steady_state, train
+from rl_jobs import bench_parser, steady_state, train, workspace
 
 MODES = {"off": [], "abort": ["rollout.partial.over_sampling=4"], "retract": ["rollout.partial.over_sampling=4"]}
 # An untrained model samples near-uniformly: ending a response at the first "e" makes lengths geometric (measured:
@@ -32,23 +27,16 @@ JOB = ["sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "rol
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--workdir", default="/tmp")
-    args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="slimish-bench-partial-", dir=args.workdir))
-    try:
-        assets = make_assets(root / "assets")
-        results = {}
+    args = bench_parser(__doc__, steps=8).parse_args()
+    results = {}
+    with workspace("partial", args.workdir) as (assets, runs):
         for mode in MODES:
             overrides = [f"rl.num_steps={args.steps}", f"rollout.partial.mode={mode}", *JOB, *MODES[mode]]
-            results[mode] = steady_state(train(f"mode_{mode}", overrides, assets=assets, out=root / "runs"))
+            results[mode] = steady_state(train(f"mode_{mode}", overrides, assets=assets, out=runs))
             r = results[mode]
             print(f"{mode:>8}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | engines "
                   f"{r['engine_tokens_per_s']:.0f} tok/s | off-policy tokens {r['off_policy_token_frac']:.2f} "
                   f"(max staleness {r['staleness_max']}) | reward {r['reward_mean']:.2f}", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     off = results["off"]["step_s"]
     print(f"abort_vs_off_speedup={off / results['abort']['step_s']:.2f} "
           f"retract_vs_off_speedup={off / results['retract']['step_s']:.2f}")

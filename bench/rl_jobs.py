@@ -5,14 +5,36 @@ measured on the same machine at the same time."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs/quickstart_cpu.yaml"
+
+
+def bench_parser(doc: str, *, steps: int) -> argparse.ArgumentParser:
+    """The options every RL benchmark takes: --steps (per job) and --workdir (its scratch directory's parent)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--workdir", default="/tmp")
+    return parser
+
+
+@contextlib.contextmanager
+def workspace(name: str, workdir: str):
+    """A scratch directory under `workdir` holding the tiny assets: yields (assets, where runs go); removed after."""
+    root = Path(tempfile.mkdtemp(prefix=f"slimish-bench-{name}-", dir=workdir))
+    try:
+        yield make_assets(root / "assets"), root / "runs"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def make_assets(out: Path, *extra: str) -> Path:

@@ -14,7 +14,6 @@ alternating step by step; the median step is reported. The last line is
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+from rl_jobs import bench_parser
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -32,10 +32,7 @@ PROMPTS, SAMPLES, NEW_TOKENS = 8, 8, 16
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--workdir", default="/tmp")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=10).parse_args()
 
     import ray
     from safetensors.torch import load_file
