@@ -10,6 +10,10 @@ Hooks and their contracts (see README "Hooks"):
               fn(version: str, bucket: int, engine_urls: list[str]) -> None
               on the sending trainer rank, after bucket number `bucket` (0-based; not the last) of the sync to
               `version` is on its way to `engine_urls`
+  run.phase_hook
+              fn(phase: str, step: int, engine_urls: list[str]) -> None
+              in the driver, as phase 'rollout', 'train' or 'sync' of RL step `step` begins; `engine_urls` are the
+              engines of the last weight sync
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ class RunConfig:
                                      "status) to <run dir>/rollouts/step_<N>.jsonl.")
     wandb_project: str = doc("", "Also log every step's metrics to this Weights & Biases project (needs a W&B login, "
                                  "or WANDB_MODE=offline for files under the run directory); '' = off.")
+    phase_hook: str = doc("", "Dotted path of fn(phase: str, step: int, engine_urls: list[str]) -> None, called by "
+                              "the driver as each phase of an RL step begins: 'rollout', 'train', 'sync' (before the "
+                              "engines are paused for it); for profilers, external monitors and fault-injection "
+                              "tests; '' = none.")
 
 
 @dataclass(kw_only=True)

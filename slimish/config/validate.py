@@ -149,6 +149,8 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _positive("eval.every", cfg.eval.every, allow_zero=True)
     _positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
     _positive("eval.max_prompts", cfg.eval.max_prompts, allow_zero=True)
+    if cfg.run.phase_hook:
+        _check_hook("run.phase_hook", cfg.run.phase_hook)
     if cfg.weight_sync.after_bucket_hook:
         _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
     if cfg.rollout.generate_fn:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from slimish.config import JobConfig, save_config, to_dict
+from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_job_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
@@ -47,6 +48,7 @@ class RLJob:
         self.slots: dict[str, list[Slot]] = {}
         self.api_key = new_job_key()  # engines and router refuse calls without it
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
+        self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -137,6 +139,11 @@ class RLJob:
         """The step's scored groups, to be trained by weight version step - 1 (which the engines serve, or with
         rl.mode async the last version synced)."""
         return ray.get(self.rollout_manager.rollout.remote(policy_version=step - 1))
+
+    def phase_begins(self, phase: str, step: int) -> None:
+        """Call run.phase_hook, if any: `phase` of step `step` begins."""
+        if self._phase_hook is not None:
+            self._phase_hook(phase, step, list(self.synced_engines))
 
     def sync_due(self, step: int, *, evaluating: bool) -> bool:
         """Whether step `step` ends with a weight sync: always, except with rl.mode async, where it is every
@@ -239,6 +246,7 @@ class RLJob:
             mode = self.cfg.rl.mode
             upcoming = None  # one_step_off: the next step's batch, generated while this step trained
             for step in range(done + 1, total + 1):
+                self.phase_begins("rollout", step)
                 with self.timer("rollout"):
                     samples, rollout_metrics = upcoming or self.rollout(step)
                     upcoming = None
@@ -246,6 +254,7 @@ class RLJob:
                 # this step trains; rollout_manager calls queue behind it, so none is made until it is collected.
                 generating = (self.rollout_manager.rollout.remote(policy_version=step)
                               if mode == "one_step_off" and step < total else None)
+                self.phase_begins("train", step)
                 with self.timer("train"):
                     logprob_metrics = self.compute_logprobs(samples, step)
                     advantages = self.compute_advantages()
@@ -259,6 +268,7 @@ class RLJob:
                 evaluating = bool(every) and (step % every == 0 or step == total)
                 sync_metrics = {}
                 if self.sync_due(step, evaluating=evaluating):
+                    self.phase_begins("sync", step)
                     with self.timer("sync"):
                         sync_metrics = self.sync_weights(version=step)
                 metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,

@@ -74,6 +74,7 @@ BAD_CASES = [
     ("checkpoint.resume=", "checkpoint.resume", "must be 'auto', 'never' or a checkpoint directory"),
     ("reward.weights=[1, 2]", "reward.weights", "got 2 weights for 1 reward terms"),
     ("reward.fns=[no_such_module.fn]", "reward.fns[0]", "cannot import module"),
+    ("run.phase_hook=tests.e2e.hooks.no_such_fn", "run.phase_hook", "has no attribute"),
     ("reward.url=localhost:8000", "reward.url", "expected an http:// or https:// URL"),
     ("trainer.loss.mis_high=0.9", "trainer.loss.mis_high", "must hold 1"),
     ("plan.mfu=0", "plan.mfu", "must be > 0"),

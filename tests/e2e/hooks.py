@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 TRIGGER = "fault_between_buckets"  # {"engine": i, "signal": "SIGKILL" | "SIGSTOP"}: the test writes it to arm the hook
@@ -46,6 +48,54 @@ def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> 
     os.killpg(os.getpgid(listening_pid(url)), getattr(signal, armed["signal"]))
     with (run_dir / DONE).open("a") as f:
         f.write(json.dumps({"version": int(version), **armed}) + "\n")
+
+
+HELD_FOR_SYNC = "held_for_sync.jsonl"  # hold_requests_for_syncs appends {"step", "engine", "running"} per sync
+HOLD_TIMEOUT_S = 120.0  # a sync finds nothing to hold only if every request of the step finished unseen
+CATCH_S = 2.0  # how long one engine is let go at a time, looking for a running request
+
+
+def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> None:
+    """`run.phase_hook` of the retract-mode test: every weight sync finds requests running on an engine, by
+    construction, however fast the engines generate compared with the trainer. As training begins, every engine is
+    paused in place: nothing it holds moves, and requests sent meanwhile wait at its front door. As the sync begins,
+    engine after engine is let go until it is seen running requests, and paused in place again; once an engine,
+    paused, holds running requests (`/v1/loads`) it is left so, and the sync's retract pause retracts them (the
+    driver's resume continues every engine). Appends what it held to HELD_FOR_SYNC in the run directory."""
+    import httpx
+
+    if phase not in ("train", "sync"):
+        return
+    run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
+    headers = {"Authorization": f"Bearer {(run_dir / 'job_key').read_text().strip()}"}
+    with httpx.Client(timeout=30, headers=headers) as http:
+        def control(url: str, path: str, body: dict) -> None:
+            http.post(f"{url}{path}", json=body).raise_for_status()
+
+        def running(url: str) -> int:
+            loads = http.get(f"{url}/v1/loads", params={"include": "core"}).json()["loads"]
+            return sum(load.get("num_running_reqs", 0) for load in loads)
+
+        if phase == "train":
+            for url in engine_urls:
+                control(url, "/pause_generation", {"mode": "in_place"})
+            return
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        for attempt in itertools.count():
+            held = {url: running(url) for url in engine_urls}  # every engine is paused in place here
+            if any(held.values()):
+                url = next(url for url, n in held.items() if n)
+                with (run_dir / HELD_FOR_SYNC).open("a") as f:
+                    f.write(json.dumps({"step": step, "engine": url, "running": held[url]}) + "\n")
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine ran a request for {HOLD_TIMEOUT_S} s before the sync of step {step}")
+            url = engine_urls[attempt % len(engine_urls)]
+            control(url, "/continue_generation", {})
+            let_go_until = time.monotonic() + CATCH_S
+            while not running(url) and time.monotonic() < let_go_until:
+                pass  # no sleep: a request may need only a few decode steps
+            control(url, "/pause_generation", {"mode": "in_place"})
 
 
 SECURITY_PROBE = "security_probe.json"  # what probe_security saw, in the run directory

@@ -4,12 +4,14 @@ abort: the job over-samples; at the end of each step the requests still running 
 with their tokens, and continued in a later step from prompt + partial response, across a weight sync. It also runs
 with dynamic sampling: groups without reward variance are replaced, so every group a step trains has it.
 retract: generation runs on while the trainer trains; each weight sync pauses the engines in retract mode and the
-requests continue with the new weights, so single responses mix two weight versions.
+requests continue with the new weights, so single responses mix two weight versions. That a sync finds requests
+running is made certain by a phase hook (this tiny model trains a step in ~0.1 s: left alone, the engines finish
+the next step's groups first, or not, as it happens).
 
 In both, the engines' logprobs of the tokens sampled with the trainer's current weights match the trainer's (the
 continuation conditions on the right context), while the tokens tagged with older versions differ (the tags are
 true), and no process is left behind. An untrained model (no SFT warm-up) gives responses of very different
-lengths, so that some requests are always still running when a step's batch is complete; the "contains the digit"
+lengths, so that in abort mode some requests are still running when a step's batch is complete; the "contains the digit"
 reward gives its groups reward variance, so the policy changes at every step.
 """
 
@@ -20,7 +22,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.procs import become_subreaper, leftovers, train_command
+from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +35,8 @@ def run_job(task_assets, tmp_path, name: str, *overrides: str) -> tuple[list[dic
     """The job's metrics records, and its failed-request warnings (the reasons behind `samples_failed`)."""
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, *COMMON, f"run.name={name}", *overrides)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path,
+                            env=hook_env(tmp_path / name))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert not leftovers(), "processes left running after the job"
     failures = "\n".join(line for line in result.stdout.splitlines() if "warning: request" in line)
@@ -76,13 +79,22 @@ def assert_versions_are_true(records: list[dict]) -> None:
 
 
 def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_path):
-    # Two requests at a time: the next step's 16 requests then take several times longer than a training step
-    # (unthrottled, this tiny model generates them all while the trainer trains, and no sync finds one running).
+    """The next step's groups generate while the trainer trains. Whether a sync finds one of their requests still
+    running is not left to the speed of generation against training: the run.phase_hook of tests/e2e/hooks.py
+    freezes the engines as training begins and, as the sync begins, lets them go until one is running requests.
+    Without over-sampling, the groups a sync finds running are exactly the next step's batch, so each of steps 2-4
+    trains retracted responses. Health probes are off: a frozen engine would not answer them."""
+    from tests.e2e import hooks
+
     records, failures = run_job(task_assets, tmp_path, "retract", "rl.num_steps=4", "rollout.partial.mode=retract",
-                      "rollout.partial.over_sampling=2", "rollout.max_concurrency=2")
+                                "run.phase_hook=tests.e2e.hooks.hold_requests_for_syncs",
+                                "rollout.engine.health_interval_s=0")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert sum(r["num_retractions"] for r in records) > 0, "syncs retracted running requests"
-    assert max(r["off_policy_token_frac"] for r in records[1:]) > 0, "responses mix weight versions"
+    held = [json.loads(line) for line in (tmp_path / "retract" / hooks.HELD_FOR_SYNC).read_text().splitlines()]
+    assert [h["step"] for h in held] == [1, 2, 3, 4] and all(h["running"] > 0 for h in held), held
+    for record in records[1:]:
+        assert record["num_retractions"] > 0, "the step trains the requests its sync retracted"
+        assert record["off_policy_token_frac"] > 0, "responses mix weight versions"
     assert_versions_are_true(records)
     for record in records:
         assert record["samples_aborted"] == 0 and record["samples_failed"] == 0, failures
