@@ -50,6 +50,16 @@ def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> 
         f.write(json.dumps({"version": int(version), **armed}) + "\n")
 
 
+LONG_TOKENS = 12  # long_response_reward: half of the responses of the abort test's untrained model are this long
+
+
+def long_response_reward(completions: list[str], samples: list, **kwargs) -> list[float]:
+    """`reward.fn` of the abort-mode test: 1.0 for a response of at least LONG_TOKENS tokens. With its stop strings
+    the lengths are near geometric, so about half the responses earn it whatever their text: nearly every group has
+    reward variance, and dynamic sampling seldom drops one (a continued group among them)."""
+    return [1.0 if len(sample.response_ids) >= LONG_TOKENS else 0.0 for sample in samples]
+
+
 HELD_FOR_SYNC = "held_for_sync.jsonl"  # hold_requests_for_syncs appends {"step", "engine", "running"} per sync
 HOLD_TIMEOUT_S = 120.0  # a sync finds nothing to hold only if every request of the step finished unseen
 CATCH_S = 2.0  # how long one engine is let go at a time, looking for a running request

@@ -10,9 +10,12 @@ the next step's groups first, or not, as it happens).
 
 In both, the engines' logprobs of the tokens sampled with the trainer's current weights match the trainer's (the
 continuation conditions on the right context), while the tokens tagged with older versions differ (the tags are
-true), and no process is left behind. An untrained model (no SFT warm-up) gives responses of very different
-lengths, so that in abort mode some requests are still running when a step's batch is complete; the "contains the digit"
-reward gives its groups reward variance, so the policy changes at every step.
+true), and no process is left behind. The model is untrained (no SFT warm-up), so the policy changes at every step.
+Left alone, its responses nearly all run to rollout.max_new_tokens, and groups that start together finish together
+(then no request is running when a batch is complete, and nothing is aborted). The abort test therefore stops each
+response at the first "e" or "t" (roughly one character in 18 is one of them): lengths are near geometric, groups
+finish at spread times, and the reward of a response is whether it is long (`tests.e2e.hooks.long_response_reward`),
+which splits nearly every group, so that dynamic sampling seldom drops a continued group.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def test_abort_mode_continues_aborted_requests_across_syncs(task_assets, tmp_pat
     """With dynamic sampling on: every group a step trains has reward variance (groups without are replaced)."""
     records, failures = run_job(task_assets, tmp_path, "abort", "rl.num_steps=4", "rollout.partial.mode=abort",
                                 "rollout.partial.over_sampling=4", "rollout.dynamic_sampling.enabled=true",
+                                'rollout.stop=["e", "t"]', "reward.fn=tests.e2e.hooks.long_response_reward",
                                 "run.save_rollouts=true")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
