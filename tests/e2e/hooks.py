@@ -61,17 +61,53 @@ def long_response_reward(completions: list[str], samples: list, **kwargs) -> lis
 
 
 HELD_FOR_SYNC = "held_for_sync.jsonl"  # hold_requests_for_syncs appends {"step", "engine", "running"} per sync
-HOLD_TIMEOUT_S = 120.0  # a sync finds nothing to hold only if every request of the step finished unseen
+HOLD_TIMEOUT_S = 120.0  # nothing is held only if every request finished while no engine was looked at
 CATCH_S = 2.0  # how long one engine is let go at a time, looking for a running request
 
 
+class EngineFreezer:
+    """Makes "requests are running on an engine when X happens" certain rather than a matter of speed: `freeze`
+    pauses engines in place (nothing they hold moves; requests sent meanwhile wait at their front door), and
+    `hold_running` lets them go one at a time until one is seen running requests, then pauses it in place again,
+    and returns once a paused engine holds running requests. A retract pause then retracts exactly those (SGLang
+    retracts the running batch, which an in-place pause leaves as it is); a continue lets every engine go."""
+
+    def __init__(self, http):
+        self.http = http  # an httpx.Client with the job's key, if the engines have one
+
+    def _control(self, url: str, path: str, body: dict) -> None:
+        self.http.post(f"{url}{path}", json=body).raise_for_status()
+
+    def running(self, url: str) -> int:
+        loads = self.http.get(f"{url}/v1/loads", params={"include": "core"}).json()["loads"]
+        return sum(load.get("num_running_reqs", 0) for load in loads)
+
+    def freeze(self, urls: list[str]) -> None:
+        for url in urls:
+            self._control(url, "/pause_generation", {"mode": "in_place"})
+
+    def hold_running(self, urls: list[str], *, timeout_s: float = HOLD_TIMEOUT_S) -> tuple[str, int]:
+        """Of frozen engines `urls`: one that holds running requests, and how many; they stay frozen."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in itertools.count():
+            for url in urls:
+                if held := self.running(url):
+                    return url, held
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine of {urls} ran a request in {timeout_s} s")
+            url = urls[attempt % len(urls)]
+            self._control(url, "/continue_generation", {})
+            let_go_until = time.monotonic() + CATCH_S
+            while not self.running(url) and time.monotonic() < let_go_until:
+                pass  # no sleep: a request may need only a few decode steps
+            self.freeze([url])
+
+
 def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> None:
-    """`run.phase_hook` of the retract-mode test: every weight sync finds requests running on an engine, by
-    construction, however fast the engines generate compared with the trainer. As training begins, every engine is
-    paused in place: nothing it holds moves, and requests sent meanwhile wait at its front door. As the sync begins,
-    engine after engine is let go until it is seen running requests, and paused in place again; once an engine,
-    paused, holds running requests (`/v1/loads`) it is left so, and the sync's retract pause retracts them (the
-    driver's resume continues every engine). Appends what it held to HELD_FOR_SYNC in the run directory."""
+    """`run.phase_hook` of the retract-mode test: every weight sync finds requests running on an engine, however
+    fast the engines generate compared with the trainer. As training begins the engines are frozen; as the sync
+    begins, `EngineFreezer.hold_running` (the driver's resume after the sync lets every engine go). Appends what it
+    held to HELD_FOR_SYNC in the run directory."""
     import httpx
 
     if phase not in ("train", "sync"):
@@ -79,33 +115,13 @@ def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> No
     run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
     headers = {"Authorization": f"Bearer {(run_dir / 'job_key').read_text().strip()}"}
     with httpx.Client(timeout=30, headers=headers) as http:
-        def control(url: str, path: str, body: dict) -> None:
-            http.post(f"{url}{path}", json=body).raise_for_status()
-
-        def running(url: str) -> int:
-            loads = http.get(f"{url}/v1/loads", params={"include": "core"}).json()["loads"]
-            return sum(load.get("num_running_reqs", 0) for load in loads)
-
+        freezer = EngineFreezer(http)
         if phase == "train":
-            for url in engine_urls:
-                control(url, "/pause_generation", {"mode": "in_place"})
+            freezer.freeze(engine_urls)
             return
-        deadline = time.monotonic() + HOLD_TIMEOUT_S
-        for attempt in itertools.count():
-            held = {url: running(url) for url in engine_urls}  # every engine is paused in place here
-            if any(held.values()):
-                url = next(url for url, n in held.items() if n)
-                with (run_dir / HELD_FOR_SYNC).open("a") as f:
-                    f.write(json.dumps({"step": step, "engine": url, "running": held[url]}) + "\n")
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no engine ran a request for {HOLD_TIMEOUT_S} s before the sync of step {step}")
-            url = engine_urls[attempt % len(engine_urls)]
-            control(url, "/continue_generation", {})
-            let_go_until = time.monotonic() + CATCH_S
-            while not running(url) and time.monotonic() < let_go_until:
-                pass  # no sleep: a request may need only a few decode steps
-            control(url, "/pause_generation", {"mode": "in_place"})
+        url, held = freezer.hold_running(engine_urls)
+        with (run_dir / HELD_FOR_SYNC).open("a") as f:
+            f.write(json.dumps({"step": step, "engine": url, "running": held}) + "\n")
 
 
 SECURITY_PROBE = "security_probe.json"  # what probe_security saw, in the run directory

@@ -17,7 +17,8 @@ from slimish.sample import Sample, Status
 pytestmark = pytest.mark.e2e
 
 GROUP = 4
-MAX_NEW_TOKENS = 200  # the untrained model's lengths then range from a few tokens to this: a long tail
+MAX_NEW_TOKENS = 200
+STOP_E_T = ("e", "t")  # about one character in 18 of the untrained model's output: lengths near geometric
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +49,14 @@ def reward_by_length(samples: list[Sample]) -> int:
 
 
 def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0,
-                   max_concurrency: int = 64, score=reward_by_length,
+                   max_concurrency: int = 64, stop: tuple[str, ...] = (), score=reward_by_length,
                    dynamic_sampling: DynamicSamplingConfig | None = None, program=None) -> RolloutScheduler:
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]
 
     return RolloutScheduler(router_url=url, engine_urls=[url],
-                            params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0),
+                            params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, stop=stop),
                             prompts_per_step=4, partial=PartialRolloutConfig(mode=mode, over_sampling=over_sampling,
                                                                               max_staleness=max_staleness),
                             max_concurrency=max_concurrency, request_timeout_s=120, max_retries=2,
@@ -77,10 +78,14 @@ def check_batch(samples: list[Sample]) -> set[int]:
 
 
 def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
-    # 2 requests (a group each) at a time: a step's 4 groups are done while an over-sampled group's request is still
-    # running, however alike the responses' lengths are (unthrottled, all 6 groups can finish in the same decode
-    # step; so they did, once, when this limit still counted 8 per-sample requests and a request became a group).
-    scheduler = make_scheduler(engine_url, "abort", max_concurrency=2)
+    # Left alone, the untrained model's responses mostly run to MAX_NEW_TOKENS, so groups that start together finish
+    # together, and whether a request is still running when a batch is complete is luck (once, all 6 groups finished
+    # in the same decode step). Stopping at the first "e" or "t" makes the lengths near geometric (short, and
+    # spread), and 2 requests (a group each) at a time staggers the groups' starts.
+    def abort_scheduler():
+        return make_scheduler(engine_url, "abort", max_concurrency=2, stop=STOP_E_T)
+
+    scheduler = abort_scheduler()
     trained: list[int] = []
     totals = {"requests_aborted": 0, "groups_continued": 0}
     multi_segment = 0
@@ -94,7 +99,7 @@ def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
             if step % 3 == 0:  # what a checkpoint saves, through JSON, into a fresh scheduler
                 state = json.loads(json.dumps(scheduler.state()))
                 scheduler.close()
-                scheduler = make_scheduler(engine_url, "abort")
+                scheduler = abort_scheduler()
                 scheduler.load_state(state)
         left = {g["group_id"] for g in scheduler.state()["groups"]}
     finally:
@@ -106,18 +111,28 @@ def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
 
 
 def test_retract_pause_keeps_requests_alive(engine_url):
-    scheduler = make_scheduler(engine_url, "retract", over_sampling=4)
-    retractions = 0
+    """What a weight sync does in retract mode, after each batch: pause, resume. The engine is frozen and held with
+    requests running (tests/e2e/hooks.py), so each pause retracts some; without over-sampling they are exactly the
+    next batch's groups, which finish after the resume with their tokens."""
+    import httpx
+
+    from tests.e2e.hooks import EngineFreezer
+
+    scheduler = make_scheduler(engine_url, "retract", over_sampling=0)
     try:
-        for _ in range(4):
-            samples, _ = scheduler.collect(policy_version=0)
-            check_batch(samples)
-            retractions += sum(s.meta["num_retractions"] for s in samples)
-            scheduler.pause()  # what a weight sync does in retract mode; generation is then in flight
-            scheduler.resume(policy_version=0)
+        with httpx.Client(timeout=30) as http:
+            freezer = EngineFreezer(http)
+            for step in range(4):
+                samples, _ = scheduler.collect(policy_version=0)
+                check_batch(samples)
+                if step > 0:
+                    assert sum(s.meta["num_retractions"] for s in samples) > 0, step
+                freezer.freeze([engine_url])  # as the driver's phase hook does while the trainer trains
+                freezer.hold_running([engine_url])
+                scheduler.pause()
+                scheduler.resume(policy_version=0)
     finally:
         scheduler.close()
-    assert retractions > 0
 
 
 @pytest.mark.parametrize("synced_to", [0, 5])
