@@ -9,8 +9,15 @@ import signal
 import time
 from pathlib import Path
 
+from slimish.network import JOB_KEY_FILE, auth_headers
+
 TRIGGER = "fault_between_buckets"  # {"engine": i, "signal": "SIGKILL" | "SIGSTOP"}: the test writes it to arm the hook
 DONE = "faults_between_buckets.jsonl"  # the hook appends {"version", "engine", "signal"} for each fault it made
+
+
+def job_key(run_dir: Path) -> str:
+    """The key a job wrote to its run directory (its engines and router refuse calls without it)."""
+    return (run_dir / JOB_KEY_FILE).read_text().strip()
 
 
 def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str) -> None:
@@ -113,8 +120,7 @@ def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> No
     if phase not in ("train", "sync"):
         return
     run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
-    headers = {"Authorization": f"Bearer {(run_dir / 'job_key').read_text().strip()}"}
-    with httpx.Client(timeout=30, headers=headers) as http:
+    with httpx.Client(timeout=30, headers=auth_headers(job_key(run_dir))) as http:
         freezer = EngineFreezer(http)
         if phase == "train":
             freezer.freeze(engine_urls)
@@ -142,14 +148,13 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
     out = run_dir / SECURITY_PROBE
     if out.exists() or bucket != 1:
         return
-    key = (run_dir / "job_key").read_text().strip()
     router = "http://127.0.0.1:30999"
     engine = engine_urls[0]
-    bearer = {"Authorization": f"Bearer {key}"}
+    bearer = auth_headers(job_key(run_dir))
     calls = {
         "engine_abort_no_key": httpx.post(f"{engine}/abort_request", json={"abort_all": True}),
         "engine_update_weights_wrong_key": httpx.post(f"{engine}/update_weights_from_disk", json={"model_path": "/x"},
-                                                      headers={"Authorization": "Bearer wrong"}),
+                                                      headers=auth_headers("wrong")),
         "engine_pause_no_key": httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}),
         "router_generate_no_key": httpx.post(f"{router}/generate", json={"text": "1", "sampling_params": {}}),
         "router_workers_no_key": httpx.get(f"{router}/workers"),

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from slimish.network import JOB_KEY_FILE, auth_headers
+from slimish.network import auth_headers
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
@@ -107,8 +107,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         # 1. Engine 1, mid-rollout.
         engine_pid = json.loads((run_dir / "pids.json").read_text())["servers"][1]
         engine_url = json.loads((run_dir / "placement.json").read_text())["engines"][1]["url"]
-        held = kill_while_generating(engine_url, engine_pid, api_key=(run_dir / JOB_KEY_FILE).read_text().strip(),
-                                     timeout_s=300)
+        held = kill_while_generating(engine_url, engine_pid, api_key=hooks.job_key(run_dir), timeout_s=300)
         killed_at = len(read_metrics(metrics))
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
         # 2. Engine 0 killed between two buckets of the next sync.
