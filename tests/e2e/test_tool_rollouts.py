@@ -2,10 +2,12 @@
 program inserting the calculator's answers between the model's turns, in partial-rollout abort mode (so requests are
 interrupted at the end of steps and their programs called again).
 
-Asserts that the reward rises; that no environment token is trained on (every span the calculator inserted has
-loss_mask 0 and logprob 0, every other token loss_mask 1); and that every trained token id and logprob came from the
-engine: the trainer recomputes the logprob of every trained token under the weights the engine sampled with, and
-they match the engine's to 1e-4 at every step (an inserted or re-tokenised token would not).
+Asserts that the reward rises, by 0.2 over the last 3 steps against the first 3 (the warmed-up model copies the
+calculator's answer right but calls it in only ~30% of transcripts, so it starts near 0.3; three runs ended at 0.90,
+0.81 and 0.90); that no environment token is trained on (every span the calculator inserted has loss_mask 0 and
+logprob 0, every other token loss_mask 1); and that every trained token id and logprob came from the engine: the
+trainer recomputes the logprob of every trained token under the weights the engine sampled with, and they match the
+engine's to 1e-4 at every step (an inserted or re-tokenised token would not).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def test_the_calculator_is_learned_and_its_tokens_never_train(calculator_assets,
     rewards = [r["reward_mean"] for r in records]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"calculator reward: first-3 mean {first:.3f}, last-3 mean {last:.3f}; per step {rewards}")
-    assert last >= first + 0.1, rewards
+    assert last >= first + 0.2, rewards
     assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in records), [r["logprob_abs_diff_max"] for r in records]
     assert all(r["samples_failed"] == 0 and r["reward_failures"] == 0 for r in records)
     assert {"eval/held_out/pass@1", "eval/held_out/pass@4"} <= set(records[-1])
