@@ -145,3 +145,49 @@ def test_a_sample_that_does_not_train_reaches_no_loss_term(worker):
     out = worker.train([1.0] * 4 + [0.0] * 4)  # the driver gives a failed sample advantage 0
     assert out["pg_loss"] == pytest.approx(-1.0, abs=1e-6), "failed samples' tokens diluted the token mean"
     assert out["ppo_kl"] == 0.0
+
+
+def test_grpo_gradient_is_the_hf_models_gradient_of_the_same_loss(task_assets, megatron_world):
+    """The trainer's whole gradient path (chunked logprob head, vocab-parallel cross entropy at a temperature,
+    environment tokens masked inside a response, two micro-batches sharing the minibatch's token-mean normaliser) gives
+    the gradient HF transformers gives for the same model and loss: the GRPO loss at ratio 1 is
+    -sum(advantage * logprob) over trained tokens / their count. Compared by the pre-clip global grad norm."""
+    from transformers import AutoModelForCausalLM
+
+    from slimish.trainer.worker import TrainerWorker
+
+    temperature = 0.7
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
+        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", f"rollout.temperature={temperature}"])
+    w = TrainerWorker(cfg, rank=0, world_size=1)
+    w.setup(master_addr="unused", master_port=0)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(8):
+        length = 3 + i % 4 * 3
+        loss_mask = [1] * length
+        if i % 2:  # a calculator-like environment span in the middle of the response
+            loss_mask[1:3] = [0, 0]
+        samples.append(Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3],
+                              response_ids=torch.randint(1, 300, (length,), generator=gen).tolist(),
+                              rollout_logprobs=[0.0] * length, weight_versions=[0] * length, loss_mask=loss_mask,
+                              status=Status.COMPLETED))
+    advantages = [1.5, -0.5, -0.5, -0.5, 0.8, -1.2, 0.8, -0.4]
+
+    hf = AutoModelForCausalLM.from_pretrained(task_assets["model"], dtype=torch.float32)
+    trained_tokens = sum(sum(s.loss_mask) for s in samples)
+    loss = torch.zeros(())
+    for sample, advantage in zip(samples, advantages):
+        logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1] / temperature
+        ids = torch.tensor(sample.response_ids)[:, None]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids).squeeze(-1)
+        loss = loss - (advantage * logprobs * torch.tensor(sample.loss_mask, dtype=torch.float32)).sum()
+    (loss / trained_tokens).backward()
+    hf_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
+
+    w.compute_logprobs(samples)
+    out = w.train(advantages)
+    mean_advantage = sum(a * sum(s.loss_mask) for s, a in zip(samples, advantages)) / trained_tokens
+    assert out["pg_loss"] == pytest.approx(-mean_advantage, rel=1e-5)  # the loss's value at ratio 1
+    assert out["grad_norm"] == pytest.approx(hf_norm, rel=1e-4)
