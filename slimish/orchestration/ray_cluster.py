@@ -59,7 +59,7 @@ class TrainerGroup:
         for actor in self.actors:
             try:
                 ray.get(actor.shutdown.remote(), timeout=5)
-            except Exception:
+            except Exception:  # a dead or hung actor: ray.kill below ends it either way
                 pass
             ray.kill(actor)
 

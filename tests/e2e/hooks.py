@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -67,6 +68,14 @@ def long_response_reward(completions: list[str], samples: list, **kwargs) -> lis
     return [1.0 if len(sample.response_ids) >= LONG_TOKENS else 0.0 for sample in samples]
 
 
+def engine_requests(http, url: str, *, waiting: bool = False) -> int:
+    """Requests engine `url` is running (with `waiting`: and queueing), from the core section of its /v1/loads,
+    summed over its data-parallel ranks. `http`: an httpx.Client with the job's key, if the engines have one."""
+    loads = http.get(f"{url}/v1/loads", params={"include": "core"}).json()["loads"]
+    keys = ("num_running_reqs", "num_waiting_reqs") if waiting else ("num_running_reqs",)
+    return sum(load.get(key, 0) for load in loads for key in keys)
+
+
 HELD_FOR_SYNC = "held_for_sync.jsonl"  # hold_requests_for_syncs appends {"step", "engine", "running"} per sync
 HOLD_TIMEOUT_S = 120.0  # nothing is held only if every request finished while no engine was looked at
 CATCH_S = 2.0  # how long one engine is let go at a time, looking for a running request
@@ -86,8 +95,7 @@ class EngineFreezer:
         self.http.post(f"{url}{path}", json=body).raise_for_status()
 
     def running(self, url: str) -> int:
-        loads = self.http.get(f"{url}/v1/loads", params={"include": "core"}).json()["loads"]
-        return sum(load.get("num_running_reqs", 0) for load in loads)
+        return engine_requests(self.http, url)
 
     def freeze(self, urls: list[str]) -> None:
         for url in urls:
@@ -110,11 +118,14 @@ class EngineFreezer:
             self.freeze([url])
 
 
+FROZEN = "frozen_for_step_{}"  # hold_requests_for_syncs creates it once the engines are frozen for a step's training
+
+
 def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> None:
     """`run.phase_hook` of the retract-mode test: every weight sync finds requests running on an engine, however
-    fast the engines generate compared with the trainer. As training begins the engines are frozen; as the sync
-    begins, `EngineFreezer.hold_running` (the driver's resume after the sync lets every engine go). Appends what it
-    held to HELD_FOR_SYNC in the run directory."""
+    fast the engines generate compared with the trainer. As training begins the engines are frozen (and FROZEN
+    marks it for `generate_once_frozen`); as the sync begins, `EngineFreezer.hold_running` (the driver's resume
+    after the sync lets every engine go). Appends what it held to HELD_FOR_SYNC in the run directory."""
     import httpx
 
     if phase not in ("train", "sync"):
@@ -124,6 +135,7 @@ def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> No
         freezer = EngineFreezer(http)
         if phase == "train":
             freezer.freeze(engine_urls)
+            (run_dir / FROZEN.format(step)).touch()
             return
         url, held = freezer.hold_running(engine_urls)
         with (run_dir / HELD_FOR_SYNC).open("a") as f:
@@ -184,3 +196,26 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
                                "listeners": listeners, "store_ports": sorted(set(stores)), "pid": os.getpid(),
                                "ray_auth_mode": os.environ.get("RAY_AUTH_MODE")},
                               indent=1))
+
+
+async def wait_for_batch_gate(sample, is_open, *, batch_groups: int, poll_s: float = 0.005) -> None:
+    """Until `is_open(b)`, where b = sample.group_id // batch_groups: the 0-based batch the sample's group belongs to
+    (without over-sampling and dynamic sampling, group ids run batch by batch). Batch 0 never waits. It polls, as an
+    asyncio task: the samples of a batch would use up the default thread pool."""
+    batch = sample.group_id // batch_groups
+    while batch and not is_open(batch):
+        await asyncio.sleep(poll_s)
+
+
+async def generate_once_frozen(sample, client):
+    """`rollout.generate_fn` of the retract-mode test: one generation, as without a program, but the batch trained
+    at step s+1 (sent as step s's batch is handed out) sends its requests only once `hold_requests_for_syncs` has
+    frozen the engines for step s's training. Otherwise the engines, which generate a batch of this tiny model in
+    ~0.2 s, could finish it before the freeze, and a sync would find nothing to hold."""
+    import yaml
+
+    run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
+    batch_groups = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["prompts_per_step"]
+    await wait_for_batch_gate(sample, lambda batch: (run_dir / FROZEN.format(batch)).exists(),
+                              batch_groups=batch_groups)
+    return await client.generate(sample)

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from slimish.network import auth_headers
+from tests.e2e import hooks
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
 pytestmark = pytest.mark.e2e
@@ -48,16 +49,6 @@ def wait_for(proc, predicate, *, timeout_s: float, log) -> list[dict]:
     raise AssertionError(f"timed out; driver log:\n{log.read_text()[-4000:]}")
 
 
-def _requests_on(load: dict | list) -> int:
-    """Running + waiting requests in a /v1/loads answer (summed over its data-parallel ranks)."""
-    if isinstance(load, list):
-        return sum(_requests_on(item) for item in load)
-    if not isinstance(load, dict):
-        return 0
-    return sum(value if key in ("num_running_reqs", "num_waiting_reqs") and isinstance(value, int)
-               else _requests_on(value) for key, value in load.items())
-
-
 def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s: float) -> int:
     """SIGKILL the engine's process group at a moment it holds requests; returns how many it held. It is paused in
     place (so that what it holds stays held until the kill) only once it was seen generating, and for one
@@ -66,9 +57,9 @@ def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=url, timeout=30, headers=auth_headers(api_key)) as http:
         while time.monotonic() < deadline:
-            if _requests_on(http.get("/v1/loads").json()["loads"]):
+            if hooks.engine_requests(http, url, waiting=True):
                 http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
-                held = _requests_on(http.get("/v1/loads").json()["loads"])
+                held = hooks.engine_requests(http, url, waiting=True)
                 if held:
                     os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
                     return held
@@ -87,8 +78,6 @@ def rejoined_after(metrics, restarts: int):
 
 
 def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
-    from tests.e2e import hooks
-
     become_subreaper()
     run_dir = tmp_path / "crash"
     # Small buckets: a sync spans several (the quickstart model is 0.44 MiB), so there is a "between two buckets".

@@ -84,14 +84,17 @@ def assert_versions_are_true(records: list[dict]) -> None:
 
 def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_path):
     """The next step's groups generate while the trainer trains. Whether a sync finds one of their requests still
-    running is not left to the speed of generation against training: the run.phase_hook of tests/e2e/hooks.py
-    freezes the engines as training begins and, as the sync begins, lets them go until one is running requests.
-    Without over-sampling, the groups a sync finds running are exactly the next step's batch, so each of steps 2-4
-    trains retracted responses. Health probes are off: a frozen engine would not answer them."""
+    running is not left to the speed of generation against training (this model generates a batch in ~0.2 s): the
+    run.phase_hook of tests/e2e/hooks.py freezes the engines as training begins and, as the sync begins, lets them
+    go until one is running requests; its rollout program sends the next step's requests only once the engines are
+    frozen, so they cannot all have finished before. Without over-sampling, the groups a sync finds running are
+    exactly the next step's batch, so each of steps 2-4 trains retracted responses. Health probes are off: a frozen
+    engine would not answer them."""
     from tests.e2e import hooks
 
     records, failures = run_job(task_assets, tmp_path, "retract", "rl.num_steps=4", "rollout.partial.mode=retract",
                                 "run.phase_hook=tests.e2e.hooks.hold_requests_for_syncs",
+                                "rollout.generate_fn=tests.e2e.hooks.generate_once_frozen",
                                 "rollout.engine.health_interval_s=0")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     held = [json.loads(line) for line in (tmp_path / "retract" / hooks.HELD_FOR_SYNC).read_text().splitlines()]

@@ -113,21 +113,29 @@ def test_abort_mode_hands_out_every_group_once_across_checkpoints(engine_url):
 def test_retract_pause_keeps_requests_alive(engine_url):
     """What a weight sync does in retract mode, after each batch: pause, resume. The engine is frozen and held with
     requests running (tests/e2e/hooks.py), so each pause retracts some; without over-sampling they are exactly the
-    next batch's groups, which finish after the resume with their tokens."""
+    next batch's groups, which finish after the resume with their tokens. Their requests are sent only once the
+    engine is frozen (a rollout program waits for it), so they cannot have finished before."""
     import httpx
 
-    from tests.e2e.hooks import EngineFreezer
+    from tests.e2e.hooks import EngineFreezer, wait_for_batch_gate
 
-    scheduler = make_scheduler(engine_url, "retract", over_sampling=0)
+    steps, frozen = 4, set()
+
+    async def generate_once_frozen(sample, client):
+        await wait_for_batch_gate(sample, frozen.__contains__, batch_groups=4)
+        return await client.generate(sample)
+
+    scheduler = make_scheduler(engine_url, "retract", over_sampling=0, program=generate_once_frozen)
     try:
         with httpx.Client(timeout=30) as http:
             freezer = EngineFreezer(http)
-            for step in range(4):
+            for step in range(steps):
                 samples, _ = scheduler.collect(policy_version=0)
                 check_batch(samples)
                 if step > 0:
                     assert sum(s.meta["num_retractions"] for s in samples) > 0, step
                 freezer.freeze([engine_url])  # as the driver's phase hook does while the trainer trains
+                frozen.add(step + 1)  # the next batch's requests may go
                 freezer.hold_running([engine_url])
                 scheduler.pause()
                 scheduler.resume(policy_version=0)
