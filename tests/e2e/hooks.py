@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -212,10 +213,15 @@ async def generate_once_frozen(sample, client):
     at step s+1 (sent as step s's batch is handed out) sends its requests only once `hold_requests_for_syncs` has
     frozen the engines for step s's training. Otherwise the engines, which generate a batch of this tiny model in
     ~0.2 s, could finish it before the freeze, and a sync would find nothing to hold."""
+    run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
+    await wait_for_batch_gate(sample, lambda batch: (run_dir / FROZEN.format(batch)).exists(),
+                              batch_groups=_prompts_per_step(run_dir))
+    return await client.generate(sample)
+
+
+@functools.cache
+def _prompts_per_step(run_dir: Path) -> int:
+    """rollout.prompts_per_step of the job in `run_dir` (its config.yaml), read once per process."""
     import yaml
 
-    run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
-    batch_groups = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["prompts_per_step"]
-    await wait_for_batch_gate(sample, lambda batch: (run_dir / FROZEN.format(batch)).exists(),
-                              batch_groups=batch_groups)
-    return await client.generate(sample)
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["prompts_per_step"]

@@ -11,16 +11,28 @@ from tests.conftest import REPO
 from tests.trainer.worker_rank import response_logprobs
 
 
-@pytest.fixture(scope="module")
-def worker(task_assets, megatron_world):
+def make_worker(task_assets, *overrides: str):
+    """A one-rank TrainerWorker on the quickstart config and the task's tiny model, with `overrides`; needs the
+    `megatron_world` fixture (the process group already exists)."""
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
         f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", "trainer.optimizer.lr=0.01"])
+        f"sft.data_path={task_assets['sft']}", *overrides])
     w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
+    w.setup(master_addr="unused", master_port=0)
     return w
+
+
+def hf_response_logprobs(hf, sample: Sample, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(HF logits / temperature) of each of `sample`'s response tokens (with autograd, if enabled)."""
+    logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def worker(task_assets, megatron_world):
+    return make_worker(task_assets, "trainer.micro_batch_size=4", "trainer.optimizer.lr=0.01")
 
 
 def _samples(n=8, response=(23, 0)):
@@ -69,14 +81,8 @@ def test_grpo_step_raises_logprob_of_positive_advantage(worker):
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
-        "trainer.loss.kl_coef=0.1"])
-    w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)
+    w = make_worker(task_assets, "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
+                    "trainer.loss.kl_coef=0.1")
     assert w.ref_model is not None
     advantages = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
     w.compute_logprobs(_samples())
@@ -110,22 +116,14 @@ def test_worker_logprobs_follow_the_sampling_temperature(task_assets, megatron_w
     the distribution the engines sample from; at temperature 1 they would differ by far more than the tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", "rollout.temperature=0.7"])
-    w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)
+    w = make_worker(task_assets, "trainer.micro_batch_size=4", "rollout.temperature=0.7")
     hf = AutoModelForCausalLM.from_pretrained(task_assets["model"], dtype=torch.float32)
     samples = _samples()
     untempered = []
     with torch.no_grad():
         for sample in samples:
-            logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1]
-            ids = torch.tensor(sample.response_ids)[:, None]
-            sample.rollout_logprobs = torch.log_softmax(logits / 0.7, -1).gather(-1, ids).squeeze(-1).tolist()
-            untempered.append(torch.log_softmax(logits, -1).gather(-1, ids).squeeze(-1))
+            sample.rollout_logprobs = hf_response_logprobs(hf, sample, 0.7).tolist()
+            untempered.append(hf_response_logprobs(hf, sample))
     metrics = w.compute_logprobs(samples)
     assert metrics["logprob_abs_diff_max"] <= 1e-5
     tempered = torch.tensor([s.rollout_logprobs for s in samples])
@@ -154,14 +152,8 @@ def test_grpo_gradient_is_the_hf_models_gradient_of_the_same_loss(task_assets, m
     -sum(advantage * logprob) over trained tokens / their count. Compared by the pre-clip global grad norm."""
     from transformers import AutoModelForCausalLM
 
-    from slimish.trainer.worker import TrainerWorker
-
     temperature = 0.7
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=4", f"rollout.temperature={temperature}"])
-    w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)
+    w = make_worker(task_assets, "trainer.micro_batch_size=4", f"rollout.temperature={temperature}")
     gen = torch.Generator().manual_seed(0)
     samples = []
     for i in range(8):
@@ -179,9 +171,7 @@ def test_grpo_gradient_is_the_hf_models_gradient_of_the_same_loss(task_assets, m
     trained_tokens = sum(sum(s.loss_mask) for s in samples)
     loss = torch.zeros(())
     for sample, advantage in zip(samples, advantages):
-        logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1] / temperature
-        ids = torch.tensor(sample.response_ids)[:, None]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, ids).squeeze(-1)
+        logprobs = hf_response_logprobs(hf, sample, temperature)
         loss = loss - (advantage * logprobs * torch.tensor(sample.loss_mask, dtype=torch.float32)).sum()
     (loss / trained_tokens).backward()
     hf_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
