@@ -4,8 +4,12 @@ killed (and so handled as a dead engine); a healthy one is left alone; nothing i
 engines are paused (a weight sync) the probe is `/model_info`, which a paused engine answers and a frozen one does
 not; after a failed sync, a frozen engine is reported lost whether the prober or the sync's failure comes first.
 
-The engines are stand-in HTTP servers (one answers, one holds every request until the test lets go) behind a
-stand-in of `RolloutServers`: this tests the watchdog's logic, not SGLang (the crash e2e test runs real engines)."""
+The engines are stand-in HTTP servers behind a stand-in of `RolloutServers`: this tests the watchdog's logic, not
+SGLang (the crash e2e test runs real engines). A stand-in fails the probed paths it is told to by closing the
+connection unanswered, which the watchdog takes as no answer at once; so a test with a healthy engine beside a
+failing one has a bound (`BOUND_S`) that the healthy one's answer never races, however loaded the machine (CI once
+took 0.7 s to answer one on loopback, against a bound of 0.5 s). The bound itself is tested apart, with an engine
+that holds the probe and no other engine to race it."""
 
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ from slimish.rollout.watchdog import JOINING, EngineWatchdog
 
 FROZEN = ("/health_generate", "/model_info")  # a stopped process answers nothing
 PAUSED = ("/health_generate",)  # a paused engine generates nothing, but its HTTP process answers
+BOUND_S = 60.0  # the hang bound where a healthy engine must answer: never reached on loopback
 
 
 class StandInEngine:
-    """An HTTP server on 127.0.0.1 that answers every GET 200, but those to the paths in `hung` only once the
-    test sets `release`."""
+    """An HTTP server on 127.0.0.1 that answers every GET 200 at once, except those to the paths in `hung`: it closes
+    their connection unanswered or, with `holds`, holds them until the test sets `release`. `on_request` is called
+    when a `hung` request arrives, before that."""
 
-    def __init__(self, *, hung: tuple[str, ...] = (), on_request=None):
+    def __init__(self, *, hung: tuple[str, ...] = (), holds: bool = False, on_request=None):
         self.release = threading.Event()
         engine = self
 
@@ -33,6 +39,9 @@ class StandInEngine:
                 if self.path in engine.hung:
                     if on_request is not None:
                         on_request()
+                    if not holds:
+                        self.close_connection = True  # the client sees the connection end with no answer
+                        return
                     engine.release.wait(30)
                 self.send_response(200)
                 self.end_headers()
@@ -83,6 +92,10 @@ class StandInServers:
         raise RuntimeError("not restarted in this test")
 
 
+def watchdog_of(servers, hang_timeout_s: float = BOUND_S) -> EngineWatchdog:
+    return EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=hang_timeout_s)
+
+
 @pytest.fixture
 def engines():
     made = []
@@ -94,11 +107,19 @@ def engines():
 def test_a_hung_engine_is_killed_and_handled_as_dead(engines):
     engines += [StandInEngine(), StandInEngine(hung=FROZEN)]
     servers = StandInServers(engines)
-    watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
+    watchdog = watchdog_of(servers)
     assert watchdog.probe() == [engines[1].url]
     assert servers.killed == [1] and servers.respawned == [1]
     assert watchdog.metrics()["engine_hangs"] == 1 and watchdog.metrics()["engine_deaths"] == 1
     assert watchdog.live() == [engines[0].url]
+
+
+def test_an_engine_that_holds_the_probe_past_the_bound_is_hung(engines, capsys):
+    """The bound: the probe gives up on an engine that holds it. It is alone, so no answer races the timer."""
+    engines += [StandInEngine(hung=FROZEN, holds=True)]
+    servers = StandInServers(engines)
+    assert watchdog_of(servers, hang_timeout_s=0.5).probe() == [engines[0].url]
+    assert servers.killed == [0] and "/health_generate gave no answer (ReadTimeout)" in capsys.readouterr().out
 
 
 def test_an_engine_that_died_is_a_death_not_a_hang(engines):
@@ -106,7 +127,7 @@ def test_an_engine_that_died_is_a_death_not_a_hang(engines):
     (the crash e2e test's fault 1 was once counted as a hang too, when the probe came first)."""
     engines += [StandInEngine(), StandInEngine()]
     servers = StandInServers(engines)
-    watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
+    watchdog = watchdog_of(servers)
     engines[1].close()
     servers.exited.add(1)
     assert watchdog.probe() == [] and servers.killed == []
@@ -125,14 +146,10 @@ def test_a_probe_that_overlaps_a_pause_kills_nothing(engines):
 
     engines += [StandInEngine(), StandInEngine(hung=FROZEN, on_request=pause_on_the_first_request)]
     servers = StandInServers(engines)
-    watchdog = EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5)
+    watchdog = watchdog_of(servers)
     assert watchdog.probe() == []
     watchdog.resume_probes()  # after the pause: the next probe finds it
     assert watchdog.probe() == [engines[1].url] and servers.killed == [1]
-
-
-def watchdog_of(servers, **kwargs) -> EngineWatchdog:
-    return EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=0.5, **kwargs)
 
 
 def test_while_paused_a_frozen_engine_is_killed_and_a_paused_one_is_not(engines):
