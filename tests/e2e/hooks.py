@@ -164,16 +164,17 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
     router = "http://127.0.0.1:30999"
     engine = engine_urls[0]
     bearer = auth_headers(job_key(run_dir))
-    calls = {
-        "engine_abort_no_key": httpx.post(f"{engine}/abort_request", json={"abort_all": True}),
-        "engine_update_weights_wrong_key": httpx.post(f"{engine}/update_weights_from_disk", json={"model_path": "/x"},
-                                                      headers=auth_headers("wrong")),
-        "engine_pause_no_key": httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}),
-        "router_generate_no_key": httpx.post(f"{router}/generate", json={"text": "1", "sampling_params": {}}),
-        "router_workers_no_key": httpx.get(f"{router}/workers"),
-        "engine_model_info_with_key": httpx.get(f"{engine}/model_info", headers=bearer),
-        "router_workers_with_key": httpx.get(f"{router}/workers", headers=bearer),
-    }
+    with httpx.Client(timeout=60) as http:  # mid-sync on a loaded machine: a call timing out would fail the sync
+        calls = {
+            "engine_abort_no_key": http.post(f"{engine}/abort_request", json={"abort_all": True}),
+            "engine_update_weights_wrong_key": http.post(f"{engine}/update_weights_from_disk",
+                                                         json={"model_path": "/x"}, headers=auth_headers("wrong")),
+            "engine_pause_no_key": http.post(f"{engine}/pause_generation", json={"mode": "abort"}),
+            "router_generate_no_key": http.post(f"{router}/generate", json={"text": "1", "sampling_params": {}}),
+            "router_workers_no_key": http.get(f"{router}/workers"),
+            "engine_model_info_with_key": http.get(f"{engine}/model_info", headers=bearer),
+            "router_workers_with_key": http.get(f"{router}/workers", headers=bearer),
+        }
     job = psutil.Process()
     while not any("slimish.cli" in part for part in job.cmdline()):
         job = job.parent()

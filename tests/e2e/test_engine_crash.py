@@ -50,22 +50,23 @@ def wait_for(proc, predicate, *, timeout_s: float, log) -> list[dict]:
 
 
 def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s: float) -> int:
-    """SIGKILL the engine's process group at a moment it holds requests; returns how many it held. It is paused in
-    place (so that what it holds stays held until the kill) only once it was seen generating, and for one
-    /v1/loads call: an engine kept paused would fail the watchdog's /health_generate probe, a hang this test does
-    not mean to cause here."""
+    """SIGKILL the engine's process group at a moment it holds rollout requests; returns how many it held. Two at
+    least: a lone one may be the watchdog's /health_generate probe, which an idle engine queues like any request and
+    whose loss fails no rollout request (the test asks for retried ones). It is paused in place (so that what it
+    holds stays held until the kill) only once it was seen generating, and for one /v1/loads call: an engine kept
+    paused would fail the watchdog's /health_generate probe, a hang this test does not mean to cause here."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=url, timeout=30, headers=auth_headers(api_key)) as http:
         while time.monotonic() < deadline:
-            if hooks.engine_requests(http, url, waiting=True):
+            if hooks.engine_requests(http, url, waiting=True) >= 2:
                 http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
                 held = hooks.engine_requests(http, url, waiting=True)
-                if held:
+                if held >= 2:
                     os.killpg(engine_pid, signal.SIGKILL)  # the engine's whole process group: a hard crash
                     return held
                 http.post("/continue_generation", json={}).raise_for_status()
             time.sleep(0.05)
-    raise AssertionError(f"{url} held no request for {timeout_s} s")
+    raise AssertionError(f"{url} never held two requests in {timeout_s} s")
 
 
 def rejoined_after(metrics, restarts: int):

@@ -66,20 +66,16 @@ class RewardServer:
                     server.in_flight += 1
                     server.most = max(server.most, server.in_flight)
                     failing = server.always or (server.requests <= server.fail_first and 503)
-                try:
-                    if failing:
-                        self.send_response(failing)
-                        self.end_headers()
-                        return
+                payload = b""
+                if not failing:
                     rewards = [float(c == s) for c, s in zip(body["completions"], body["solution"])]
                     payload = json.dumps({"rewards": rewards}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                with server.lock:  # done before the client can read the answer and send its next request
+                    server.in_flight -= 1
+                self.send_response(failing or 200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             def log_message(self, *args):
                 pass
