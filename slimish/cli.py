@@ -16,6 +16,7 @@ reported as one line, `error: <what is wrong and what to do>`, with exit status 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +37,13 @@ def cmd_train(args) -> int:
     cfg = _load(args.config, args.overrides)
     from slimish.orchestration.driver import train
 
-    run_dir = train(cfg)
+    try:
+        run_dir = train(cfg)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the job stopped everything it started
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"stopped by signal {signum}; everything the job started is stopped (checkpoint.resume continues it "
+              "from its last checkpoint)", file=sys.stderr)
+        return 128 + signum  # the shell's exit code for a death by that signal
     print(f"done: {run_dir}")
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_job_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
-from slimish.orchestration.placement import Slot, placement_record, release
+from slimish.orchestration.placement import Slot, placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample, Status
@@ -44,6 +45,7 @@ class RLJob:
                                      config=to_dict(cfg))
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
+        self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
         self.synced_engines: list[str] = []
         self.slots: dict[str, list[Slot]] = {}
         self.api_key = new_job_key()  # engines and router refuse calls without it
@@ -56,7 +58,7 @@ class RLJob:
         init_ray(self.cfg)
         # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
         # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        signal.signal(signal.SIGTERM, _raise_terminated)
         self.slots = reserve_slots(self.cfg)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
                                              engine_slots=self.slots["engines"], api_key=self.api_key)
@@ -64,6 +66,7 @@ class RLJob:
         self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
         info = self.trainer.setup()
         info.update(ray.get(engines))
+        self.rollout_started = True
         (self.run_dir / "pids.json").write_text(json.dumps({"servers": info["pids"]}))
         (self.run_dir / "placement.json").write_text(json.dumps(placement_record(self.slots, info["engines"]),
                                                                 indent=1))
@@ -224,7 +227,7 @@ class RLJob:
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
-        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
         total = self.cfg.rl.num_steps
         if self.resume_state and self.resume_state["step"] >= total:
             print(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
@@ -287,30 +290,48 @@ class RLJob:
                 if save_every and (step % save_every == 0 or step == total):
                     self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
         finally:
-            self.shutdown()
-            signal.signal(signal.SIGTERM, previous)
+            # A second SIGTERM must not cut shutdown() short (scancel signals every process of the job and the
+            # sbatch teardown the driver's group, within milliseconds): cut short, it left Ray connected, and
+            # Ray's excepthook then blocked on the stopped Ray head until the teardown's SIGKILL.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.shutdown()
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         return self.run_dir
 
     def shutdown(self) -> None:
-        """Stop engines, router, actors and Ray; safe to call on a half-started job."""
+        """Stop engines, router, actors and Ray; safe to call on a half-started job. Ray is let go of whatever
+        fails before."""
+        try:
+            self._stop_actors()
+            self.metrics.close()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            # Ray's excepthook (installed by ray.init, left by ray.shutdown) reports an uncaught exception to the
+            # Ray head, and waits for one that is gone, as under scancel: a failing last print hung the driver.
+            sys.excepthook = sys.__excepthook__
+
+    def _stop_actors(self) -> None:
         if self.rollout_manager is not None:
-            try:
-                # Bounded: under scancel the Ray nodes are being stopped at the same time. If this times out the
-                # engines still die with the actor (parent-death signal).
-                ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
-            except Exception as exc:
-                print(f"warning: rollout shutdown: {exc}", flush=True)
+            # Its engines and router die with the actor (parent-death signal), so killing it is enough while it
+            # is still starting them; a shutdown() call would only queue behind start().
+            if self.rollout_started:
+                try:
+                    # Bounded: under scancel the Ray nodes are being stopped at the same time.
+                    ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
+                except Exception as exc:
+                    print(f"warning: rollout shutdown: {exc}", flush=True)
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
         if self.trainer is not None:
             self.trainer.kill()
             self.trainer = None
-        if self.slots:
-            release([slot for slots in self.slots.values() for slot in slots])
-            self.slots = {}
-        self.metrics.close()
-        if ray.is_initialized():
-            ray.shutdown()
+        # The placement groups are not removed one by one: they are the job's, and Ray frees them when the driver
+        # lets go of Ray. Asking for it here blocked the driver for a minute under scancel, whose teardown stops
+        # the Ray head at the same time (the call waits for a head that is gone).
+        self.slots = {}
 
     def _sft_samples(self) -> list[Sample]:
         from transformers import AutoTokenizer
@@ -343,8 +364,16 @@ def groups_of(samples: list[Sample]) -> list[dict]:
     return [{"group_id": group_id, "samples": members} for group_id, members in groups.items()]
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (scancel, kill) as an exception, so that the job unwinds through shutdown() like on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def train(cfg: JobConfig) -> Path:

@@ -1,4 +1,4 @@
-"""SIGTERM in the middle of a run: the driver stops engines, router, actors and Ray, and exits non-zero."""
+"""SIGTERM in the middle of a run: the driver stops engines, router, actors and Ray, and exits 143 (128 + SIGTERM)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def test_sigterm_mid_run_leaves_nothing(task_assets, tmp_path):
     assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
     pids = json.loads((tmp_path / "interrupted" / "pids.json").read_text())["servers"]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=180) != 0
+    assert proc.wait(timeout=180) == 128 + signal.SIGTERM, (tmp_path / "driver.log").read_text()[-3000:]
+    assert "stopped by signal 15" in (tmp_path / "driver.log").read_text()
     assert not leftovers(), "processes left running after SIGTERM"
     for pid in pids:
         with pytest.raises(ProcessLookupError):
