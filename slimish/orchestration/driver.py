@@ -290,9 +290,8 @@ class RLJob:
                 if save_every and (step % save_every == 0 or step == total):
                     self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
         finally:
-            # A second SIGTERM must not cut shutdown() short (scancel signals every process of the job and the
-            # sbatch teardown the driver's group, within milliseconds): cut short, it left Ray connected, and
-            # Ray's excepthook then blocked on the stopped Ray head until the teardown's SIGKILL.
+            # A second SIGTERM would raise inside shutdown() and cut it short: under scancel, Slurm signals every
+            # process of the job and the sbatch teardown the driver's group, within milliseconds.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             try:
                 self.shutdown()
@@ -301,8 +300,8 @@ class RLJob:
         return self.run_dir
 
     def shutdown(self) -> None:
-        """Stop engines, router, actors and Ray; safe to call on a half-started job. Ray is let go of whatever
-        fails before."""
+        """Stop engines, router, actors and Ray; safe to call on a half-started job. Ray is shut down even if
+        stopping an actor fails."""
         try:
             self._stop_actors()
             self.metrics.close()
