@@ -61,9 +61,14 @@ class MetricsLogger:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
+        """Flush and close every sink. W&B's finish() returns before its core process has written the run's data
+        file (an offline run read right after it could still be a bare header); teardown() waits for that."""
         self.writer.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            wandb.teardown()
 
 
 def _wandb_run(run_dir: Path, project: str, name: str, config: dict, *, resume: bool):
