@@ -81,7 +81,7 @@ def _reinforce_plus_plus(inputs: StepInputs, cfg, rewards: torch.Tensor) -> list
             returns.append(torch.zeros_like(mask, dtype=torch.float32))
             continue
         kl = (inputs.old[k] - inputs.ref[k]) * (mask > 0) if inputs.ref is not None else torch.zeros_like(mask)
-        returns.append(losses.kl_shaped_returns(float(rewards[i]), kl.float(), cfg.loss.reward_kl_coef))
+        returns.append(losses.kl_shaped_returns(float(rewards[i]), kl.float(), cfg.loss.reward_kl_coef, mask))
     return _whiten(returns, inputs)
 
 
@@ -99,23 +99,51 @@ def reinforce_plus_plus_baseline(inputs: StepInputs, cfg) -> list[torch.Tensor]:
 
 
 def _token_rewards(inputs: StepInputs, k: int, i: int, coef: float) -> torch.Tensor:
-    """Sample k's (step index i) per-token rewards: -coef x KL(old, ref) per token, and its reward on the last."""
-    mask = inputs.masks[k]
-    kl = (inputs.old[k] - inputs.ref[k]) * (mask > 0) if inputs.ref is not None else torch.zeros_like(mask)
-    rewards = -coef * kl.double()
-    rewards[-1] += float(inputs.rewards[i])
+    """Sample k's (step index i) per-token rewards: -coef x KL(old, ref) on the model's own tokens (mask > 0), 0 on
+    environment tokens, and the outcome reward on the last model token (a response may end on a tool result)."""
+    mask = inputs.masks[k] > 0
+    kl = (inputs.old[k] - inputs.ref[k]) if inputs.ref is not None else torch.zeros_like(inputs.masks[k])
+    rewards = torch.where(mask, -coef * kl.double(), 0.0)
+    rewards[losses.last_true(mask)] += inputs.rewards[i].to(rewards)
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
-    """Generalised advantage estimation over one response ([T] rewards and values; the value after the last token is
-    0): A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t."""
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float, *, block: int = 256) -> torch.Tensor:
+    """out[t] = sum_{j >= t} discount^(j - t) x[j] over a 1-D `x`, with one triangular matmul per `block` positions
+    (back to front, each block carrying the one after it) instead of a step per position: a 32k-token response is
+    128 small matmuls and no host sync. Within a block the powers of `discount` are <= 1, so nothing under- or
+    overflows however long the response."""
+    size = min(block, x.shape[0])
+    offsets = torch.arange(size, device=x.device)
+    lag = offsets[None, :] - offsets[:, None]  # j - t
+    weights = torch.where(lag >= 0, torch.pow(discount, lag.clamp(min=0).to(x.dtype)), 0.0)
+    out = torch.empty_like(x)
+    carry = x.new_zeros(())
+    for end in range(x.shape[0], 0, -size):
+        start = max(end - size, 0)
+        n = end - start
+        # out[t] = sum over the block of discount^(j - t) x[j] + discount^(end - t) out[end]
+        tail = torch.pow(discount, (n - offsets[:n]).to(x.dtype))
+        out[start:end] = weights[:n, :n] @ x[start:end] + tail * carry
+        carry = out[start]
+    return out
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, *, gamma: float,
+        lam: float) -> torch.Tensor:
+    """Generalised advantage estimation over one response's model tokens ([T] rewards and values, `mask` [T] > 0 on
+    the model's own tokens; None: all of them): A_t = sum_k (gamma lam)^k delta_{t+k},
+    delta_t = r_t + gamma V_next(t) - V_t, where next(t) is the next *model* token (the value after the last is 0).
+
+    Environment tokens (tool results inside a multi-turn response) are not steps of the policy: the recursion skips
+    them, so the value and the running advantage carry across an environment span unchanged and the last model token
+    before a tool result bootstraps from the value of the first model token after it. Their advantage is 0 (they are
+    not trained). Float64."""
+    model = torch.ones_like(rewards, dtype=torch.bool) if mask is None else mask > 0
+    r, v = rewards.double()[model], values.double()[model]
+    next_values = torch.cat([v[1:], v.new_zeros(1)])
     out = torch.zeros_like(rewards, dtype=torch.float64)
-    running, next_value = 0.0, 0.0
-    for t in range(len(rewards) - 1, -1, -1):
-        delta = float(rewards[t]) + gamma * next_value - float(values[t])
-        running = delta + gamma * lam * running
-        out[t], next_value = running, float(values[t])
+    out[model] = discounted_reverse_cumsum(r + gamma * next_values - v, gamma * lam)
     return out
 
 
@@ -126,7 +154,8 @@ def _gae_per_sample(inputs: StepInputs, cfg) -> list[torch.Tensor]:
         if not bool(inputs.scored[i]) or not mask.any():
             out.append(torch.zeros_like(mask, dtype=torch.float64))
             continue
-        out.append(gae(_token_rewards(inputs, k, i, coef), inputs.values[k], gamma=critic.gamma, lam=critic.lam))
+        out.append(gae(_token_rewards(inputs, k, i, coef), inputs.values[k], mask, gamma=critic.gamma,
+                       lam=critic.lam))
     return out
 
 
@@ -136,7 +165,8 @@ def ppo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
 
 
 def ppo_returns(inputs: StepInputs, cfg) -> list[torch.Tensor]:
-    """The critic's targets: GAE advantages (not whitened) + the values they were computed from."""
+    """The critic's targets: GAE advantages (not whitened) + the values they were computed from (on environment
+    tokens, whose advantage is 0, the value itself: no target, and the critic's loss skips them anyway)."""
     return [(a + v.double()).float() for a, v in zip(_gae_per_sample(inputs, cfg), inputs.values)]
 
 

@@ -52,12 +52,21 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, *, valid: torch.Tens
     return out.reshape(-1).to(rewards.dtype)
 
 
-def kl_shaped_returns(reward: float, kl: torch.Tensor, coef: float) -> torch.Tensor:
-    """REINFORCE++ token returns of one response (gamma 1): each token's reward is -coef * kl_t, the last token's
-    also the sequence reward; the return at t sums the rewards from t on. `kl` is [T]; returns [T]."""
+def kl_shaped_returns(reward: float, kl: torch.Tensor, coef: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ token returns of one response (gamma 1): each token's reward is -coef * kl_t, and the sequence
+    reward goes to the last model token (`mask` [T] > 0 on the model's own tokens; None: every token), not to a tool
+    result the response may end on; the return at t sums the rewards from t on. `kl` is [T], 0 on environment
+    tokens; returns [T]."""
     rewards = -coef * kl.double()
-    rewards[-1] += reward
+    rewards[last_true(torch.ones_like(kl, dtype=torch.bool) if mask is None else mask > 0)] += reward
     return rewards.flip(0).cumsum(0).flip(0).to(kl.dtype)
+
+
+def last_true(mask: torch.Tensor) -> torch.Tensor:
+    """The index of the last True of a 1-D bool mask that has one (a 1-element tensor on the mask's device: indexing
+    with it needs no host sync)."""
+    positions = torch.arange(mask.shape[0], device=mask.device)
+    return torch.where(mask, positions, -1).amax(dim=0, keepdim=True)
 
 
 def segment_sum(values: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:

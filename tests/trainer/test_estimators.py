@@ -163,6 +163,60 @@ def test_gae_by_hand():
     torch.testing.assert_close(advantages, (raw - raw.mean()) / (raw.var(unbiased=False).sqrt() + 1e-6))
 
 
+def _ppo_step(masks, values, old, rewards=(1.0,)):
+    step = inputs(list(rewards), group_size=1, masks=masks, old=old, ref=[[0.0] * len(m) for m in masks])
+    step.values = [torch.tensor(v) for v in values]
+    return step
+
+
+def test_gae_skips_two_environment_spans():
+    """Mask (1, 1, 0, 0, 1, 0, 1, 1): the model's tokens are 0, 1, 4, 6, 7; values on environment tokens (9) must not
+    count. Over the model tokens: rewards (0, 0, 0, 0, 1), values (0.5, 0.25, 0.5, 0.25, 0.5), gamma 1, lambda 0.5:
+    deltas (-0.25, 0.25, -0.25, 0.25, 0.5); A = (-0.125, 0.25, 0, 0.5, 0.5); token 1 bootstraps from token 4's value,
+    token 4 from token 6's. Environment tokens: advantage 0, return = their own value (no target)."""
+    step = _ppo_step([[1, 1, 0, 0, 1, 0, 1, 1]], [[0.5, 0.25, 9, 9, 0.5, 9, 0.25, 0.5]], [[0.0] * 8])
+    advantages = estimators._gae_per_sample(step, Cfg)[0]
+    assert advantages.tolist() == pytest.approx([-0.125, 0.25, 0, 0, 0, 0, 0.5, 0.5])
+    assert estimators.ppo_returns(step, Cfg)[0].tolist() == pytest.approx([0.375, 0.5, 9, 9, 0.5, 9, 0.75, 1.0])
+
+
+def test_gae_of_a_response_ending_on_a_tool_result_rewards_the_last_model_token():
+    """Mask (1, 1, 0, 0): the outcome reward sits on token 1, not on the tool result's last token; KL-shaped rewards
+    are 0 on environment tokens whatever old - ref says there. Rewards over the model tokens (-0.1, -0.2 + 1), values
+    (0.5, 0.25): deltas (-0.1 + 0.25 - 0.5, 0.8 - 0.25) = (-0.35, 0.55); A = (-0.35 + 0.5 * 0.55, 0.55)."""
+    step = _ppo_step([[1, 1, 0, 0]], [[0.5, 0.25, 9, 9]], [[0.2, 0.4, 3.0, 3.0]])
+    assert estimators._token_rewards(step, 0, 0, Cfg.loss.reward_kl_coef).tolist() == pytest.approx(
+        [-0.1, 0.8, 0, 0])
+    assert estimators._gae_per_sample(step, Cfg)[0].tolist() == pytest.approx([-0.075, 0.55, 0, 0])
+    # REINFORCE++ likewise: returns (0.7, 0.8) on the model tokens, the reward not on the tool result
+    returns = losses.kl_shaped_returns(1.0, torch.tensor([0.2, 0.4, 0.0, 0.0]), 0.5, torch.tensor([1, 1, 0, 0]))
+    assert returns.tolist()[:2] == pytest.approx([0.7, 0.8])
+
+
+def _masked_gae_loop(rewards, values, mask, gamma, lam):
+    """An independent per-token GAE that skips masked positions by carrying the next value and the running
+    advantage across them (the usual formulation of multi-turn GAE)."""
+    out, running, next_value = [0.0] * len(rewards), 0.0, 0.0
+    for t in reversed(range(len(rewards))):
+        if not mask[t]:
+            continue
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        out[t], next_value = running, values[t]
+    return out
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.5, 0.0)])
+def test_vectorised_gae_equals_a_per_token_loop_over_many_blocks(gamma, lam):
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(1500, dtype=torch.float64, generator=generator)
+    values = torch.randn(1500, dtype=torch.float64, generator=generator)
+    mask = torch.rand(1500, generator=generator) < 0.7
+    expected = _masked_gae_loop(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(estimators.gae(rewards, values, mask, gamma=gamma, lam=lam),
+                               torch.tensor(expected, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
 def test_value_loss_clips_around_the_old_value():
     from slimish.trainer.critic import value_loss
 
