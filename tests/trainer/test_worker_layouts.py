@@ -16,11 +16,20 @@ from tests.multiproc import run_world
 SCRIPT = Path(__file__).with_name("worker_rank.py")
 
 
+# Adam's first step moves a weight by ~lr whatever the size of its gradient (m / sqrt(v) = sign(g) when eps is far
+# below |g|), so an element whose gradient is ~0 moves by up to lr in a direction set by reduction-order noise: one
+# such element of o_proj ended 0.004 apart between TP2 and one rank (PPO, on one CPU kind and not another), its
+# logprobs 5e-4 apart. With eps 1e-5, well below a typical |g| (~3e-3) but far above that noise, the comparisons test
+# the trainer's arithmetic rather than Adam's normalisation of rounding noise.
+ADAM_EPS = "trainer.optimizer.adam_eps=1e-5"
+
+
 def _run(task_assets, out: Path, *, world_size: int, tp: int, pp: int = 1, dtype: str = "float32",
          overrides: tuple[str, ...] = ()) -> list[dict]:
     run_world(SCRIPT, world_size=world_size, args=["--tp", str(tp), "--pp", str(pp), "--dtype", dtype,
                                                    "--hf", task_assets["model"], "--data", task_assets["train"],
-                                                   "--out", str(out), *(a for o in overrides for a in ("--set", o))])
+                                                   "--out", str(out),
+                                                   *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
