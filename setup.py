@@ -15,7 +15,9 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.9",
-        "megatron-core>=0.16,<0.20",
+        # Exactly the lock's: 0.17+ needs Python >= 3.12 (README, CPU notes), where an unpinned GPU install would
+        # take a release none of slimish's Megatron workarounds were derived from.
+        "megatron-core==0.16.1",
         "sglang>=0.5.23",
         "sglang-router>=0.3.2",
         "ray[default]>=2.59",  # token authentication on by default for a local Ray
