@@ -51,7 +51,15 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    lr: float = doc(1e-3, "Adam learning rate.")
+    lr: float = doc(1e-3, "Adam learning rate: the peak of the schedule below (`slimish/trainer/lr_schedule.py`).")
+    lr_warmup_steps: int = doc(0, "Linear warm-up over this many optimizer steps (trainer.num_minibatches per RL "
+                                  "step): step k of them trains at lr x k / lr_warmup_steps. 0: none.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = doc(
+        "constant", "After the warm-up: constant lr, or linear / cosine decay to lr x min_lr_ratio.")
+    lr_decay_steps: int = doc(0, "The optimizer step where the decay reaches its minimum (warm-up included); 0: the "
+                                 "run's last, rl.num_steps x trainer.num_minibatches.")
+    min_lr_ratio: float = doc(0.0, "Where linear / cosine decay ends, as a fraction of lr (of trainer.critic.lr for "
+                                   "the critic, which follows the same schedule).")
     weight_decay: float = doc(0.0, "Decoupled weight decay.")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")

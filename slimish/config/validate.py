@@ -32,6 +32,25 @@ def _check_rl_mode(cfg: JobConfig) -> None:
                           + f" a step trains tokens up to {least} version(s) old: use >= {least} (or 0, no bound)")
 
 
+def _check_lr_schedule(cfg: JobConfig) -> None:
+    opt = cfg.trainer.optimizer
+    _positive("trainer.optimizer.lr_warmup_steps", opt.lr_warmup_steps, allow_zero=True)
+    _positive("trainer.optimizer.lr_decay_steps", opt.lr_decay_steps, allow_zero=True)
+    if not 0 <= opt.min_lr_ratio <= 1:
+        raise ConfigError("trainer.optimizer.min_lr_ratio", f"must be in [0, 1] (a fraction of lr), got "
+                                                            f"{opt.min_lr_ratio}")
+    if opt.lr_decay_style == "constant":
+        return
+    total = cfg.rl.num_steps * cfg.trainer.num_minibatches
+    decay = opt.lr_decay_steps or total
+    if opt.lr_warmup_steps >= decay:
+        where = (f"trainer.optimizer.lr_decay_steps ({decay})" if opt.lr_decay_steps else
+                 f"the run's optimizer steps, rl.num_steps x trainer.num_minibatches ({total})")
+        raise ConfigError("trainer.optimizer.lr_warmup_steps",
+                          f"got {opt.lr_warmup_steps}, but {opt.lr_decay_style} decay must start before it ends at "
+                          f"{where}: lower the warm-up, raise the decay steps, or use lr_decay_style=constant")
+
+
 def validate(cfg: JobConfig, *, files: bool = True) -> None:
     """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`)."""
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
@@ -86,6 +105,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
                           f"got {ro.partial.over_sampling}, but groups beyond prompts_per_step are only kept with "
                           "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
     _check_rl_mode(cfg)
+    _check_lr_schedule(cfg)
     if ro.top_p != 1:
         # SGLang samples from the top-p-truncated distribution but returns the logprobs of the untruncated
         # softmax(logits / T): every importance ratio and the parity metric would compare the wrong policy.

@@ -91,7 +91,8 @@ class RLJob:
             f.write(self.api_key + "\n")
 
     def warmup(self) -> None:
-        """Optional SFT warm-up in Megatron, then push the warmed-up weights (version 0) to the engines."""
+        """Optional SFT warm-up in Megatron at the constant sft.lr (each RL step then sets its own lr from
+        trainer.optimizer's schedule), then push the warmed-up weights (version 0) to the engines."""
         sft = self.cfg.sft
         if sft.steps == 0:
             return
@@ -102,7 +103,6 @@ class RLJob:
             out = self.trainer.call("sft_step", batch)
             if step % 10 == 0 or step == sft.steps - 1:
                 print(f"sft {step + 1:>3}/{sft.steps} | loss {out['sft_loss']:.3f}", flush=True)
-        self.trainer.call("set_learning_rate", self.cfg.trainer.optimizer.lr)
         self.sync_weights(version=0)
 
     def restore(self) -> int:

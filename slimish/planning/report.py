@@ -22,7 +22,21 @@ def _header(cfg, arch, params: ParamCount) -> list[str]:
     return [f"model: {arch.family}, {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active per "
             f"token), {cfg.model.dtype}",
             f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
-            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}"]
+            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}",
+            _lr_schedule(cfg)]
+
+
+def _lr_schedule(cfg) -> str:
+    """trainer.optimizer's schedule in words, in optimizer steps (`slimish/trainer/lr_schedule.py`)."""
+    opt = cfg.trainer.optimizer
+    total = cfg.rl.num_steps * cfg.trainer.num_minibatches
+    text = f"lr: {opt.lr:g} over {total} optimizer steps ({cfg.trainer.num_minibatches} per RL step)"
+    if opt.lr_warmup_steps:
+        text += f", warm-up {opt.lr_warmup_steps} steps"
+    if opt.lr_decay_style == "constant":
+        return text + ", then constant" if opt.lr_warmup_steps else text + ", constant"
+    return text + (f", then {opt.lr_decay_style} decay to {opt.lr * opt.min_lr_ratio:g} at step "
+                   f"{opt.lr_decay_steps or total}")
 
 
 def _gb(value: float) -> str:

@@ -91,6 +91,14 @@ def engines(records, ax):
     ax.legend()
 
 
+def learning_rate(records, ax):
+    steps, values = _series(records, "lr")
+    ax.plot(steps, values, marker="o", color="tab:green", label="learning rate (the step's last optimizer step)")
+    ax.set_ylabel("learning rate")
+    _second_axis(records, ax, "grad_norm", label="grad norm (before clipping)", ylabel="grad norm",
+                 color="tab:gray")
+
+
 def evaluation(records, ax):
     for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
         steps, values = _series(records, key)
@@ -107,6 +115,7 @@ FIGURES: list[tuple[str, str, tuple[str, ...], Callable]] = [
     ("off_policy", "Staleness and off-policy tokens", ("staleness_max", "off_policy_token_frac"), off_policy),
     ("sync", "Weight-sync throughput", ("sync_mib",), sync_throughput),
     ("engines", "Engine deaths, hangs and restarts", ("engine_deaths",), engines),
+    ("lr", "Learning rate and gradient norm", ("lr",), learning_rate),
     ("eval", "Evaluation", (), evaluation),
 ]
 

@@ -46,25 +46,31 @@ def critic_path(policy_path: str | Path) -> str:
     return str(Path(policy_path).parent / "critic")
 
 
-def save(module, optimizer, path: str | Path) -> None:
-    """Write the model's and the optimizer's (Adam moments, step, fp32 main params) sharded state to `path`."""
+def save(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+    """Write the model's and the optimizer's (Adam moments, step, fp32 main params) sharded state to `path`, and the
+    learning-rate schedule's position with it."""
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(_state(module, optimizer, is_loading=False), str(path))
     if torch.distributed.get_rank() == 0:
-        (Path(path) / OPTIMIZER_FILE).write_text(json.dumps({"distributed": _is_distributed(optimizer)}) + "\n")
+        record = {"distributed": _is_distributed(optimizer)}
+        if lr_schedule is not None:
+            record["lr_schedule"] = lr_schedule.state_dict()
+        (Path(path) / OPTIMIZER_FILE).write_text(json.dumps(record) + "\n")
 
 
-def load(module, optimizer, path: str | Path) -> None:
-    """Overwrite the model's weights and the optimizer's state in place with the checkpoint at `path`."""
+def load(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+    """Overwrite the model's weights and the optimizer's state in place with the checkpoint at `path`; continue
+    `lr_schedule` from the checkpoint's step (a checkpoint without one restarts the schedule)."""
     from megatron.core import dist_checkpointing
 
     if not (Path(path) / "metadata.json").is_file():
         raise CheckpointError(f"{path}: not a Megatron dist checkpoint (no metadata.json); point checkpoint.resume at "
                               "a complete checkpoints/step_<N> directory")
-    record = Path(path) / OPTIMIZER_FILE
-    distributed = json.loads(record.read_text())["distributed"] if record.is_file() else False
+    record_path = Path(path) / OPTIMIZER_FILE
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    distributed = record.get("distributed", False)
     distributed_parts = _distributed_parts(optimizer)
     if distributed != bool(distributed_parts):
         raise CheckpointError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
@@ -80,6 +86,10 @@ def load(module, optimizer, path: str | Path) -> None:
     optimizer.load_state_dict(state["optimizer"])
     for part in distributed_parts:
         _unshare_adam_steps(part)
+    if lr_schedule is not None and "lr_schedule" in record:
+        from slimish.trainer.lr_schedule import load_position
+
+        load_position(lr_schedule, record["lr_schedule"])
 
 
 def _create_empty_adam_state(part) -> None:

@@ -48,7 +48,7 @@ def value_loss(values, old_values, returns, mask, *, clip: float, denom: float):
 
 
 class Critic:
-    def __init__(self, cfg, build, load_weights):
+    def __init__(self, cfg, build, load_weights, *, total_steps: int):
         from slimish.trainer.model import wrap_for_training
 
         opt, critic = cfg.trainer.optimizer, cfg.trainer.critic
@@ -56,9 +56,8 @@ class Critic:
         self.module = build()
         load_weights(self.module)
         self.head = ValueHead(self.module)
-        self.model, self.optimizer = wrap_for_training(
-            self.module, lr=critic.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, distributed=opt.distributed)
+        self.model, self.optimizer, self.lr_schedule = wrap_for_training(self.module, opt, lr=critic.lr,
+                                                                         total_steps=total_steps)
 
     def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, S-1] values per micro-batch (empty off the last stage)."""
@@ -77,16 +76,14 @@ class Critic:
                                        mb.loss_mask, clip=clip, denom=denom)
             return loss * scale, metrics
 
-        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn)
+        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn, self.lr_schedule)
 
     def save(self, path: str) -> None:
         from slimish.trainer import checkpoint
 
-        checkpoint.save(self.module, self.optimizer, path)
+        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
 
     def load(self, path: str) -> None:
         from slimish.trainer import checkpoint
 
-        checkpoint.load(self.module, self.optimizer, path)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.trainer.critic.lr
+        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)

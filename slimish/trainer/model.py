@@ -37,21 +37,26 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     return model
 
 
-def wrap_for_training(model, *, lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float,
-                      adam_eps: float, clip_grad: float, distributed: bool = False):
-    """(DDP-wrapped model, Megatron Adam optimizer with fp32 main params); `distributed` shards the main params,
-    grads and moments over the data-parallel ranks (Megatron's distributed optimizer)."""
+def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
+    """(DDP-wrapped model, Megatron Adam optimizer with fp32 main params, its learning-rate schedule) for
+    trainer.optimizer `opt_cfg` peaking at `lr` (`slimish.trainer.lr_schedule`; `total_steps`: the run's optimizer
+    steps). trainer.optimizer.distributed shards the main params, grads and moments over the data-parallel ranks
+    (Megatron's distributed optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from slimish.trainer.lr_schedule import build_lr_schedule
+
     config = model.config
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), module=model)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=opt_cfg.distributed),
+        module=model)
     # Without this, data-parallel replicas never all-reduce their grads and silently diverge.
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
-        adam_eps=adam_eps, clip_grad=clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=distributed), [ddp])
-    return ddp, optimizer
+        optimizer="adam", lr=lr, min_lr=lr * opt_cfg.min_lr_ratio, weight_decay=opt_cfg.weight_decay,
+        adam_beta1=opt_cfg.adam_beta1, adam_beta2=opt_cfg.adam_beta2, adam_eps=opt_cfg.adam_eps,
+        clip_grad=opt_cfg.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=opt_cfg.distributed), [ddp])
+    return ddp, optimizer, build_lr_schedule(optimizer, opt_cfg, lr=lr, total_steps=total_steps)

@@ -24,8 +24,12 @@ def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only
         micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches), forward_only=forward_only)
 
 
-def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
-    """Zeroed grads, forward and backward over `microbatches`, one optimizer step: (metrics, grad norm)."""
+def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn,
+                   lr_schedule=None) -> tuple[list[dict], float]:
+    """Zeroed grads, forward and backward over `microbatches`, one optimizer step: (metrics, grad norm). With
+    `lr_schedule` (`slimish.trainer.lr_schedule`), the step first advances it: step k trains at the schedule's lr(k)."""
+    if lr_schedule is not None:
+        lr_schedule.step(1)
     model.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(model, microbatches, loss_fn, forward_only=False)

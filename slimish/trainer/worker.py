@@ -23,6 +23,7 @@ from slimish.trainer.balance import balanced_partition, imbalance
 from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
 from slimish.trainer.estimators import ESTIMATORS, StepInputs
 from slimish.trainer.logprobs import LogprobHead
+from slimish.trainer.lr_schedule import current_lr, rl_optimizer_steps
 from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
 from slimish.trainer.schedule import optimizer_step, run_schedule
@@ -72,9 +73,8 @@ class TrainerWorker:
         self.module = build()
         load_hf_weights(self.module, self.cfg.model.hf_path, self.arch)
         opt = self.cfg.trainer.optimizer
-        self.model, self.optimizer = wrap_for_training(
-            self.module, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad, distributed=opt.distributed)
+        self.model, self.optimizer, self.lr_schedule = wrap_for_training(
+            self.module, opt, lr=opt.lr, total_steps=rl_optimizer_steps(self.cfg))
         chunk = self.cfg.trainer.logprob_chunk_tokens
         self.head = LogprobHead(self.module, chunk_tokens=chunk)
         self.ref_model = self.ref_head = None
@@ -88,7 +88,8 @@ class TrainerWorker:
         if self.estimator.needs_values:
             from slimish.trainer.critic import Critic
 
-            self.critic = Critic(self.cfg, build, lambda m: load_hf_weights(m, self.cfg.model.hf_path, self.arch))
+            self.critic = Critic(self.cfg, build, lambda m: load_hf_weights(m, self.cfg.model.hf_path, self.arch),
+                                 total_steps=rl_optimizer_steps(self.cfg))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -106,6 +107,7 @@ class TrainerWorker:
         return self._telemetry.sample()
 
     def set_learning_rate(self, lr: float) -> None:
+        """A constant lr for the SFT warm-up's steps; the RL steps after it follow `lr_schedule` again."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -171,8 +173,8 @@ class TrainerWorker:
         dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
         return box[0]
 
-    def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn) -> tuple[list[dict], float]:
-        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn)
+    def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn, lr_schedule=None) -> tuple[list[dict], float]:
+        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn, lr_schedule)
 
     # ---------------------------------------------------------------------------------------------- RL API
     def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
@@ -313,7 +315,7 @@ class TrainerWorker:
                     segments=mb.extras["segments"])
                 return out.loss * scale, out.metrics
 
-            outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
+            outputs, grad_norm = self._optimizer_step(mbs, loss_fn, self.lr_schedule)
             if self.critic is not None:
                 critic_outputs, critic_norm = self._critic_step(mbs, index, returns, scale)
                 outputs = [{**o, **c} for o, c in zip(outputs, critic_outputs)]
@@ -328,7 +330,8 @@ class TrainerWorker:
             metrics["critic_grad_norm"] = critic_norms[-1]
         if sums:  # first minibatch: exactly 0 when on-policy; the last shows how far the minibatches went
             metrics["ppo_kl"], metrics["ppo_kl_last"] = sums["ppo_kl"][0], sums["ppo_kl"][-1]
-        return self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]})
+        # lr: the last minibatch's (every rank holds it; not a last-stage value)
+        return {**self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]}), "lr": current_lr(self.optimizer)}
 
     def _critic_step(self, mbs: list[MicroBatch], index: int, returns, scale: float):
         """One critic optimizer step on minibatch `index`: regression to the estimator's returns, clipped around the
@@ -362,17 +365,16 @@ class TrainerWorker:
         it is the initial policy, rebuilt from model.hf_path."""
         from slimish.trainer import checkpoint
 
-        checkpoint.save(self.module, self.optimizer, path)
+        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
         if self.critic is not None:
             self.critic.save(checkpoint.critic_path(path))
 
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning rate
-        is then reset to trainer.optimizer.lr: the config, not the checkpoint, decides it."""
+        """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning-rate
+        schedule continues from the checkpoint's step with the config's shape (`slimish.trainer.lr_schedule`)."""
         from slimish.trainer import checkpoint
 
-        checkpoint.load(self.module, self.optimizer, path)
-        self.set_learning_rate(self.cfg.trainer.optimizer.lr)
+        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
         if self.critic is not None:
             self.critic.load(checkpoint.critic_path(path))
         self._rollout = None

@@ -78,6 +78,10 @@ BAD_CASES = [
     ("reward.url=localhost:8000", "reward.url", "expected an http:// or https:// URL"),
     ("trainer.loss.mis_high=0.9", "trainer.loss.mis_high", "must hold 1"),
     ("plan.mfu=0", "plan.mfu", "must be > 0"),
+    ("trainer.optimizer.lr_warmup_steps=-1", "trainer.optimizer.lr_warmup_steps", "must be >= 0"),
+    ("trainer.optimizer.lr_decay_style=step", "trainer.optimizer.lr_decay_style",
+     "allowed values: 'constant', 'linear', 'cosine'"),
+    ("trainer.optimizer.min_lr_ratio=1.5", "trainer.optimizer.min_lr_ratio", "must be in [0, 1]"),
 ]
 
 
@@ -107,6 +111,28 @@ RL_MODE_CASES = [
 def test_rl_mode_checks(base, overrides, key, fragment):
     if key is None:
         assert load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides).rl.mode == overrides[0][8:]
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
+    assert err.value.key == key and fragment in str(err.value), str(err.value)
+
+
+LR_SCHEDULE_CASES = [
+    # (overrides, key named in the error or None, a fragment of the explanation); the quickstart runs 30 steps
+    (["trainer.optimizer.lr_decay_style=cosine", "trainer.optimizer.lr_warmup_steps=30"],
+     "trainer.optimizer.lr_warmup_steps", "rl.num_steps x trainer.num_minibatches (30)"),
+    (["trainer.optimizer.lr_decay_style=linear", "trainer.optimizer.lr_warmup_steps=5",
+      "trainer.optimizer.lr_decay_steps=5"], "trainer.optimizer.lr_warmup_steps", "lr_decay_steps (5)"),
+    (["trainer.optimizer.lr_warmup_steps=100"], None, None),  # constant after it: a long warm-up is only slow
+    (["trainer.optimizer.lr_decay_style=linear", "trainer.optimizer.lr_warmup_steps=29"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", LR_SCHEDULE_CASES,
+                         ids=[" ".join(c[0]) for c in LR_SCHEDULE_CASES])
+def test_lr_schedule_checks(base, overrides, key, fragment):
+    if key is None:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
         return
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)

@@ -19,13 +19,13 @@ SCRIPT = Path(__file__).with_name("checkpoint_rank.py")
 ADVANTAGES = [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5]
 
 
-def _worker(task_assets):
+def _worker(task_assets, overrides=()):
     from slimish.trainer.worker import TrainerWorker
 
     cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
         f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
         f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
-        "trainer.loss.kl_coef=0.1"])
+        "trainer.loss.kl_coef=0.1", *overrides])
     w = TrainerWorker(cfg, rank=0, world_size=1)
     w.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
     return w
@@ -53,6 +53,23 @@ def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets,
     _assert_equal(first.export_state(), resumed.export_state())
     assert _step(first) == _step(resumed)
     _assert_equal(first.export_state(), resumed.export_state())
+
+
+def test_resumed_mid_warm_up_each_step_trains_at_the_uninterrupted_runs_lr(task_assets, megatron_world, tmp_path):
+    """Warm-up over 3 optimizer steps, then linear decay to 0.1 x lr at the run's 5th: a run stopped after step 2 and
+    resumed from its checkpoint trains steps 3-5 at exactly the uninterrupted run's lr."""
+    schedule = ["rl.num_steps=5", "trainer.num_minibatches=1", "trainer.optimizer.lr_warmup_steps=3",
+                "trainer.optimizer.lr_decay_style=linear", "trainer.optimizer.min_lr_ratio=0.1"]
+    uninterrupted = _worker(task_assets, schedule)
+    expected = [_step(uninterrupted)["lr"] for _ in range(5)]
+    assert expected == pytest.approx([0.01 / 3, 0.02 / 3, 0.01, 0.0055, 0.001])
+    first = _worker(task_assets, schedule)
+    got = [_step(first)["lr"] for _ in range(2)]
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = _worker(task_assets, schedule)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    got += [_step(resumed)["lr"] for _ in range(3)]
+    assert got == expected
 
 
 def test_load_of_a_missing_checkpoint_names_the_path(task_assets, megatron_world, tmp_path):
