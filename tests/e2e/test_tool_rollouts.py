@@ -68,3 +68,35 @@ def test_the_calculator_is_learned_and_its_tokens_never_train(calculator_assets,
     print(f"samples that called the calculator: {tool_uses}; interrupted and continued: {continued}")
     assert tool_uses > 0
     assert not leftovers(), "processes left running after the job"
+
+
+PPO_STEPS = 3
+
+
+def test_ppo_trains_on_multi_turn_responses_with_the_calculator(calculator_assets, tmp_path):
+    """PPO (critic, GAE over the model's own tokens) on transcripts the calculator's answers interrupt: every step
+    completes with a finite, trained critic; the trained samples include tool calls, so GAE crossed environment spans
+    (whose hand-computed cases are in tests/trainer/test_estimators.py)."""
+    import math
+
+    become_subreaper()
+    a = calculator_assets
+    cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/calculator_cpu.yaml"),
+           f"model.hf_path={a['model']}", f"data.path={a['train']}", f"sft.data_path={a['sft']}",
+           f"run.output_dir={tmp_path}", "run.name=calc_ppo", f"rl.num_steps={PPO_STEPS}", "eval.every=0",
+           "run.save_rollouts=true", "rollout.engine.num_engines=1", "trainer.loss.advantage_estimator=ppo",
+           "trainer.loss.reward_kl_coef=0.01", "trainer.critic.lr=0.001"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_dir = tmp_path / "calc_ppo"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, PPO_STEPS + 1))
+    assert all(math.isfinite(r["value_loss"]) and r["critic_grad_norm"] > 0 for r in records), records
+    assert all(r["samples_failed"] == 0 and r["logprob_abs_diff_max"] <= 1e-4 for r in records)
+    samples = [json.loads(line) for step in range(1, PPO_STEPS + 1)
+               for line in (run_dir / "rollouts" / f"step_{step}.jsonl").open()]
+    with_tool = [s for s in samples if s["meta"].get("environment_spans")]
+    print(f"ppo on the calculator: value_loss {[round(r['value_loss'], 4) for r in records]}, "
+          f"{len(with_tool)} of {len(samples)} samples called the calculator")
+    assert with_tool and all(math.isfinite(s["advantage"]) for s in samples)
+    assert not leftovers(), "processes left running after the job"
