@@ -11,6 +11,8 @@ setup(
     name="slimish",
     version="0.1.0",
     description="RL post-training framework native to Megatron-Core and SGLang",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     packages=find_packages(include=["slimish", "slimish.*"]),
     python_requires=">=3.11",
     install_requires=[
