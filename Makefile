@@ -1,7 +1,7 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make test-fast | make lint | make bench | make bench-partial | make bench-sync |
+# Other targets: make venv | make test-fast | make lint | make docs | make bench | make bench-partial | make bench-sync |
 #   make bench-flatten | make bench-long | make bench-estimators | make bench-async | make bench-rollout
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
+.PHONY: venv quickstart test test-fast lint docs bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,14 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 
 quickstart: venv
 	$(BIN)/slimish make-tiny --out artifacts/tiny
-	$(BIN)/slimish train --config configs/quickstart_cpu.yaml
+	$(BIN)/slimish train configs/quickstart_cpu.yaml
 
 lint: venv
 	$(BIN)/ruff check slimish tests bench
+
+# docs/config.md, generated from the config schema (tests/test_docs.py fails when it is out of date)
+docs: venv
+	$(BIN)/slimish config --markdown > docs/config.md
 
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,8 +1,9 @@
 """`slimish` command line.
 
-  slimish train --config CONFIG [key.sub=value ...]     run an RL job
+  slimish train CONFIG [key.sub=value ...]              run an RL job (`--config CONFIG` works too)
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
+  slimish config [SECTION] [--markdown]                 every config key: type, default, meaning
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
@@ -33,7 +34,21 @@ def _load(config: str | None, overrides: list[str]):
         raise UserError(f"config file not found: {exc.filename}") from None
 
 
+def _config_argument(args) -> None:
+    """`train` takes its config positionally like the other commands, or as --config (kept for old scripts)."""
+    if args.config_flag and args.config:
+        args.overrides.insert(0, args.config)  # with --config, every positional is an override
+    args.config = args.config_flag or args.config
+    if not args.config:
+        raise UserError("no config file: pass it as the first argument, e.g. slimish train "
+                        "configs/quickstart_cpu.yaml")
+    if "=" in args.config:
+        raise UserError(f"the first argument {args.config!r} looks like an override: pass the config file first, "
+                        "e.g. slimish train configs/quickstart_cpu.yaml rollout.samples_per_prompt=8")
+
+
 def cmd_train(args) -> int:
+    _config_argument(args)
     cfg = _load(args.config, args.overrides)
     from slimish.orchestration.driver import train
 
@@ -64,6 +79,15 @@ def cmd_plan(args) -> int:
     except FileNotFoundError as exc:
         raise UserError(f"config file not found: {exc.filename}") from None
     print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from slimish.config import reference
+
+    if args.section is not None and args.section not in reference.sections():
+        raise UserError(f"no config section {args.section!r}; sections: {', '.join(reference.sections())}")
+    print(reference.markdown() if args.markdown else reference.text(args.section), end="\n" * (not args.markdown))
     return 0
 
 
@@ -139,11 +163,17 @@ def cmd_convert(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimish", description="RL post-training on Megatron-Core + SGLang")
+    parser.add_argument("--version", action="version", version=f"slimish {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run an RL job")
-    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("--config", dest="config_flag", metavar="CONFIG", help="the same, as an option")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.samples_per_prompt=8")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("config", help="list the config keys with their types, defaults and meaning")
+    p.add_argument("section", nargs="?", help="one top-level section (run, model, trainer, rollout, ...)")
+    p.add_argument("--markdown", action="store_true", help="the whole reference as Markdown (docs/config.md)")
+    p.set_defaults(fn=cmd_config)
     p = sub.add_parser("check-config", help="validate a config and exit (0 when valid)")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -179,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-shard-mb", type=int, default=2048, help="largest safetensors shard (MiB)")
     p.set_defaults(fn=cmd_convert)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("slimish")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
