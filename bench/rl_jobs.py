@@ -46,7 +46,7 @@ def make_assets(out: Path, *extra: str) -> Path:
 
 def train(name: str, overrides: list[str], *, assets: Path, out: Path, config: Path = QUICKSTART) -> list[dict]:
     """`slimish train` of `config` on `assets` as run `name` under `out`; returns its metrics.jsonl records."""
-    cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(config),
+    cmd = [sys.executable, "-m", "slimish.cli", "train", str(config),
            f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}",
            f"sft.data_path={assets / 'sft.jsonl'}", f"run.output_dir={out}", f"run.name={name}", "eval.every=0",
            *overrides]

@@ -113,6 +113,33 @@ def test_config_errors(capsys, tiny_models, tmp_path):
            "missing")
 
 
+def test_train_takes_its_config_positionally_or_as_an_option(capsys, tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    _fails(capsys, ["train", missing], "config file not found", missing)
+    _fails(capsys, ["train", missing, "rl.num_steps=2"], "config file not found")
+    _fails(capsys, ["train", "rl.num_steps=2", "--config", missing], "config file not found")
+    _fails(capsys, ["train"], "no config file")
+    _fails(capsys, ["train", "rl.num_steps=2"], "looks like an override")
+
+
+def test_relative_paths_in_errors_are_shown_resolved(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs/quickstart_cpu.yaml")
+    _fails(capsys, ["check-config", config, "model.hf_path=artifacts/tiny/model"], "'artifacts/tiny/model'",
+           f"relative to the current directory: {tmp_path / 'artifacts/tiny/model'}")
+
+
+def test_version_and_the_config_reference(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("slimish ")
+    assert main(["config", "trainer"]) == 0
+    listed = capsys.readouterr().out
+    assert "trainer.optimizer.lr_warmup_steps  (int, default 0)" in listed.splitlines()
+    assert all(line.startswith(("trainer.", "    ")) for line in listed.splitlines())
+    _fails(capsys, ["config", "trainr"], "no config section 'trainr'", "trainer")
+
+
 def test_user_errors_are_found_behind_other_errors():
     """A UserError raised in a Ray actor reaches the driver as a RayTaskError carrying it as `cause`."""
     from ray.exceptions import RayTaskError

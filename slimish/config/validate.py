@@ -9,6 +9,13 @@ from slimish.config.loader import ConfigError
 from slimish.config.schema import JobConfig
 
 
+def _shown(path: str) -> str:
+    """A path as an error shows it: as given, and resolved when it was relative (to the current directory)."""
+    if Path(path).is_absolute():
+        return repr(path)
+    return f"{path!r} (relative to the current directory: {Path(path).resolve()})"
+
+
 def _positive(key: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -162,7 +169,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     if files:
         _check_paths(cfg)
     elif not (Path(cfg.model.hf_path) / "config.json").is_file():
-        raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
+        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_reward(cfg.reward)
@@ -186,20 +193,21 @@ def _check_paths(cfg: JobConfig) -> None:
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path", "is required: a Hugging Face checkpoint directory")
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
-        raise ConfigError("model.hf_path", f"{cfg.model.hf_path!r} has no config.json")
+        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_model(cfg.model.hf_path)
     if not cfg.data.path:
         raise ConfigError("data.path", "is required: a jsonl file of prompts")
     if not Path(cfg.data.path).exists():
-        raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
+        raise ConfigError("data.path", f"{_shown(cfg.data.path)} does not exist")
     if cfg.eval.every > 0 and not cfg.eval.data_path:
         raise ConfigError("eval.data_path", "is required when eval.every > 0: a file of held-out prompts")
     for key, path in [("eval.data_path", cfg.eval.data_path)] + [
             (f"eval.more_data_paths[{k}]", p) for k, p in enumerate(cfg.eval.more_data_paths)]:
         if cfg.eval.every > 0 and path and not Path(path).exists():
-            raise ConfigError(key, f"{path!r} does not exist")
+            raise ConfigError(key, f"{_shown(path)} does not exist")
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
-        raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {cfg.sft.data_path!r} does not exist")
+        raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {_shown(cfg.sft.data_path)} does not "
+                                           "exist")
 
 
 def _check_model(path: str) -> None:
@@ -225,7 +233,7 @@ def _check_resume(resume: str) -> None:
     if not resume:
         raise ConfigError("checkpoint.resume", "must be 'auto', 'never' or a checkpoint directory, got ''")
     if not is_complete(Path(resume)):
-        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete checkpoint (a step_<N> directory "
+        raise ConfigError("checkpoint.resume", f"{_shown(resume)} is not a complete checkpoint (a step_<N> directory "
                                                "holding driver.json and trainer/); use 'auto', 'never' or such a path")
 
 

@@ -54,7 +54,7 @@ def train_command(task_assets: dict, output_dir, *overrides: str) -> list[str]:
 
     from tests.conftest import REPO
 
-    return [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/quickstart_cpu.yaml"),
+    return [sys.executable, "-m", "slimish.cli", "train", str(REPO / "configs/quickstart_cpu.yaml"),
             f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
             f"sft.data_path={task_assets['sft']}", f"run.output_dir={output_dir}", *overrides]
 
