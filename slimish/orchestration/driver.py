@@ -6,7 +6,7 @@ rl.mode decides how generation overlaps training: `sync` as above; `one_step_off
 retract) never stops generating and syncs every rl.sync_every steps. Every token carries the version that sampled
 it, so staleness and the off-policy corrections work alike in all three.
 
-Run with `slimish train --config CONFIG [key=value ...]`. Everything started here (Ray, actors, engines, router)
+Run with `slimish train CONFIG [key=value ...]`. Everything started here (Ray, actors, engines, router)
 is stopped in `shutdown()`, also on Ctrl-C / SIGTERM. SIGTERM does not save a checkpoint: the job resumes from the
 last periodic one (checkpoint.save_every), so a kill during a save costs at most that interval.
 """
@@ -51,6 +51,18 @@ class RLJob:
         self.api_key = new_job_key()  # engines and router refuse calls without it
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
+        # One rollout bar on a terminal; none when the output goes to a file or a pipe (as under sbatch or tee),
+        # where each redraw of a bar would be a line of its own among the step lines.
+        self.progress_bar = sys.stdout.isatty()
+
+    def say(self, line: str) -> None:
+        """One line of the job's output (with a rollout bar on the terminal, printed without breaking the bar)."""
+        if self.progress_bar:
+            from ray.experimental.tqdm_ray import safe_print
+
+            safe_print(line, flush=True)
+        else:
+            print(line, flush=True)
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -61,7 +73,8 @@ class RLJob:
         signal.signal(signal.SIGTERM, _raise_terminated)
         self.slots = reserve_slots(self.cfg)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
-                                             engine_slots=self.slots["engines"], api_key=self.api_key)
+                                             engine_slots=self.slots["engines"], api_key=self.api_key,
+                                             progress_bar=self.progress_bar)
         engines = self.rollout_manager.start.remote()   # engines boot while the trainer builds its model
         self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
         info = self.trainer.setup()
@@ -102,7 +115,7 @@ class RLJob:
             batch = [samples[(step * sft.batch_size + i) % len(samples)] for i in range(sft.batch_size)]
             out = self.trainer.call("sft_step", batch)
             if step % 10 == 0 or step == sft.steps - 1:
-                print(f"sft {step + 1:>3}/{sft.steps} | loss {out['sft_loss']:.3f}", flush=True)
+                self.say(f"sft {step + 1:>3}/{sft.steps} | loss {out['sft_loss']:.3f}")
         self.sync_weights(version=0)
 
     def restore(self) -> int:
@@ -115,8 +128,7 @@ class RLJob:
             self.resume_from)
         ray.get(self.rollout_manager.load_state.remote(rollout))
         self.sync_weights(version=state["weight_version"])
-        print(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})",
-              flush=True)
+        self.say(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})")
         return state["step"]
 
     def save_checkpoint(self, step: int, elapsed_s: float, upcoming: list[Sample] = ()) -> Path:
@@ -135,7 +147,7 @@ class RLJob:
                        "pipeline_parallel": self.cfg.parallel.pipeline_parallel,
                        "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}})
         checkpoints.prune(self.run_dir, self.cfg.checkpoint.keep_last)
-        print(f"checkpoint {path} saved in {time.monotonic() - t0:.1f}s", flush=True)
+        self.say(f"checkpoint {path} saved in {time.monotonic() - t0:.1f}s")
         return path
 
     def rollout(self, step: int) -> tuple[list[Sample], dict]:
@@ -192,7 +204,7 @@ class RLJob:
                 f.write(json.dumps(sample) + "\n")
         results = " | ".join(f"{key[len('eval/'):]} {value:.3f}" for key, value in metrics.items()
                              if key.startswith("eval/") and ("pass@" in key or "reward_mean" in key))
-        print(f"eval after step {step}: {results} ({metrics['time_eval_s']:.1f}s)", flush=True)
+        self.say(f"eval after step {step}: {results} ({metrics['time_eval_s']:.1f}s)")
         return metrics
 
     def sync_weights(self, version: int) -> dict:
@@ -218,8 +230,8 @@ class RLJob:
                 retries += 1
                 text = str(exc).strip()
                 reason = text.splitlines()[-1][:300] if text else type(exc).__name__
-                print(f"engine(s) {', '.join(lost)} died or hung during the weight sync to version {version} "
-                      f"({reason}); syncing again to the others", flush=True)
+                self.say(f"engine(s) {', '.join(lost)} died or hung during the weight sync to version {version} "
+                      f"({reason}); syncing again to the others")
                 self.synced_engines = []  # that group held the dead engine: build a new one
         ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
         self.engine_version = version
@@ -230,8 +242,8 @@ class RLJob:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         total = self.cfg.rl.num_steps
         if self.resume_state and self.resume_state["step"] >= total:
-            print(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
-                  f"{total}", flush=True)
+            self.say(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
+                  f"{total}")
             self.metrics.close()
             signal.signal(signal.SIGTERM, previous)
             return self.run_dir
@@ -239,8 +251,8 @@ class RLJob:
         try:
             t0 = time.monotonic() - (self.resume_state or {}).get("time_elapsed_s", 0.0)
             info = self.start()
-            print(f"engines up in {info['time_engines_start_s']:.0f}s at {info['engine_urls']}; router "
-                  f"{info['router_url']}; trainer {info['num_params']:,} params", flush=True)
+            self.say(f"engines up in {info['time_engines_start_s']:.0f}s at {info['engine_urls']}; router "
+                  f"{info['router_url']}; trainer {info['num_params']:,} params")
             done = 0
             if self.resume_state:
                 done = self.restore()  # no SFT warm-up: the checkpoint already holds its result
@@ -286,7 +298,7 @@ class RLJob:
                 metrics["time_elapsed_s"] = time.monotonic() - t0
                 self.metrics.log(step, metrics)
                 if step % self.cfg.run.log_every == 0 or step == total:
-                    print(format_line(step, total, metrics), flush=True)
+                    self.say(format_line(step, total, metrics))
                 if save_every and (step % save_every == 0 or step == total):
                     self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
         finally:
@@ -321,7 +333,7 @@ class RLJob:
                     # Bounded: under scancel the Ray nodes are being stopped at the same time.
                     ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
                 except Exception as exc:
-                    print(f"warning: rollout shutdown: {exc}", flush=True)
+                    self.say(f"warning: rollout shutdown: {exc}")
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
         if self.trainer is not None:

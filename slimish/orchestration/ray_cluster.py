@@ -64,12 +64,15 @@ class TrainerGroup:
             ray.kill(actor)
 
 
-def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_key: str | None):
-    """The rollout manager, on the driver's node; its engines go to `engine_slots` and require `api_key`."""
+def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_key: str | None,
+                  progress_bar: bool = False):
+    """The rollout manager, on the driver's node; its engines go to `engine_slots` and require `api_key`;
+    `progress_bar`: it draws one on the driver's terminal."""
     from slimish.rollout.manager import RolloutManager
 
     return ray.remote(RolloutManager).options(**on_this_node()).remote(
-        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots], api_key=api_key)
+        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots], api_key=api_key,
+        progress_bar=progress_bar)
 
 
 def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:

@@ -35,7 +35,10 @@ def build_reward_fn(reward):
 
 
 class RolloutManager:
-    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None):
+    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None,
+                 progress_bar: bool = False):
+        """`progress_bar`: draw a bar of the step's scored groups on the driver's terminal (only where the driver's
+        output is one: redrawn into a file or a pipe, a bar turns into a line per refresh among the step lines)."""
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -56,6 +59,7 @@ class RolloutManager:
         self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options, api_key=api_key)
         self.scheduler: RolloutScheduler | None = None
+        self.progress_bar = progress_bar
         self._progress = None  # the current step's rollout progress bar
         self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
@@ -112,13 +116,15 @@ class RolloutManager:
 
         t0 = time.monotonic()
         # Groups scored so far this step (dropped ones count too: the bar shows work, not the step's yield).
-        self._progress = tqdm_ray.tqdm(total=self.cfg.rollout.prompts_per_step, desc="rollout groups",
-                                       position=0)
+        if self.progress_bar:
+            self._progress = tqdm_ray.tqdm(total=self.cfg.rollout.prompts_per_step, desc="rollout groups",
+                                           position=0)
         try:
             samples, counters = self.scheduler.collect(policy_version=policy_version)
         finally:
-            self._progress.close()
-            self._progress = None
+            if self._progress is not None:
+                self._progress.close()
+                self._progress = None
         statuses = Counter(s.status.value for s in samples)
         self.totals.update(statuses)
         self.totals["reward_failures"] += counters.get("reward_failures", 0)
