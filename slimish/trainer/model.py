@@ -15,6 +15,7 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from slimish.compat.packed_attention import local_packed_block_spec
 
@@ -24,6 +25,9 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    # The block's final norm is the spec module's LNImpl: apex's FusedLayerNorm whenever `import apex` succeeds (NGC
+    # containers ship apex), and FusedLayerNorm refuses RMSNorm. Name the norm the layers get, so apex changes nothing.
+    spec.layer_norm = WrappedTorchNorm
     if config.multi_latent_attention:
         from slimish.compat.megatron_mla import local_mla_block_spec
 
