@@ -18,9 +18,10 @@ def record(step: int, **extra) -> dict:
 def test_figures_follow_the_metrics_the_run_recorded():
     stems = [stem for stem, _, _ in draw([record(1), record(2)])]
     assert stems == ["reward", "timeline", "throughput", "sync", "engines"]
-    with_more = draw([record(1, staleness_max=1, off_policy_token_frac=0.1, **{"eval/pass@4": 0.5})])
+    with_more = draw([record(1, staleness_max=1, off_policy_token_frac=0.1, lr=1e-6, grad_norm=0.5,
+                            **{"eval/pass@4": 0.5})])
     assert [stem for stem, _, _ in with_more] == ["reward", "timeline", "throughput", "off_policy", "sync", "engines",
-                                                  "eval"]
+                                                  "lr", "eval"]
 
 
 def test_report_writes_a_self_contained_page_and_pngs(tmp_path, capsys):

@@ -39,12 +39,19 @@ def _second_axis(records, ax, key: str, *, label: str, ylabel: str, color: str) 
     _legend(ax, other)
 
 
+def _two_axes(records, ax, left: tuple[str, str, str, str], right: tuple[str, str, str, str]) -> None:
+    """Two metrics of different units: each (key, label, y-axis label, colour), `left` on the left y axis."""
+    key, label, ylabel, color = left
+    steps, values = _series(records, key)
+    ax.plot(steps, values, marker="o", color=color, label=label)
+    ax.set_ylabel(ylabel)
+    key, label, ylabel, color = right
+    _second_axis(records, ax, key, label=label, ylabel=ylabel, color=color)
+
+
 def reward_and_length(records, ax):
-    steps, reward = _series(records, "reward_mean")
-    ax.plot(steps, reward, marker="o", color="tab:blue", label="reward (mean)")
-    ax.set_ylabel("reward")
-    _second_axis(records, ax, "response_len_mean", label="response length (mean tokens)", ylabel="tokens",
-                 color="tab:orange")
+    _two_axes(records, ax, ("reward_mean", "reward (mean)", "reward", "tab:blue"),
+              ("response_len_mean", "response length (mean tokens)", "tokens", "tab:orange"))
 
 
 def timeline(records, ax):
@@ -92,11 +99,8 @@ def engines(records, ax):
 
 
 def learning_rate(records, ax):
-    steps, values = _series(records, "lr")
-    ax.plot(steps, values, marker="o", color="tab:green", label="learning rate (the step's last optimizer step)")
-    ax.set_ylabel("learning rate")
-    _second_axis(records, ax, "grad_norm", label="grad norm (before clipping)", ylabel="grad norm",
-                 color="tab:gray")
+    _two_axes(records, ax, ("lr", "learning rate (the step's last optimizer step)", "learning rate", "tab:green"),
+              ("grad_norm", "grad norm (before clipping)", "grad norm", "tab:gray"))
 
 
 def evaluation(records, ax):
