@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slimish import collectives
 from slimish.megatron_bridge import dense, sharding
 from slimish.megatron_bridge.bridge import _tp_info, export_entries, export_hf_tensors, gather_full
 from slimish.megatron_bridge.hf_config import Architecture
@@ -115,11 +116,11 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
             if src == 0 and ranks.tp == 0:
                 yield from zip(rule.hf, dense.to_hf(rule, full, arch))
             elif src != 0 and ranks.etp == 0:
-                dist.send(full.contiguous(), dst=ranks.ep_ranks[0], group=ranks.ep_group)
+                collectives.send(full.contiguous(), dst=ranks.ep_ranks[0], group=ranks.ep_group)
         elif ranks.ep == 0 and ranks.etp == 0:
             # Every expert-parallel rank holds the same local structure: only the names differ.
             full = torch.empty(_full_shape(param, expert=True), dtype=param.dtype, device=param.device)
-            dist.recv(full, src=ranks.ep_ranks[src], group=ranks.ep_group)
+            collectives.recv(full, src=ranks.ep_ranks[src], group=ranks.ep_group)
             names = [name for name, _, _ in metas[src][index]]
             yield from zip(names, dense.to_hf(rule, full, arch))
 
@@ -183,7 +184,7 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
         for item, meta in itertools.zip_longest(stage, plan):
             if item is None or meta is None or item[0] != meta[0]:
                 raise RuntimeError(f"stage {ranks.pp} streamed {item and item[0]!r} where its plan says {meta!r}")
-            dist.send(item[1].contiguous(), dst=source, group=ranks.pp_group)
+            collectives.send(item[1].contiguous(), dst=source, group=ranks.pp_group)
         return
     yield from stage
     device = next(model.parameters()).device
@@ -192,5 +193,5 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
         dist.recv_object_list(box, src=stage_rank, group=ranks.pp_group)
         for name, shape, dtype in box[0]:
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src=stage_rank, group=ranks.pp_group)
+            collectives.recv(tensor, src=stage_rank, group=ranks.pp_group)
             yield name, tensor

@@ -9,7 +9,8 @@ local spec (sharded rows, output gathered) and duplicated in the TE spec (no att
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from slimish import collectives
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -31,8 +32,7 @@ def gather(local: torch.Tensor, param: torch.Tensor, kind: str, tp_group, tp_siz
     """The full tensor from every rank's `local` slice (a collective over `tp_group` when sharded)."""
     if tp_size == 1 or not is_tp_sharded(param):
         return local
-    parts = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    parts = collectives.all_gather(local, group=tp_group, world_size=tp_size)
     if kind == "gate_up":
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

@@ -8,11 +8,14 @@ lives at index p - 1. `rows` and `spans` map every sample back to its response: 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from slimish.sample import Sample
+
+HOST = torch.device("cpu")  # micro-batches are built in host memory; `MicroBatch.to` moves them
 
 
 @dataclass
@@ -22,9 +25,29 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [B, 1, S, S] bool, True = masked (causal); packed: None (see cu_seqlens)
     loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
-    extras: dict                  # per-token [B, S-1] tensors (rollout/old/ref logprobs, advantages, loss weights)
     rows: list[int]               # per sample: its row
     cu_seqlens: list[int] | None = None  # packed: sample boundaries in the row (0, len0, len0 + len1, ...)
+    # Per-token [B, S-1] inputs of the losses, filled in as the step goes (None until then):
+    rollout_logprobs: torch.Tensor | None = None  # the engines' (float32)
+    old_logprobs: torch.Tensor | None = None      # the trainer's before the step (compute_logprobs)
+    ref_logprobs: torch.Tensor | None = None      # the reference model's
+    old_values: torch.Tensor | None = None        # the critic's before the step
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None           # the critic's targets
+    weights: torch.Tensor | None = None           # the loss's per-token weights (loss_mask, or 1/length per sample)
+    segments: torch.Tensor | None = None          # long: the sample index over its response span, -1 elsewhere
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> MicroBatch:
+        """This micro-batch with every tensor on `device` (itself when they are all there already). From pinned
+        host memory to a GPU the copies are asynchronous with `non_blocking`."""
+        moved = {f.name: value.to(device, non_blocking=non_blocking) for f in dataclasses.fields(self)
+                 if isinstance(value := getattr(self, f.name), torch.Tensor) and value.device != device}
+        return dataclasses.replace(self, **moved) if moved else self
+
+    def pin_memory(self) -> MicroBatch:
+        """This micro-batch with its tensors in page-locked host memory (for asynchronous copies to a GPU)."""
+        return dataclasses.replace(self, **{f.name: value.pin_memory() for f in dataclasses.fields(self)
+                                            if isinstance(value := getattr(self, f.name), torch.Tensor)})
 
     @property
     def packed(self) -> bool:
@@ -53,9 +76,9 @@ class MicroBatch:
         """Each sample's response span of a [B, S-1] tensor."""
         return [tensor[row, start:end] for row, (start, end) in zip(self.rows, self.spans)]
 
-    def segments(self) -> torch.Tensor:
+    def sample_segments(self) -> torch.Tensor:
         """[B, S-1] long: the micro-batch's sample index j over sample j's response span, -1 elsewhere."""
-        out = torch.full(self.loss_mask.shape, -1, dtype=torch.long)
+        out = torch.full(self.loss_mask.shape, -1, dtype=torch.long, device=self.loss_mask.device)
         for j, (row, (start, end)) in enumerate(zip(self.rows, self.spans)):
             out[row, start:end] = j
         return out
@@ -81,58 +104,59 @@ def causal_mask(batch: int, seq_len: int, device=None) -> torch.Tensor:
 
 def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
             per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
-    """Pack `samples` into one micro-batch, padded to `seq_len` (default: the longest sample)."""
+    """Pack `samples` into one micro-batch in host memory, padded to `seq_len` (default: the longest sample).
+    `per_token`: MicroBatch field -> each sample's values over its response (e.g. "rollout_logprobs")."""
     longest = max(len(s.tokens) for s in samples)
     seq_len = seq_len or longest
     if seq_len < longest:
         raise ValueError(f"seq_len {seq_len} shorter than the longest sample ({longest} tokens)")
     batch = len(samples)
-    tokens = torch.full((batch, seq_len), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(batch, seq_len - 1)
-    extras = {key: torch.zeros(batch, seq_len - 1) for key in (per_token or {})}
+    tokens = torch.full((batch, seq_len), pad_id, dtype=torch.long, device=HOST)
+    loss_mask = torch.zeros(batch, seq_len - 1, device=HOST)
+    fields = {key: torch.zeros(batch, seq_len - 1, device=HOST) for key in (per_token or {})}
     spans = []
     for row, sample in enumerate(samples):
         ids = sample.tokens
-        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=HOST)
         start = len(sample.prompt_ids) - 1
         end = start + len(sample.response_ids)
         spans.append((start, end))
-        loss_mask[row, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32)
+        loss_mask[row, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32, device=HOST)
         for key, values in (per_token or {}).items():
-            extras[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32)
-    position_ids = torch.arange(seq_len, dtype=torch.long).expand(batch, seq_len).contiguous()
-    return MicroBatch(tokens=tokens, position_ids=position_ids, attention_mask=causal_mask(batch, seq_len),
-                      loss_mask=loss_mask, spans=spans, extras=extras, rows=list(range(batch)))
+            fields[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32, device=HOST)
+    position_ids = torch.arange(seq_len, dtype=torch.long, device=HOST).expand(batch, seq_len).contiguous()
+    return MicroBatch(tokens=tokens, position_ids=position_ids, attention_mask=causal_mask(batch, seq_len, HOST),
+                      loss_mask=loss_mask, spans=spans, rows=list(range(batch)), **fields)
 
 
 def collate_packed(samples: list[Sample], *, pad_id: int,
                    per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
-    """`samples` back to back in one row of sum(len(tokens)) tokens, described to the model by `cu_seqlens`
-    (`packed_seq_params`): every token attends causally within its own sample only and positions restart per
-    sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last token of one
-    sample -> first of the next) are never trained on: a sample's first token is a prompt token. No samples: one
-    padding token, nothing trained."""
+    """`samples` back to back in one row of sum(len(tokens)) tokens (in host memory), described to the model by
+    `cu_seqlens` (`packed_seq_params`): every token attends causally within its own sample only and positions
+    restart per sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last
+    token of one sample -> first of the next) are never trained on: a sample's first token is a prompt token. No
+    samples: one padding token, nothing trained."""
     lengths = [len(s.tokens) for s in samples] or [1]
     seq_len = sum(lengths)
-    tokens = torch.full((1, seq_len), pad_id, dtype=torch.long)
-    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])[None]
-    loss_mask = torch.zeros(1, seq_len - 1)
-    extras = {key: torch.zeros(1, seq_len - 1) for key in (per_token or {})}
+    tokens = torch.full((1, seq_len), pad_id, dtype=torch.long, device=HOST)
+    positions = torch.cat([torch.arange(n, dtype=torch.long, device=HOST) for n in lengths])[None]
+    loss_mask = torch.zeros(1, seq_len - 1, device=HOST)
+    fields = {key: torch.zeros(1, seq_len - 1, device=HOST) for key in (per_token or {})}
     spans, offset = [], 0
     for j, sample in enumerate(samples):
-        tokens[0, offset: offset + lengths[j]] = torch.tensor(sample.tokens, dtype=torch.long)
+        tokens[0, offset: offset + lengths[j]] = torch.tensor(sample.tokens, dtype=torch.long, device=HOST)
         start = offset + len(sample.prompt_ids) - 1
         end = start + len(sample.response_ids)
         spans.append((start, end))
-        loss_mask[0, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32)
+        loss_mask[0, start:end] = torch.tensor(sample.train_mask, dtype=torch.float32, device=HOST)
         for key, values in (per_token or {}).items():
-            extras[key][0, start:end] = torch.tensor(values[j], dtype=torch.float32)
+            fields[key][0, start:end] = torch.tensor(values[j], dtype=torch.float32, device=HOST)
         offset += lengths[j]
     cu_seqlens = [0]
     for n in lengths:
         cu_seqlens.append(cu_seqlens[-1] + n)
     return MicroBatch(tokens=tokens, position_ids=positions, attention_mask=None, loss_mask=loss_mask, spans=spans,
-                      extras=extras, rows=[0] * len(samples), cu_seqlens=cu_seqlens)
+                      rows=[0] * len(samples), cu_seqlens=cu_seqlens, **fields)
 
 
 def split(items: list, size: int) -> list[list]:

@@ -100,8 +100,8 @@ def _create_empty_adam_state(part) -> None:
         return
     for group in inner.param_groups:
         for param in group["params"]:
-            if not inner.state[param]:
-                inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+            if not inner.state[param]:  # torch's (non-fused) Adam keeps its step count on the CPU
+                inner.state[param].update(step=torch.tensor(0.0, device="cpu"), exp_avg=torch.zeros_like(param),
                                           exp_avg_sq=torch.zeros_like(param))
 
 

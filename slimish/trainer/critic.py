@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from slimish.trainer.batch import MicroBatch
+from slimish.trainer.device import host_tensor, module_device
 from slimish.trainer.logprobs import unwrap_gpt_model
 from slimish.trainer.schedule import optimizer_step, run_schedule
 
@@ -25,7 +26,8 @@ class ValueHead:
         if gpt.post_process:
             gpt.output_layer.requires_grad_(False)
             gpt.output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
-            gpt.value_head = torch.nn.Linear(gpt.config.hidden_size, 1, dtype=gpt.config.params_dtype)
+            gpt.value_head = torch.nn.Linear(gpt.config.hidden_size, 1, dtype=gpt.config.params_dtype,
+                                             device=module_device(gpt))
             torch.nn.init.zeros_(gpt.value_head.weight)  # values start at 0 (the bias learns the mean return)
             torch.nn.init.zeros_(gpt.value_head.bias)
             self.linear = gpt.value_head
@@ -62,17 +64,17 @@ class Critic:
     def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, S-1] values per micro-batch (empty off the last stage)."""
         def collect(mb, hidden):
-            return torch.zeros(()), {"values": self.head.values(hidden)}
+            return hidden.new_zeros(()), {"values": host_tensor(self.head.values(hidden))}
 
         with torch.no_grad():
             return [out["values"] for out in run_schedule(self.model, microbatches, collect, forward_only=True)]
 
     def train(self, microbatches: list[MicroBatch], *, denom: float, scale: float) -> tuple[list[dict], float]:
-        """One optimizer step on the micro-batches' extras "returns" and "old_values" (loss over loss_mask tokens)."""
+        """One optimizer step on the micro-batches' `returns` and `old_values` (loss over loss_mask tokens)."""
         clip = self.cfg.trainer.critic.value_clip
 
         def loss_fn(mb, hidden):
-            loss, metrics = value_loss(self.head.values(hidden), mb.extras["old_values"], mb.extras["returns"],
+            loss, metrics = value_loss(self.head.values(hidden), mb.old_values, mb.returns,
                                        mb.loss_mask, clip=clip, denom=denom)
             return loss * scale, metrics
 

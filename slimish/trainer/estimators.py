@@ -64,7 +64,7 @@ def rloo(inputs: StepInputs, cfg) -> list[torch.Tensor]:
 
 def _whiten(per_sample: list[torch.Tensor], inputs: StepInputs, eps: float = 1e-6) -> list[torch.Tensor]:
     """(x - mean) / std over every trained token of the step (all data-parallel ranks)."""
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = inputs.rewards.new_zeros(3, dtype=torch.float64)
     for values, mask in zip(per_sample, inputs.masks):
         m = mask.double()
         sums += torch.stack([(values.double() * m).sum(), (values.double().square() * m).sum(), m.sum()])

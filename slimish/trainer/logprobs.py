@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from slimish.collectives import all_reduce
+
 
 def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -48,12 +50,12 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float = 1.0) -> to
         group = parallel_state.get_tensor_model_parallel_group() if dist.is_initialized() else None
         shards = parallel_state.get_tensor_model_parallel_world_size() if group is not None else 1
         if shards > 1:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            top = all_reduce(top, group=group, op="max")
         shifted = scaled - top
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
         if shards > 1:
-            dist.all_reduce(sums, group=group)
+            sums = all_reduce(sums, group=group)
         return sums[0].log() - sums[1] / sums[0]
 
 

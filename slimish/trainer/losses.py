@@ -75,13 +75,13 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     flat, ids = values.reshape(-1), segments.reshape(-1)
     inside = ids >= 0
     count = int(ids.max()) + 1 if inside.any() else 0
-    totals = torch.zeros(count, dtype=values.dtype).index_add(0, ids[inside], flat[inside])
+    totals = torch.zeros(count, dtype=values.dtype, device=values.device).index_add(0, ids[inside], flat[inside])
     return torch.where(segments >= 0, totals[segments.clamp(min=0)], torch.zeros_like(values))
 
 
 def row_segments(mask: torch.Tensor) -> torch.Tensor:
     """Segment ids for unpacked rows: row i is sample i."""
-    return torch.arange(mask.shape[0])[:, None].expand_as(mask)
+    return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
 
 
 @dataclass(kw_only=True)
@@ -191,7 +191,7 @@ def policy_loss(
         per_token = per_token + kl_coef * kl_tokens
         metrics["kl_ref"] = aggregate(kl_tokens.detach(), mask, aggregation, denom)
     else:
-        metrics["kl_ref"] = torch.zeros((), dtype=logprobs.dtype)
+        metrics["kl_ref"] = logprobs.new_zeros(())
     loss = aggregate(per_token, mask, aggregation, denom)
     with torch.no_grad():
         metrics.update(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from slimish.megatron_bridge.hf_config import Architecture, gpt_model_kwargs, transformer_config
+from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
@@ -19,9 +20,11 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
 
     from slimish.compat.packed_attention import local_packed_block_spec
 
+    device = trainer_device()
+    # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
-                                use_cpu_initialization=not torch.cuda.is_available())
+                                use_cpu_initialization=device.type == "cpu")
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -36,9 +39,9 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))
-    if torch.cuda.is_available():
-        model.cuda()
-    return model
+    # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
+    # moves (a model built on the meta device, to read its shapes, stays there).
+    return model.to(device) if device.type != "cpu" else model
 
 
 def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):

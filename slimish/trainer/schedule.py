@@ -6,15 +6,20 @@ from __future__ import annotations
 import functools
 
 from slimish.trainer.batch import MicroBatch
+from slimish.trainer.device import module_device
 
 
 def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
     """loss_fn(mb, hidden) -> (loss, metrics) on the last stage, where `hidden` is what the model returns there (its
-    last hidden states: see `LogprobHead`); returns the metrics of every micro-batch (empty on other stages)."""
+    last hidden states: see `LogprobHead`) and `mb` the micro-batch on the model's device; returns the metrics of
+    every micro-batch (empty on other stages). `microbatches` stay in host memory: each goes to the device right
+    before its forward, so a step holds one micro-batch's data on the device at a time."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    device = module_device(model)
+
     def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
+        mb = next(data_iterator).to(device, non_blocking=True)
         hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params())
         return hidden, functools.partial(loss_fn, mb)
 

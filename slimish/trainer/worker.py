@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from slimish.collectives import all_reduce
 from slimish.config.schema import JobConfig
 from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
@@ -22,11 +23,11 @@ from slimish.trainer import losses
 from slimish.trainer.balance import balanced_partition, imbalance
 from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
 from slimish.trainer.estimators import ESTIMATORS, StepInputs
-from slimish.trainer.logprobs import LogprobHead
 from slimish.trainer.lr_schedule import current_lr, rl_optimizer_steps
 from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
-from slimish.trainer.schedule import optimizer_step, run_schedule
+from slimish.trainer.roles import Policy, Reference
+from slimish.trainer.rollout_batch import RolloutBatch
 
 
 class TrainerWorker:
@@ -38,7 +39,7 @@ class TrainerWorker:
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
         # RL logprobs are of the distribution the engines sampled from: softmax(logits / temperature).
         self.temperature = cfg.rollout.temperature
-        self._rollout: dict | None = None
+        self.rollout: RolloutBatch | None = None  # the step between compute_logprobs and train
         self._sender = None        # rank 0: the engine protocol (slimish.weight_sync.sync.WeightSync)
         self._stage_sender = None  # a later pipeline stage's leader, with stage senders
         self._stage_links: list = []
@@ -57,7 +58,7 @@ class TrainerWorker:
                       backend=self.cfg.parallel.backend, seed=self.cfg.run.seed)
         from megatron.core import parallel_state
 
-        from slimish.trainer.model import build_gpt_model, wrap_for_training
+        from slimish.trainer.model import build_gpt_model
 
         dtype = getattr(torch, self.cfg.model.dtype)
 
@@ -70,33 +71,27 @@ class TrainerWorker:
             model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
             return model
 
-        self.module = build()
-        load_hf_weights(self.module, self.cfg.model.hf_path, self.arch)
-        opt = self.cfg.trainer.optimizer
-        self.model, self.optimizer, self.lr_schedule = wrap_for_training(
-            self.module, opt, lr=opt.lr, total_steps=rl_optimizer_steps(self.cfg))
-        chunk = self.cfg.trainer.logprob_chunk_tokens
-        self.head = LogprobHead(self.module, chunk_tokens=chunk)
-        self.ref_model = self.ref_head = None
+        def load_weights(module):
+            load_hf_weights(module, self.cfg.model.hf_path, self.arch)
+
+        chunk, steps = self.cfg.trainer.logprob_chunk_tokens, rl_optimizer_steps(self.cfg)
+        self.policy = Policy(build, load_weights, self.cfg.trainer.optimizer, total_steps=steps, chunk_tokens=chunk)
         self.estimator = ESTIMATORS[self.cfg.trainer.loss.advantage_estimator]
+        self.reference = None
         if self.cfg.trainer.loss.kl_coef > 0 or self.estimator.needs_ref(self.cfg.trainer):
-            self.ref_model = build()
-            load_hf_weights(self.ref_model, self.cfg.model.hf_path, self.arch)
-            self.ref_model.requires_grad_(False)
-            self.ref_head = LogprobHead(self.ref_model, chunk_tokens=chunk)
+            self.reference = Reference(build, load_weights, chunk_tokens=chunk)
         self.critic = None
         if self.estimator.needs_values:
             from slimish.trainer.critic import Critic
 
-            self.critic = Critic(self.cfg, build, lambda m: load_hf_weights(m, self.cfg.model.hf_path, self.arch),
-                                 total_steps=rl_optimizer_steps(self.cfg))
+            self.critic = Critic(self.cfg, build, load_weights, total_steps=steps)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.pad_id = 0
-        return {"num_params": sum(p.numel() for p in self.module.parameters())}
+        return {"num_params": sum(p.numel() for p in self.policy.module.parameters())}
 
     def gpu_telemetry(self) -> dict[str, float]:
         """This rank's GPU memory and utilisation now (`slimish.telemetry`; {} without GPUs)."""
@@ -107,9 +102,8 @@ class TrainerWorker:
         return self._telemetry.sample()
 
     def set_learning_rate(self, lr: float) -> None:
-        """A constant lr for the SFT warm-up's steps; the RL steps after it follow `lr_schedule` again."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """A constant lr for the SFT warm-up's steps; the RL steps after it follow the LR schedule again."""
+        self.policy.set_learning_rate(lr)
 
     # ------------------------------------------------------------------------------------------ internals
     def _plan(self, samples: list[Sample], num_minibatches: int) -> tuple[list[list[list[Sample]]], list[int], float]:
@@ -137,31 +131,20 @@ class TrainerWorker:
         return plan, indices, imbalance(loads)
 
     def _collate(self, chunk: list[Sample], **kwargs) -> MicroBatch:
+        """A micro-batch in host memory, pinned when it is to be copied to a GPU."""
         if self.cfg.trainer.max_tokens_per_micro_batch:
-            return collate_packed(chunk, pad_id=self.pad_id, **kwargs)
-        return collate(chunk, pad_id=self.pad_id, **kwargs)
+            mb = collate_packed(chunk, pad_id=self.pad_id, **kwargs)
+        else:
+            mb = collate(chunk, pad_id=self.pad_id, **kwargs)
+        return mb.pin_memory() if torch.cuda.is_available() else mb
 
     @property
     def rollout_indices(self) -> list[int]:
         """The step indices of this rank's samples, in the order of its plan (after `compute_logprobs`)."""
-        return list(self._rollout["indices"]) if self._rollout is not None else []
-
-    def _run_schedule(self, model, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
-        return run_schedule(model, microbatches, loss_fn, forward_only=forward_only)
-
-    def _forward_logprobs(self, model, head: LogprobHead, microbatches: list[MicroBatch], *,
-                          entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Per micro-batch [B, S-1] logprobs, and entropies when asked (empty lists off the last stage)."""
-        def collect(mb, hidden):
-            logprobs, ent = head.logprobs(hidden, mb.tokens, temperature=self.temperature, entropy=entropy)
-            return torch.zeros((), requires_grad=False), {"logprobs": logprobs, "entropy": ent}
-
-        with torch.no_grad():
-            outputs = self._run_schedule(model, microbatches, collect, forward_only=True)
-        return [out["logprobs"] for out in outputs], [out["entropy"] for out in outputs]
+        return list(self.rollout.indices) if self.rollout is not None else []
 
     def _global_sum(self, value: float) -> float:
-        return float(self._dp_sum(torch.tensor([value], dtype=torch.float64)).item())
+        return float(self._dp_sum(torch.tensor([value], dtype=torch.float64, device="cpu")).item())
 
     def _from_last_stage(self, metrics: dict) -> dict:
         """The last pipeline stage's `metrics` on every stage (only it sees logprobs and losses)."""
@@ -173,95 +156,70 @@ class TrainerWorker:
         dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
         return box[0]
 
-    def _optimizer_step(self, microbatches: list[MicroBatch], loss_fn, lr_schedule=None) -> tuple[list[dict], float]:
-        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn, lr_schedule)
-
     # ---------------------------------------------------------------------------------------------- RL API
     def compute_logprobs(self, samples: list[Sample], *, policy_version: int | None = None) -> dict:
         """Old (and reference) logprobs of this rank's shard, kept for `train`; returns parity metrics (see
         `_parity_sums`), over every data-parallel rank's shard."""
         plan, indices, dp_token_imbalance = self._plan(samples, self.cfg.trainer.num_minibatches)
-        old, ref, values, batches = [], [], [], []
+        rollout = RolloutBatch(samples=samples, indices=indices, chunks=plan, microbatches=[])
         entropy_sum = entropy_tokens = 0.0
         for minibatch in plan:
             mbs = [self._collate(chunk, per_token={"rollout_logprobs": [s.rollout_logprobs for s in chunk]})
                    for chunk in minibatch]
-            batches.append((minibatch, mbs))
-            logprobs, entropies = self._forward_logprobs(self.model, self.head, mbs, entropy=True)
-            old.append(logprobs)
-            for mb, ent in zip(mbs, entropies):
-                entropy_sum += float((ent * mb.loss_mask).sum())
+            rollout.microbatches.append(mbs)
+            logprobs, entropy_sums = self.policy.logprobs(mbs, temperature=self.temperature, entropy=True)
+            for mb, lp in zip(mbs, logprobs):
+                mb.old_logprobs = lp
                 entropy_tokens += float(mb.loss_mask.sum())
-            ref.append(self._forward_logprobs(self.ref_model, self.ref_head, mbs)[0]
-                       if self.ref_model is not None else None)
-            values.append(self.critic.values(mbs) if self.critic is not None else None)
-        self._rollout = {"plan": batches, "old": old, "ref": ref, "values": values, "indices": indices,
-                         "samples": samples, "advantages": None, "returns": None}
-        metrics = self._dp_reduced_parity(_parity_sums(batches, old, policy_version))
+            entropy_sum += sum(entropy_sums)
+            if self.reference is not None:
+                for mb, lp in zip(mbs, self.reference.logprobs(mbs, temperature=self.temperature)):
+                    mb.ref_logprobs = lp
+            if self.critic is not None:
+                for mb, values in zip(mbs, self.critic.values(mbs)):
+                    mb.old_values = values
+        self.rollout = rollout
+        metrics = self._dp_reduced_parity(_parity_sums(rollout, policy_version))
         # Mean entropy of the policy over the tokens it trains on (last stage only, like the logprobs).
         metrics["entropy"] = self._global_sum(entropy_sum) / max(self._global_sum(entropy_tokens), 1.0)
         return {**self._from_last_stage(metrics), "dp_token_imbalance": dp_token_imbalance}
 
     def _dp_reduced_parity(self, sums: torch.Tensor) -> dict:
         """Parity metrics over the whole rollout: every data-parallel rank's shard (max of maxima, summed sums)."""
-        import torch.distributed as dist
-
         if self.dp_size > 1:
-            maxima, totals = sums[:, :1].clone(), sums[:, 1:].clone()
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
-            dist.all_reduce(totals, group=self.dp_group)
-            sums = torch.cat([maxima, totals], dim=1)
+            sums = torch.cat([all_reduce(sums[:, :1], group=self.dp_group, op="max"),
+                              all_reduce(sums[:, 1:], group=self.dp_group)], dim=1)
         (current_max, current_sum, current_n), (_, stale_sum, stale_n) = sums.tolist()
         return {"logprob_abs_diff_max": current_max, "logprob_abs_diff_mean": current_sum / max(current_n, 1),
                 "logprob_abs_diff_stale_mean": stale_sum / max(stale_n, 1)}
 
-    def _local_responses(self) -> dict[str, list[torch.Tensor] | None]:
-        """This rank's samples in plan order: their [T_i] train masks, old logprobs, reference logprobs and critic
-        values (None without a reference model or a critic). Empty off the last pipeline stage."""
-        out: dict[str, list] = {"masks": [], "old": [], "ref": [], "values": []}
-        for index, (_, mbs) in enumerate(self._rollout["plan"]):
-            for j, (mb, old_lp) in enumerate(zip(mbs, self._rollout["old"][index])):
-                out["masks"] += mb.gather(mb.loss_mask)
-                out["old"] += mb.gather(old_lp)
-                for key in ("ref", "values"):
-                    if self._rollout[key][index] is not None:
-                        out[key] += mb.gather(self._rollout[key][index][j])
-        for key in ("ref", "values"):
-            if self._rollout[key][0] is None:
-                out[key] = None
-        return out
-
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        tensor = tensor.clone()
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
-        return tensor
+        return all_reduce(tensor, group=self.dp_group)
 
     def compute_advantages(self, advantages: list[float] | None = None) -> list[float]:
         """Per-token advantages of this rank's samples, kept for `train`: by trainer.loss.advantage_estimator from the
         samples' rewards (`slimish.trainer.estimators`), or, given `advantages` (one per step sample), those spread
         over each response. Returns each step sample's mean advantage over its trained tokens (0 when none), the
         same on every rank (for run.save_rollouts)."""
-        if self._rollout is None:
+        if self.rollout is None:
             raise RuntimeError("compute_advantages() needs compute_logprobs() on the same rollout first")
-        samples, indices = self._rollout["samples"], self._rollout["indices"]
-        local = self._local_responses()
-        masks = local["masks"]
-        indices = indices[:len(masks)]  # none off the last stage
-        inputs = StepInputs(rewards=torch.tensor([s.reward if s.scored else 0.0 for s in samples]),
-                            scored=torch.tensor([s.scored for s in samples]),
+        rollout = self.rollout
+        samples = rollout.samples
+        masks = rollout.local_responses("loss_mask")  # none off the last stage
+        indices = rollout.indices[:len(masks)]
+        inputs = StepInputs(rewards=torch.tensor([s.reward if s.scored else 0.0 for s in samples], device="cpu"),
+                            scored=torch.tensor([s.scored for s in samples], device="cpu"),
                             group_size=self.cfg.rollout.samples_per_prompt, indices=indices, masks=masks,
-                            old=local["old"], ref=local["ref"], values=local["values"], dp_sum=self._dp_sum)
+                            old=rollout.local_responses("old_logprobs"), ref=rollout.local_responses("ref_logprobs"),
+                            values=rollout.local_responses("old_values"), dp_sum=self._dp_sum)
         if advantages is not None:
             per_token = [torch.full_like(m, float(advantages[i])) for i, m in zip(indices, masks)]
         else:
             per_token = self.estimator.advantages(inputs, self.cfg.trainer)
         if self.estimator.returns is not None:
-            self._rollout["returns"] = self.estimator.returns(inputs, self.cfg.trainer)
-        self._rollout["advantages"] = per_token
-        means = torch.zeros(len(samples), dtype=torch.float64)
+            rollout.returns = self.estimator.returns(inputs, self.cfg.trainer)
+        rollout.advantages = per_token
+        means = torch.zeros(len(samples), dtype=torch.float64, device="cpu")
         for i, values, mask in zip(indices, per_token, masks):
             means[i] = float((values * mask).sum() / mask.sum().clamp(min=1))
         return self._from_last_stage({"means": self._dp_sum(means).tolist()})["means"]
@@ -277,69 +235,64 @@ class TrainerWorker:
     def train(self, advantages: list[float] | None = None) -> dict:
         """One optimizer step per minibatch on the rollout given to `compute_logprobs`, with the advantages of
         `compute_advantages` (called here, with `advantages`, when it was not)."""
-        if self._rollout is None:
+        if self.rollout is None:
             raise RuntimeError("train() needs compute_logprobs() on the same rollout first")
-        if self._rollout["advantages"] is None or advantages is not None:
+        if self.rollout.advantages is None or advantages is not None:
             self.compute_advantages(advantages)
+        rollout = self.rollout
         loss_cfg = self.cfg.trainer.loss
         aggregation = self.estimator.aggregation or loss_cfg.token_aggregation
-        per_token = iter(self._rollout["advantages"])
-        returns = iter(self._rollout["returns"] or [])
-        minibatch_samples = len(self._rollout["samples"]) // len(self._rollout["plan"])
+        per_token = iter(rollout.advantages)
+        returns = iter(rollout.returns or [])
         sums: dict[str, list[float]] = {}
         grad_norms, critic_norms = [], []
-        for index, (_, mbs) in enumerate(self._rollout["plan"]):
-            denom = self._denominator(mbs, aggregation, minibatch_samples)
+        on_last_stage = bool(rollout.local_responses("old_logprobs"))
+        for mbs in rollout.microbatches:
+            denom = self._denominator(mbs, aggregation, rollout.minibatch_samples)
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
-            for mb, old_lp in zip(mbs, self._rollout["old"][index]):
-                mb.extras["old_logprobs"] = old_lp
-                mb.extras["advantages"] = mb.scatter([next(per_token) for _ in mb.spans])
+            for mb in mbs:
+                if on_last_stage:
+                    mb.advantages = mb.scatter([next(per_token) for _ in mb.spans])
+                    if self.critic is not None:
+                        mb.returns = mb.scatter([next(returns) for _ in mb.spans])
                 # seq_mean as a token mean with each sample's tokens weighted 1 / its length: the same for a packed
                 # row holding several samples as for one sample per row.
-                mb.extras["weights"] = mb.sequence_weights() if aggregation == "seq_mean" else mb.loss_mask
-                mb.extras["segments"] = mb.segments()
-            if self._rollout["ref"][index] is not None:
-                for mb, ref_lp in zip(mbs, self._rollout["ref"][index]):
-                    mb.extras["ref_logprobs"] = ref_lp
+                mb.weights = mb.sequence_weights() if aggregation == "seq_mean" else mb.loss_mask
+                mb.segments = mb.sample_segments()
 
-            def loss_fn(mb, hidden, denom=denom, scale=scale):
-                logprobs, _ = self.head.logprobs(hidden, mb.tokens, temperature=self.temperature)
+            def loss_fn(mb, logprobs, denom=denom, scale=scale):
                 out = losses.policy_loss(
-                    logprobs=logprobs, old_logprobs=mb.extras["old_logprobs"],
-                    advantages=mb.extras["advantages"], mask=mb.extras["weights"], clip_eps_low=loss_cfg.clip_eps_low,
-                    clip_eps_high=loss_cfg.clip_eps_high, aggregation="token_mean", denom=denom,
-                    ref_logprobs=mb.extras.get("ref_logprobs"), kl_coef=loss_cfg.kl_coef,
-                    kl_estimator=loss_cfg.kl_estimator, rollout_logprobs=mb.extras["rollout_logprobs"],
+                    logprobs=logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mb.weights,
+                    clip_eps_low=loss_cfg.clip_eps_low, clip_eps_high=loss_cfg.clip_eps_high,
+                    aggregation="token_mean", denom=denom, ref_logprobs=mb.ref_logprobs, kl_coef=loss_cfg.kl_coef,
+                    kl_estimator=loss_cfg.kl_estimator, rollout_logprobs=mb.rollout_logprobs,
                     tis_cap=loss_cfg.tis_cap, mis_band=(loss_cfg.mis_low, loss_cfg.mis_high),
-                    is_level=loss_cfg.is_level, ratio_level=self.estimator.ratio_level,
-                    segments=mb.extras["segments"])
+                    is_level=loss_cfg.is_level, ratio_level=self.estimator.ratio_level, segments=mb.segments)
                 return out.loss * scale, out.metrics
 
-            outputs, grad_norm = self._optimizer_step(mbs, loss_fn, self.lr_schedule)
+            outputs, grad_norm = self.policy.step(mbs, loss_fn, temperature=self.temperature)
             if self.critic is not None:
-                critic_outputs, critic_norm = self._critic_step(mbs, index, returns, scale)
+                critic_outputs, critic_norm = self._critic_step(mbs, scale)
                 outputs = [{**o, **c} for o, c in zip(outputs, critic_outputs)]
                 critic_norms.append(critic_norm)
             # Each metric is aggregated like the loss, so micro-batches and data-parallel ranks add up.
             for key in (outputs[0] if outputs else {}):
                 sums.setdefault(key, []).append(self._global_sum(sum(float(o[key]) for o in outputs)))
             grad_norms.append(grad_norm)
-        self._rollout = None
+        self.rollout = None
         metrics = {key: sum(values) / len(values) for key, values in sums.items()}
         if critic_norms:
             metrics["critic_grad_norm"] = critic_norms[-1]
         if sums:  # first minibatch: exactly 0 when on-policy; the last shows how far the minibatches went
             metrics["ppo_kl"], metrics["ppo_kl_last"] = sums["ppo_kl"][0], sums["ppo_kl"][-1]
         # lr: the last minibatch's (every rank holds it; not a last-stage value)
-        return {**self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]}), "lr": current_lr(self.optimizer)}
+        return {**self._from_last_stage({**metrics, "grad_norm": grad_norms[-1]}),
+                "lr": current_lr(self.policy.optimizer)}
 
-    def _critic_step(self, mbs: list[MicroBatch], index: int, returns, scale: float):
-        """One critic optimizer step on minibatch `index`: regression to the estimator's returns, clipped around the
+    def _critic_step(self, mbs: list[MicroBatch], scale: float):
+        """One critic optimizer step on a minibatch: regression to the estimator's returns, clipped around the
         values of `compute_logprobs`, normalised like the policy loss (token_mean over the same tokens)."""
         token_denom = self._denominator(mbs, "token_mean", len(mbs))
-        for mb, old_values in zip(mbs, self._rollout["values"][index]):
-            mb.extras["old_values"] = old_values
-            mb.extras["returns"] = mb.scatter([next(returns) for _ in mb.spans])
         return self.critic.train(mbs, denom=token_denom, scale=scale)
 
     # --------------------------------------------------------------------------------------------- SFT API
@@ -350,11 +303,11 @@ class TrainerWorker:
         denom = self._denominator(mbs, "token_mean", len(samples))
         scale = len(mbs) * self.dp_size
 
-        def loss_fn(mb, hidden):
-            nll = -(self.head.logprobs(hidden, mb.tokens)[0] * mb.loss_mask).sum() / denom
+        def loss_fn(mb, logprobs):
+            nll = -(logprobs * mb.loss_mask).sum() / denom
             return nll * scale, {"nll": nll.detach()}
 
-        outputs, grad_norm = self._optimizer_step(mbs, loss_fn)
+        outputs, grad_norm = self.policy.step(mbs, loss_fn, scheduled=False)
         return self._from_last_stage({"sft_loss": self._global_sum(sum(float(o["nll"]) for o in outputs)),
                                       "grad_norm": grad_norm})
 
@@ -365,7 +318,7 @@ class TrainerWorker:
         it is the initial policy, rebuilt from model.hf_path."""
         from slimish.trainer import checkpoint
 
-        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
+        self.policy.save(path)
         if self.critic is not None:
             self.critic.save(checkpoint.critic_path(path))
 
@@ -374,10 +327,10 @@ class TrainerWorker:
         schedule continues from the checkpoint's step with the config's shape (`slimish.trainer.lr_schedule`)."""
         from slimish.trainer import checkpoint
 
-        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
+        self.policy.load(path)
         if self.critic is not None:
             self.critic.load(checkpoint.critic_path(path))
-        self._rollout = None
+        self.rollout = None
 
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str,
@@ -476,9 +429,9 @@ class TrainerWorker:
         if not in_source_replica():
             return {}
         if not self._stage_senders():
-            tensors = export_full_hf_tensors(self.module, self.arch)
+            tensors = export_full_hf_tensors(self.policy.module, self.arch)
         else:
-            tensors = export_stage_hf_tensors(self.module, self.arch)
+            tensors = export_stage_hf_tensors(self.policy.module, self.arch)
         try:
             if self._sender is not None:
                 return self._sender.send(tensors, version=str(version), stages=self._stage_links)
@@ -495,7 +448,7 @@ class TrainerWorker:
         """HF-named copy of the whole model on rank 0 (empty elsewhere); every rank must call it. For tests."""
         if not in_source_replica():
             return {}
-        return {name: t.clone() for name, t in export_full_hf_tensors(self.module, self.arch)}
+        return {name: t.clone() for name, t in export_full_hf_tensors(self.policy.module, self.arch)}
 
     def shutdown(self) -> None:
         from slimish.trainer.parallel import shutdown_parallel
@@ -506,24 +459,26 @@ class TrainerWorker:
         shutdown_parallel()
 
 
-def _parity_sums(batches, old, policy_version: int | None) -> torch.Tensor:
+def _parity_sums(rollout: RolloutBatch, policy_version: int | None) -> torch.Tensor:
     """|engine - trainer| logprobs of this rank's loss-masked response tokens, as [[max, sum, count]] for the tokens
     the engines sampled with `policy_version`, the weights the trainer holds now (all tokens when None), and the
     same for the tokens of older versions (partial rollouts), which differ by the policy's change since. Reported
     as logprob_abs_diff_max / _mean and logprob_abs_diff_stale_mean."""
     sums = {"current": [0.0, 0.0, 0], "stale": [0.0, 0.0, 0]}  # max, sum, count
-    for (minibatch, mbs), old_mb in zip(batches, old):
-        for chunk, mb, lp in zip(minibatch, mbs, old_mb):
+    for minibatch, mbs in zip(rollout.chunks, rollout.microbatches):
+        for chunk, mb in zip(minibatch, mbs):
+            if mb.old_logprobs is None:  # not the last pipeline stage
+                continue
             for sample, row, (start, end) in zip(chunk, mb.rows, mb.spans):
-                diff = (lp[row, start:end] - torch.tensor(sample.rollout_logprobs, dtype=torch.float32)).abs()
+                diff = (mb.old_logprobs[row, start:end] - mb.rollout_logprobs[row, start:end]).abs()
                 mask = mb.loss_mask[row, start:end].bool()
                 current = torch.ones_like(mask)
                 if policy_version is not None:
-                    current = torch.tensor(sample.weight_versions) == policy_version
+                    current = torch.tensor(sample.weight_versions, device=mask.device) == policy_version
                 for key, selected in (("current", diff[mask & current]), ("stale", diff[mask & ~current])):
                     if selected.numel():
                         acc = sums[key]
                         acc[0] = max(acc[0], float(selected.max()))
                         acc[1] += float(selected.sum())
                         acc[2] += selected.numel()
-    return torch.tensor([sums["current"], sums["stale"]], dtype=torch.float64)
+    return torch.tensor([sums["current"], sums["stale"]], dtype=torch.float64, device="cpu")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
-import torch.distributed as dist
 
+from slimish import collectives
 from slimish.rollout.engine_client import EngineClient, EngineError
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
@@ -47,7 +47,7 @@ class BroadcastTransport(Transport):
                     flush_cache=version is not None)
         self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**meta)))
         with self.phase("wire"):
-            dist.broadcast(flat, src=0, group=self.group)
+            collectives.broadcast(flat, src=0, group=self.group)
         if version is not None:
             self.wait_loaded()
         return flat.numel()

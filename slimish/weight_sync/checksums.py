@@ -40,10 +40,22 @@ def layout_supported(arch: Architecture, engine_tp: int) -> bool:
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """SGLang's checksum of one tensor, as `/weights_checker` prints it."""
+    if _on_device(tensor):
+        return _device_hash(tensor.contiguous())
+    return _Sha(tensor.dtype).update(tensor).hexdigest()
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu"
+
+
+def _device_hash(tensor: torch.Tensor) -> str:
+    """SGLang's hash of a tensor on a GPU (its Triton kernel). On the emulated GPU of the test tier, where no kernel
+    runs, the stand-in at exactly this call is the hash of the same bytes on the CPU (what CPU engines report)."""
     if tensor.is_cuda:
         from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
 
-        return f"{gpu_tensor_hash(tensor.contiguous()):016x}"
+        return f"{gpu_tensor_hash(tensor):016x}"
     return _Sha(tensor.dtype).update(tensor).hexdigest()
 
 
@@ -67,7 +79,7 @@ class _Fused:
     hasher: _Sha
     next_part: int = 0
     waiting: dict[int, torch.Tensor] = field(default_factory=dict)
-    parts: list[torch.Tensor] = field(default_factory=list)  # CUDA only: the fused tensor is built
+    parts: list[torch.Tensor] = field(default_factory=list)  # on a GPU: the fused tensor is built
 
 
 class ExpectedChecksums:
@@ -75,8 +87,8 @@ class ExpectedChecksums:
     of tensor-parallel size 1 holding `dtype` weights.
 
     CPU tensors are hashed on a thread of their own (SHA-256 releases the GIL), in the order they were added, so
-    hashing overlaps the transfer instead of lengthening it; a tensor is held until it is hashed. CUDA tensors are
-    hashed where they are added."""
+    hashing overlaps the transfer instead of lengthening it; a tensor is held until it is hashed. Tensors on a GPU
+    are hashed where they are added."""
 
     def __init__(self, arch: Architecture, dtype: torch.dtype):
         if arch.mla is not None:
@@ -92,14 +104,14 @@ class ExpectedChecksums:
         if hf_name in VOCAB_TENSORS:
             tensor = _pad_rows(tensor, VOCAB_PADDING)
         if num_parts == 1:
-            self._done[engine_name] = (_checksum_as(tensor, self.dtype) if tensor.is_cuda else
+            self._done[engine_name] = (_checksum_as(tensor, self.dtype) if _on_device(tensor) else
                                        self._hasher.submit(_checksum_as, tensor, self.dtype))
             return
         fused = self._fused.setdefault(engine_name, _Fused(num_parts, _Sha(self.dtype)))
         fused.waiting[part] = tensor
         while fused.next_part in fused.waiting:  # hash in part order; later parts wait for earlier ones
             piece = fused.waiting.pop(fused.next_part)
-            if piece.is_cuda:
+            if _on_device(piece):
                 fused.parts.append(piece.to(self.dtype))
             else:
                 self._hasher.submit(fused.hasher.update, piece)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from slimish import collectives
 from slimish.rollout.engine_client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
@@ -110,7 +111,7 @@ class StageSender:
                 if not go:
                     return  # rank 0 failed: it releases the engines
                 with self.transport.phase("wire"):
-                    dist.broadcast(flat, src=0, group=self.transport.group)
+                    collectives.broadcast(flat, src=0, group=self.transport.group)
                 current = upcoming
             checksums = expected.result() if expected is not None else None
             _send({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator, group=self.group)

@@ -129,7 +129,7 @@ def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
         "trainer.loss.clip_eps_low=0.01", "trainer.loss.clip_eps_high=0.01"])
     worker = TrainerWorker(cfg, rank=0, world_size=1)
     worker.setup(master_addr="unused", master_port=0)
-    assert (worker.ref_model is not None) == (name.startswith("reinforce_plus_plus") or name == "ppo")
+    assert (worker.reference is not None) == (name.startswith("reinforce_plus_plus") or name == "ppo")
     assert (worker.critic is not None) == (name == "ppo")
     samples = _samples()
     for sample, reward, logprobs in zip(samples, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0], _by_sample(worker, samples)):

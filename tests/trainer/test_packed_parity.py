@@ -38,12 +38,9 @@ def _samples() -> list[Sample]:
 def _by_sample(worker, samples) -> list[torch.Tensor]:
     """The trainer's response logprobs of each of `samples`, in their order (responses differ in length)."""
     worker.compute_logprobs(samples)
-    found = []
-    for (_, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
-        for mb, lp in zip(mbs, old):
-            found += [lp[row, start:end] for row, (start, end) in zip(mb.rows, mb.spans)]
+    found = worker.rollout.local_responses("old_logprobs")
     order = worker.rollout_indices
-    worker._rollout = None
+    worker.rollout = None
     return [found[order.index(i)] for i in range(len(samples))]
 
 

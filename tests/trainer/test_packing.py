@@ -54,7 +54,7 @@ def test_a_packed_row_describes_its_samples_to_the_model():
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 9] and params.max_seqlen_q == 5
     assert mb.attention_mask is None
     assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0, 0, 0, 1]]
-    assert mb.extras["rollout_logprobs"].tolist() == [[0, -1, -2, -3, 0, 0, 0, -4]]
+    assert mb.rollout_logprobs.tolist() == [[0, -1, -2, -3, 0, 0, 0, -4]]
     assert mb.scatter([torch.full((3,), 0.5), torch.full((1,), -2.0)]).tolist() == [[0, 0.5, 0.5, 0.5, 0, 0, 0, -2.0]]
     torch.testing.assert_close(mb.sequence_weights(), torch.tensor([[0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 0, 1.0]]))
     assert mb.trained_samples() == 2

@@ -83,7 +83,7 @@ def test_grpo_step_raises_logprob_of_positive_advantage(worker):
 def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
     w = make_worker(task_assets, "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
                     "trainer.loss.kl_coef=0.1")
-    assert w.ref_model is not None
+    assert w.reference is not None
     advantages = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
     w.compute_logprobs(_samples())
     first = w.train(advantages)
@@ -138,7 +138,7 @@ def test_a_sample_that_does_not_train_reaches_no_loss_term(worker):
     for sample in samples[4:]:
         sample.status = Status.FAILED
     worker.compute_logprobs(samples)
-    masks = [mb.loss_mask for _, mbs in worker._rollout["plan"] for mb in mbs]
+    masks = [mb.loss_mask for mbs in worker.rollout.microbatches for mb in mbs]
     assert torch.cat(masks).sum(dim=1).tolist() == [2.0] * 4 + [0.0] * 4
     out = worker.train([1.0] * 4 + [0.0] * 4)  # the driver gives a failed sample advantage 0
     assert out["pg_loss"] == pytest.approx(-1.0, abs=1e-6), "failed samples' tokens diluted the token mean"

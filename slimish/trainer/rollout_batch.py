@@ -1,0 +1,41 @@
+"""One RL step's data on a trainer rank: `RolloutBatch`.
+
+Built by `TrainerWorker.compute_logprobs` from the step's samples and kept until `train` has used it: this rank's
+share of the samples, split into minibatches of micro-batches, and per micro-batch the per-token inputs of the losses
+as the step produces them (old and reference logprobs, critic values, then advantages and returns). Everything here
+lives in host memory (pinned on a GPU); `run_schedule` moves one micro-batch at a time to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimish.sample import Sample
+from slimish.trainer.batch import MicroBatch
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]                  # the whole step's samples, as every rank receives them
+    indices: list[int]                     # the step indices of this rank's samples, in the order of `microbatches`
+    chunks: list[list[list[Sample]]]       # per minibatch, per micro-batch: its samples
+    microbatches: list[list[MicroBatch]]   # the same, collated
+    advantages: list[torch.Tensor] | None = None  # per local sample: [response length] (compute_advantages)
+    returns: list[torch.Tensor] | None = None     # the same, the critic's targets (PPO)
+
+    def local_responses(self, field: str) -> list[torch.Tensor] | None:
+        """Each of this rank's samples' [response length] values of the per-token micro-batch `field` (e.g.
+        "loss_mask", "old_logprobs"), in the order of `indices`. Empty off the last pipeline stage (no logprobs are
+        made there); None when the step has no such values (no reference model, no critic)."""
+        mbs = [mb for minibatch in self.microbatches for mb in minibatch]
+        if any(mb.old_logprobs is None for mb in mbs):
+            return []
+        if any(getattr(mb, field) is None for mb in mbs):
+            return None
+        return [values for mb in mbs for values in mb.gather(getattr(mb, field))]
+
+    @property
+    def minibatch_samples(self) -> int:
+        return len(self.samples) // len(self.microbatches)
