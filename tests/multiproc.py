@@ -15,10 +15,12 @@ from pathlib import Path
 from tests.conftest import REPO, free_port
 
 
-def run_world(script: str | Path, *, world_size: int, args: list[str], timeout: float = 300.0) -> None:
+def run_world(script: str | Path, *, world_size: int, args: list[str], timeout: float = 300.0,
+              env: dict[str, str] | None = None) -> None:
+    """`env`: variables set for the ranks on top of this process's environment."""
     port = free_port()
     # One thread per rank: the ranks share the machine's cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="world-") as logs:
         log_paths = [Path(logs) / f"rank{rank}.log" for rank in range(world_size)]
         procs = []

@@ -21,7 +21,9 @@ import types
 import torch
 
 _APPLIED = False
-_CPU = torch.device("cpu")
+# Where Megatron's "cuda" goes: the CPU, or the emulated GPU (`slimish.compat.emulated_gpu`) in the test tier that
+# checks device discipline.
+_TARGET = torch.device("cpu")
 
 
 def _is_cuda(device) -> bool:
@@ -38,8 +40,9 @@ def _redirect_device_kwarg(owner, name: str, source=None) -> None:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        return original(*args, **kwargs)
+            kwargs["device"] = _TARGET
+        # A module's function is looked up at each call: the emulated GPU replaces torch.tensor after this import.
+        return (getattr(source, name) if source is not None else original)(*args, **kwargs)
 
     setattr(owner, name, wrapper)
 
@@ -116,12 +119,18 @@ class _NoOpStreamOrEvent:
 
 
 def apply() -> bool:
-    """Patch torch.cuda / Megatron-Core for CPU if CUDA is absent. Returns True if patched. Idempotent."""
-    global _APPLIED
+    """Patch torch.cuda / Megatron-Core for CPU if CUDA is absent. Returns True if patched. Idempotent. With
+    SLIMISH_EMULATED_GPU=1, "cuda" means the emulated GPU instead of the CPU (`slimish.compat.emulated_gpu`)."""
+    global _APPLIED, _TARGET
     if _APPLIED:
         return True
     if torch.cuda.is_available():
         return False
+    from slimish.compat import emulated_gpu
+
+    if emulated_gpu.requested():
+        emulated_gpu.enable()
+        _TARGET = emulated_gpu.DEVICE
     from slimish.compat.cuda_driver_stub import preload_if_needed
 
     preload_if_needed()  # flash_mla, probed by megatron.core, links libcuda.so.1
@@ -133,7 +142,7 @@ def apply() -> bool:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: _CPU  # Megatron passes this as device=...
+    cuda.current_device = lambda: _TARGET  # Megatron passes this as device=...
     cuda.set_device = lambda *a, **k: None
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
@@ -148,15 +157,16 @@ def _patch_torch_cuda() -> None:
     cuda.reset_peak_memory_stats = lambda *a, **k: None
     for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
         _redirect_device_kwarg(torch.Tensor, name)
-    torch.Tensor.cuda = lambda self, *a, **k: self
     original_to = torch.Tensor.to
 
     def to(self, *args, **kwargs):
         if args and _is_cuda(args[0]):
-            args = (_CPU,) + tuple(args[1:])
+            args = (_TARGET,) + tuple(args[1:])
         if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = _CPU
+            kwargs["device"] = _TARGET
         return original_to(self, *args, **kwargs)
+
+    torch.Tensor.cuda = lambda self, *a, non_blocking=False, **k: to(self, _TARGET, non_blocking=non_blocking)
 
     torch.Tensor.to = to
 
@@ -169,6 +179,8 @@ def _name_cpu_types_as_cuda_for_megatron() -> None:
 
     @functools.wraps(original)
     def type_(self, *args, **kwargs):
+        if not (args or kwargs) and self.device.type not in ("cpu", "cuda"):  # the emulated GPU
+            return original(self.cpu_data).replace("torch.", "torch.cuda.", 1)
         name = original(self, *args, **kwargs)
         if args or kwargs or self.device.type != "cpu":
             return name

@@ -6,7 +6,7 @@ Launched by tests.multiproc.run_world:
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
 pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
 rewards) and metrics, the parity metrics of compute_logprobs, and the
-whole-model export (`export_state`; empty except on rank 0).
+whole-model export (`export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns.
 """
 
 from __future__ import annotations
@@ -35,12 +35,8 @@ def response_logprobs(worker, samples) -> tuple[torch.Tensor | None, list[int]]:
     there are none: a pipeline stage other than the last), and which of `samples` they are, in that order."""
     worker.compute_logprobs(samples)
     rows = worker.rollout_indices
-    out = []
-    for (_, mbs), old in zip(worker._rollout["plan"], worker._rollout["old"]):
-        for mb, lp in zip(mbs, old):
-            for row, (start, end) in zip(mb.rows, mb.spans):
-                out.append(lp[row, start:end])
-    worker._rollout = None
+    out = worker.rollout.local_responses("old_logprobs")
+    worker.rollout = None
     return (torch.stack(out) if out else None), rows
 
 
@@ -54,6 +50,8 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--set", action="append", default=[], help="extra config overrides")
+    parser.add_argument("--more-steps", action="store_true", help="also sync export, checkpoint and SFT (more_steps)")
+    parser.add_argument("--drop-device", help="undo one piece of device discipline (drop_device)")
     return parser.parse_args()
 
 
@@ -73,8 +71,32 @@ def make_worker(args: argparse.Namespace):
     return worker
 
 
+def drop_device(what: str) -> None:
+    """Undo one piece of the trainer's device discipline, to show that the emulated-GPU tier catches it:
+    "microbatch" (a micro-batch is never moved to the device: its `.to()` stays on the CPU), "factory" (one tensor
+    factory in the losses loses its device=) or "collective" (a reduction is made on the CPU whatever its group)."""
+    import types
+
+    import slimish.collectives
+    from slimish.trainer import batch, losses
+
+    if what == "microbatch":
+        batch.MicroBatch.to = lambda self, device, non_blocking=False: self
+    elif what == "factory":
+        def zeros(*args, device=None, **kwargs):
+            return torch.zeros(*args, **kwargs)
+
+        losses.torch = types.SimpleNamespace(**{**vars(torch), "zeros": zeros})
+    elif what == "collective":
+        slimish.collectives.group_device = lambda group=None: torch.device("cpu")
+    else:
+        raise ValueError(f"--drop-device {what!r}: one of microbatch, factory, collective")
+
+
 def main() -> None:
     args = rank_args("out")
+    if args.drop_device:
+        drop_device(args.drop_device)
     worker = make_worker(args)
     samples = fixed_samples()
     before, rows = response_logprobs(worker, samples)
@@ -89,11 +111,38 @@ def main() -> None:
     after, _ = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
-                "advantages": advantages,
-                "dp_rank": worker.dp_rank, "dp_size": worker.dp_size, "state": worker.export_state()},
-               out / f"rank{args.rank}.pt")
+    state = worker.export_state()  # on the trainer's device
+    result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
+              "advantages": advantages, "dp_rank": worker.dp_rank, "dp_size": worker.dp_size,
+              "state": {name: tensor.cpu() for name, tensor in state.items()}}
+    if args.more_steps:
+        result.update(more_steps(worker, samples, state, out))
+    torch.save(result, out / f"rank{args.rank}.pt")
     worker.shutdown()
+
+
+def more_steps(worker, samples, state: dict[str, torch.Tensor], out: Path) -> dict:
+    """After the RL step: weight sync's flatten and expected checksums of the exported (device) tensors, and those
+    of their CPU copies; a checkpoint saved, an SFT step, the checkpoint loaded back and the logprobs then."""
+    from slimish.weight_sync.buckets import FlatBuffers, plan_buckets
+    from slimish.weight_sync.checksums import ExpectedChecksums
+
+    result = {}
+    if state:  # rank 0
+        flat_buffers, flat = FlatBuffers(), []
+        for bucket in plan_buckets(state.items(), bucket_bytes=64 * 1024):
+            flat.append(flat_buffers.flatten(bucket).cpu())
+        result["flat"] = torch.cat(flat)
+        for key, tensors in (("checksums", state), ("cpu_checksums", {n: t.cpu() for n, t in state.items()})):
+            expected = ExpectedChecksums(worker.arch, getattr(torch, worker.cfg.model.dtype))
+            for name, tensor in tensors.items():
+                expected.add(name, tensor)
+            result[key] = expected.result()
+    worker.save_checkpoint(str(out / "checkpoint"))
+    result["sft"] = worker.sft_step(samples)
+    worker.load_checkpoint(str(out / "checkpoint"))
+    result["after_load"] = response_logprobs(worker, samples)[0]
+    return result
 
 
 if __name__ == "__main__":

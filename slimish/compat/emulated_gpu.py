@@ -1,0 +1,269 @@
+"""An emulated GPU for the CPU test tier: a device that is not the CPU, with real CPU arithmetic behind it.
+
+On a CPU machine `megatron_cpu.apply()` sends every `.cuda()` and `device="cuda"` to the CPU, which is exactly what
+hides a tensor the trainer forgot to move: on a GPU that tensor meets a CUDA weight and the step crashes. With
+`SLIMISH_EMULATED_GPU=1` those calls go to this module's device instead (`DEVICE`, "emulated_gpu:0"), a PyTorch
+PrivateUse1 backend registered from Python: its tensors (`EmulatedGpuTensor`) hold a CPU tensor and run every op on
+it, but report the emulated device, so that
+
+- an op mixing an emulated-GPU tensor with a CPU tensor raises as CUDA does ("Expected all tensors to be on the same
+  device..."), except where CUDA allows it (0-dim CPU scalars, CPU indices, copies between devices);
+- a collective on a group that would be NCCL on a GPU (every group but those created with backend="gloo", as
+  Megatron's *_gloo groups are) refuses a CPU tensor as NCCL does, and runs over gloo on the CPU data otherwise
+  (the stand-in at the NCCL boundary: `_patch_collectives`);
+- autograd, optimizers, `.item()` and `.tolist()` work, so whole training steps run with their real numbers.
+
+Enabled once per process by `megatron_cpu.apply()` when `SLIMISH_EMULATED_GPU=1`, before any model is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.utils._pytree import tree_map
+
+ENV = "SLIMISH_EMULATED_GPU"
+BACKEND_NAME = "emulated_gpu"
+DEVICE: torch.device | None = None  # torch.device("emulated_gpu", 0) once `enable()` has registered the name
+_CPU = torch.device("cpu")
+_ENABLED = False
+_aten = torch.ops.aten
+# Ops that move data between devices, and the indexing ops, which CUDA lets take CPU index tensors.
+_CROSS_DEVICE = {_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default,
+                 _aten._copy_from_and_resize.default}
+_CPU_INDICES_ALLOWED = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default,
+                        _aten._index_put_impl_.default}
+
+
+def requested() -> bool:
+    """True when this process is to run with the emulated GPU (SLIMISH_EMULATED_GPU=1)."""
+    return os.environ.get(ENV, "") == "1"
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+class DeviceMismatch(RuntimeError):
+    """An op or collective got a tensor on the wrong device: what would crash on a GPU."""
+
+
+class EmulatedGpuTensor(torch.Tensor):
+    """A tensor on the emulated GPU: CPU data (`cpu_data`), the emulated device on the outside."""
+
+    cpu_data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            device=DEVICE, layout=data.layout, requires_grad=requires_grad)
+        tensor.cpu_data = data
+        return tensor
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"EmulatedGpuTensor({self.cpu_data!r})"
+
+    def tolist(self):
+        return self.cpu_data.tolist()
+
+    @property
+    def data(self):
+        return super().data
+
+    @data.setter
+    def data(self, value):
+        # `param.data = buffer_view` (Megatron's DDP and distributed optimizer point parameters into their
+        # buffers): the wrapper must then read and write the buffer's CPU data.
+        torch.Tensor.data.__set__(self, value)
+        self.cpu_data = value.cpu_data if isinstance(value, EmulatedGpuTensor) else value
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _run(func, args, kwargs or {})
+
+
+def _wrap(out):
+    return tree_map(lambda x: EmulatedGpuTensor(x) if type(x) is torch.Tensor else x, out)
+
+
+def _run(func, args, kwargs):
+    """Run `func` on the CPU data of its emulated-GPU arguments; results come back on the emulated GPU (or on the
+    CPU when `func` copies to it)."""
+    on_cpu = []
+
+    def unwrap(x):
+        if isinstance(x, EmulatedGpuTensor):
+            return x.cpu_data
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
+            on_cpu.append(x)
+        return x
+
+    cpu_args, cpu_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+    if on_cpu and func not in _CROSS_DEVICE:
+        indices_only = func in _CPU_INDICES_ALLOWED and all(x is not args[0] for x in on_cpu)
+        if not indices_only:
+            raise DeviceMismatch(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                 f"{DEVICE} and cpu! ({func}, emulated GPU)")
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        return func(*cpu_args, **cpu_kwargs)  # a copy to the CPU: a plain CPU tensor
+    if device is not None:
+        cpu_kwargs["device"] = _CPU
+    out = func(*cpu_args, **cpu_kwargs)
+    if func is _aten.copy_.default:
+        return args[0]
+    return _wrap(out)
+
+
+def _backend_fallback(op, *args, **kwargs):
+    # Factory calls naming the emulated device (torch.empty(..., device=DEVICE)) and copies of CPU tensors to it
+    # arrive at the backend itself: no argument is an EmulatedGpuTensor yet.
+    return _run(op, args, kwargs)
+
+
+def _tensor_factory(original):
+    # torch.tensor / as_tensor with device=DEVICE, or of (lists of) emulated-GPU tensors, take paths the Python
+    # backend cannot serve: built from the CPU data, then copied to the device CUDA would give them.
+    @functools.wraps(original)
+    def factory(data, *args, device=None, **kwargs):
+        if isinstance(data, EmulatedGpuTensor):
+            target = DEVICE if device is None else device
+            return original(data.cpu_data, *args, **kwargs).to(target)
+        data = tree_map(lambda x: x.cpu_data if isinstance(x, EmulatedGpuTensor) else x, data)
+        if device is not None and torch.device(device).type == BACKEND_NAME:
+            return original(data, *args, **kwargs).to(DEVICE)
+        return original(data, *args, device=device, **kwargs)
+
+    return factory
+
+
+# ----------------------------------------------------------------------------------- the NCCL boundary
+_CPU_GROUPS: set = set()  # groups created with backend="gloo": CPU tensors there, as on a GPU cluster
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "reduce_scatter", "reduce", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv",
+                "gather", "scatter")
+
+
+def group_is_gpu(group) -> bool:
+    """Whether `group` stands for an NCCL group (tensors on the GPU) rather than a gloo one (tensors on the CPU)."""
+    return group not in _CPU_GROUPS
+
+
+def _group_of(name: str, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    position = {"all_reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2,
+                "reduce_scatter_tensor": 3, "reduce_scatter": 3, "reduce": 3, "all_to_all_single": 4,
+                "all_to_all": 2, "send": 2, "recv": 2, "isend": 2, "irecv": 2, "gather": 3, "scatter": 3}[name]
+    return args[position] if len(args) > position else None
+
+
+def _unwrap_for_collective(name: str, group, value):
+    gpu = group_is_gpu(group)
+
+    def unwrap(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, EmulatedGpuTensor):
+            if not gpu:
+                raise DeviceMismatch(f"{name} on a gloo group got a tensor on {DEVICE}: gloo takes CPU tensors")
+            return x.cpu_data
+        if gpu:
+            raise DeviceMismatch(f"{name} on an NCCL group got a CPU tensor {tuple(x.shape)}: NCCL takes GPU tensors "
+                                 "(emulated GPU)")
+        return x
+
+    return tree_map(unwrap, value)
+
+
+def _collective(name: str, original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        group = _group_of(name, args, kwargs)
+        return original(*_unwrap_for_collective(name, group, args),
+                        **{k: _unwrap_for_collective(name, group, v) for k, v in kwargs.items()})
+
+    return call
+
+
+def _patch_collectives() -> None:
+    """Replace the collectives in the `torch.distributed` namespace (what Megatron and slimish call; torch's own
+    object collectives keep the originals) with ones that check devices as NCCL would and run on CPU data."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, _collective(name, getattr(c10d, name)))
+
+    original_new_group = c10d.new_group
+
+    @functools.wraps(original_new_group)
+    def new_group(*args, **kwargs):
+        group = original_new_group(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if backend is not None and str(backend).lower() == "gloo":
+            _CPU_GROUPS.add(group)
+        return group
+
+    dist.new_group = new_group
+
+    original_p2p = c10d.P2POp
+
+    def p2p_op(op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        op = c10d.isend if op in (dist.isend, c10d.isend) else c10d.irecv
+        return original_p2p(op, _unwrap_for_collective("P2POp", group, tensor), peer, group, tag, group_peer)
+
+    dist.P2POp = p2p_op
+
+
+class _BackendModule:
+    """`torch.emulated_gpu`: what torch asks of a device's module (activation checkpointing's autocast context)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        pass
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+
+def enable() -> None:
+    """Register the emulated device and its boundaries in this process. Idempotent."""
+    global _ENABLED, DEVICE
+    if _ENABLED:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(rename=BACKEND_NAME, backend_module=_BackendModule())
+    DEVICE = torch.device(BACKEND_NAME, 0)
+    library = torch.library.Library("_", "IMPL")
+    library.fallback(_backend_fallback, "PrivateUse1")
+    enable.library = library  # registrations last as long as their Library object
+    torch.tensor = _tensor_factory(torch.tensor)
+    torch.as_tensor = _tensor_factory(torch.as_tensor)
+    _patch_collectives()
+    _ENABLED = True

@@ -1,0 +1,164 @@
+"""The emulated-GPU tier: the trainer's steps with its modules, Megatron's buffers, optimizer state and per-step
+data on a device that is not the CPU (`slimish.compat.emulated_gpu`), with the CPU's arithmetic behind it.
+
+A tensor left on the CPU beside one on the device raises there as it would on a GPU, and a collective on a group that
+is NCCL on a GPU refuses a CPU tensor. The steps (`tests/trainer/worker_rank.py` with SLIMISH_EMULATED_GPU=1) must
+then give the numbers of the same steps on the CPU: every advantage estimator (PPO's critic included), the reference
+model, padded and packed micro-batches with the chunked logprob head, TP2 / PP2 / DP2, the weight-sync export,
+flatten and checksums, an SFT step, checkpoint save and load. And undoing one piece of device discipline (a
+micro-batch not moved, a factory without its device, a reduction on the CPU) fails the tier, naming the op.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import run_world
+from tests.trainer.test_worker_layouts import ADAM_EPS, PACKED, SCRIPT
+
+pytestmark = pytest.mark.emulated_gpu
+
+
+def _run(task_assets, out: Path, *, emulated: bool, world_size: int = 1, tp: int = 1, pp: int = 1,
+         overrides: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[dict]:
+    env = {"SLIMISH_EMULATED_GPU": "1" if emulated else "0"}
+    run_world(SCRIPT, world_size=world_size, env=env,
+              args=["--tp", str(tp), "--pp", str(pp), "--hf", task_assets["model"], "--data", task_assets["train"],
+                    "--out", str(out), *extra, *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
+    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _both(task_assets, tmp_path: Path, **kwargs) -> tuple[list[dict], list[dict]]:
+    """(emulated-GPU results, CPU results) of the same run, the two run side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        gpu = pool.submit(_run, task_assets, tmp_path / "gpu", emulated=True, **kwargs)
+        cpu = pool.submit(_run, task_assets, tmp_path / "cpu", emulated=False, **kwargs)
+        return gpu.result(), cpu.result()
+
+
+@pytest.fixture(scope="module")
+def cpu_one_rank(task_assets, tmp_path_factory):
+    """estimator -> the one-rank CPU run's results with that estimator's overrides (made once, on first use)."""
+    cache: dict[str, dict] = {}
+
+    def get(estimator: str) -> dict:
+        if estimator not in cache:
+            cache[estimator] = _run(task_assets, tmp_path_factory.mktemp(f"cpu-{estimator}"), emulated=False,
+                                    overrides=ESTIMATOR_OVERRIDES[estimator])[0]
+        return cache[estimator]
+
+    return get
+
+
+def _assert_same_step(gpu: dict, cpu: dict, *, rows: list[int] | None = None) -> None:
+    """`gpu`'s step is `cpu`'s: the same layout (`rows` None; equal to fp32 rounding: the same CPU kernels behind
+    the emulated device), or a rank holding `rows` of the one-rank `cpu` (the tolerances of
+    test_worker_layouts: reduction order differs between layouts)."""
+    same_layout = rows is None
+    for key, atol in (("before", 1e-5), ("after", 1e-5 if same_layout else 1e-4)):
+        if gpu[key] is not None:
+            assert torch.allclose(gpu[key], cpu[key] if same_layout else cpu[key][rows], atol=atol), key
+        elif same_layout:
+            assert cpu[key] is None, key
+    assert gpu["advantages"] == pytest.approx(cpu["advantages"], abs=1e-5)
+    assert gpu["parity"]["logprob_abs_diff_mean"] == pytest.approx(cpu["parity"]["logprob_abs_diff_mean"], abs=1e-5)
+    assert gpu["metrics"].keys() == cpu["metrics"].keys()
+    for key in ("pg_loss", "value_loss", "kl_ref", "ppo_kl"):
+        if key in cpu["metrics"]:
+            assert gpu["metrics"][key] == pytest.approx(cpu["metrics"][key], abs=1e-5), key
+    assert gpu["metrics"]["grad_norm"] == pytest.approx(cpu["metrics"]["grad_norm"], rel=1e-4)
+    if gpu["state"]:  # rank 0: the whole model after the step, as weight sync exports it
+        assert gpu["state"].keys() == cpu["state"].keys()
+        for name, tensor in cpu["state"].items():
+            diff = (gpu["state"][name] - tensor).abs()
+            assert diff.max() <= (1e-4 if same_layout else 1e-3) and diff.mean() <= 1e-6, name
+
+
+ESTIMATOR_OVERRIDES = {
+    "grpo": (),
+    "dr_grpo": ("trainer.loss.advantage_estimator=dr_grpo",),
+    "rloo": ("trainer.loss.advantage_estimator=rloo",),
+    "reinforce_plus_plus": ("trainer.loss.advantage_estimator=reinforce_plus_plus", "trainer.loss.reward_kl_coef=0.5"),
+    "reinforce_plus_plus_baseline": ("trainer.loss.advantage_estimator=reinforce_plus_plus_baseline",),
+    # GSPO's sequence-level ratio, with sequence-level truncated importance sampling: the segment sums
+    "gspo": ("trainer.loss.advantage_estimator=gspo", "trainer.loss.is_level=sequence", "trainer.loss.tis_cap=2"),
+    "ppo": ("trainer.loss.advantage_estimator=ppo", "trainer.loss.reward_kl_coef=0.5", "trainer.critic.lr=0.01"),
+}
+
+
+def test_every_estimator_is_covered():
+    from slimish.trainer.estimators import ESTIMATORS
+
+    assert set(ESTIMATOR_OVERRIDES) == set(ESTIMATORS)
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATOR_OVERRIDES))
+def test_an_rl_step_on_the_emulated_gpu_is_the_cpu_step(task_assets, tmp_path, cpu_one_rank, estimator):
+    """One rank, a reference model (kl_coef 0.1), padded micro-batches: the step of each estimator."""
+    (gpu,) = _run(task_assets, tmp_path, emulated=True, overrides=ESTIMATOR_OVERRIDES[estimator])
+    _assert_same_step(gpu, cpu_one_rank(estimator))
+
+
+def test_sync_export_checkpoint_and_sft_on_the_emulated_gpu(task_assets, tmp_path):
+    """After the RL step: the export flattened into weight-sync buckets holds exactly the exported tensors' bytes;
+    the expected engine checksums made from the tensors on the device (the GPU's code path: fused tensors built on
+    the device) equal those made from their CPU copies; a checkpoint saved, an SFT step taken and the checkpoint
+    loaded give back the step's logprobs; all as on the CPU."""
+    (gpu,), (cpu,) = _both(task_assets, tmp_path, extra=("--more-steps",))
+    _assert_same_step(gpu, cpu)
+    exported = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in gpu["state"].values()])
+    assert torch.equal(gpu["flat"], exported)
+    assert gpu["checksums"] == gpu["cpu_checksums"] and len(gpu["checksums"]) > 10
+    assert gpu["sft"]["sft_loss"] == pytest.approx(cpu["sft"]["sft_loss"], rel=1e-5)
+    assert torch.equal(gpu["after_load"], gpu["after"]), "the checkpoint gives back the weights it was saved with"
+
+
+# REINFORCE++ (whitening statistics reduced over the data-parallel ranks) with sequence-level importance sampling
+# (segment sums in the loss): what the dropped-device runs below run, and must pass without the drop.
+SEQUENCE_IS = ("trainer.loss.is_level=sequence", "trainer.loss.tis_cap=2")
+DROP_RUN = ESTIMATOR_OVERRIDES["reinforce_plus_plus"] + SEQUENCE_IS
+
+LAYOUTS = {  # id -> (tp, pp, estimator, extra overrides)
+    "tp2": (2, 1, "grpo", ()),
+    "pp2-packed-chunked": (1, 2, "grpo", PACKED),
+    "dp2-distributed-optimizer-packed": (1, 1, "grpo", ("trainer.optimizer.distributed=true", *PACKED)),
+    "ppo-tp2": (2, 1, "ppo", ()),
+    "ppo-pp2": (1, 2, "ppo", ()),
+    "reinforce_plus_plus-dp2-sequence-is": (1, 1, "reinforce_plus_plus", SEQUENCE_IS),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_layouts_on_the_emulated_gpu_match_one_cpu_rank(task_assets, tmp_path, cpu_one_rank, layout):
+    """Two ranks (TP2, PP2 or DP2): Megatron's collectives, pipeline sends and the trainer's own reductions run on the
+    emulated device through the NCCL stand-in; each rank's step is the one-rank CPU step (its rows of it)."""
+    tp, pp, estimator, extra = LAYOUTS[layout]
+    overrides = ESTIMATOR_OVERRIDES[estimator] + extra
+    if overrides == DROP_RUN:
+        # Against the CPU run of the same layout: with sequence-level IS this step's loss is ~6e-7 and Adam turns
+        # the reduction-order noise of its tiny grads into 1e-3 differences between layouts (CPU DP2 vs one rank).
+        gpu, cpu = _both(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
+        for gpu_rank, cpu_rank in zip(gpu, cpu):
+            _assert_same_step(gpu_rank, cpu_rank)
+        return
+    reference = cpu_one_rank(estimator)
+    for result in _run(task_assets, tmp_path, emulated=True, world_size=2, tp=tp, pp=pp, overrides=overrides):
+        _assert_same_step(result, reference, rows=result["rows"])
+
+
+@pytest.mark.parametrize("dropped,world_size,op", [
+    ("microbatch", 1, "aten.embedding"),       # token ids left on the CPU reach the embedding's weight
+    ("factory", 1, "aten.index_add"),          # segment totals made on the CPU meet per-token values
+    ("collective", 2, "all_reduce on an NCCL group got a CPU tensor"),  # a DP reduction of a host tensor
+])
+def test_the_tier_fails_when_a_device_is_dropped(task_assets, tmp_path, dropped, world_size, op):
+    """The run of the reinforce_plus_plus-dp2-sequence-is layout (which passes) with one piece of device discipline
+    undone (`worker_rank.drop_device`) fails, naming the op; on the CPU alone the same code passes."""
+    with pytest.raises(AssertionError) as failure:
+        _run(task_assets, tmp_path, emulated=True, world_size=world_size, overrides=DROP_RUN,
+             extra=("--drop-device", dropped))
+    assert "DeviceMismatch" in str(failure.value) and op in str(failure.value)
