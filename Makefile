@@ -1,7 +1,7 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make test-fast | make lint | make docs | make bench | make bench-partial | make bench-sync |
+# Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make lint | make docs | make bench | make bench-partial | make bench-sync |
 #   make bench-flatten | make bench-long | make bench-estimators | make bench-async | make bench-rollout
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv quickstart test test-fast lint docs bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu lint docs bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
 
 venv: $(STAMP)
 
@@ -23,12 +23,19 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 	$(BIN)/python -c "import slimish.compat.megatron_cpu as m; m.apply(); import sglang, sglang_router, ray; print('stack ok')"
 	touch $(STAMP)
 
+# The GPU stack (requirements/gpu-lock.txt: the CPU lock plus Transformer Engine) in $(VENV), on a GPU node with the
+# CUDA 13 toolkit and cuDNN headers (Transformer Engine's torch extension builds from source). Never run by CI.
+venv-gpu: venv
+	$(BIN)/pip install --quiet --no-build-isolation -r requirements/gpu-lock.txt
+	$(BIN)/python -c "import torch, transformer_engine.pytorch; assert torch.cuda.is_available(), 'no usable CUDA device'; print('gpu stack ok')"
+
 quickstart: venv
 	$(BIN)/slimish make-tiny --out artifacts/tiny
 	$(BIN)/slimish train configs/quickstart_cpu.yaml
 
 lint: venv
-	$(BIN)/ruff check slimish tests bench
+	$(BIN)/ruff check slimish tests bench tools
+	$(BIN)/python tools/check_devices.py
 
 # docs/config.md, generated from the config schema (tests/test_docs.py fails when it is out of date)
 docs: venv
@@ -39,6 +46,17 @@ test: lint
 
 test-fast: venv
 	$(BIN)/pytest -m "not e2e and not slurm" $(PYTEST_ARGS)
+
+# tests/gpu on this machine's NVIDIA GPU; one line and nothing else without one. EMULATE=1: the same tests on the
+# emulated GPU (slimish/compat/emulated_gpu.py), which any machine has.
+test-gpu: venv
+ifeq ($(EMULATE),1)
+	SLIMISH_EMULATED_GPU=1 $(BIN)/pytest tests/gpu $(PYTEST_ARGS)
+else
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		$(BIN)/pytest tests/gpu $(PYTEST_ARGS); \
+	else echo "make test-gpu: skipped, no usable CUDA device here (make test-gpu EMULATE=1 runs tests/gpu on the emulated GPU)"; fi
+endif
 
 bench: venv
 	$(BIN)/python bench/convert.py

@@ -16,12 +16,13 @@ setup(
     packages=find_packages(include=["slimish", "slimish.*"]),
     python_requires=">=3.11",
     install_requires=[
-        "torch>=2.9",
-        # Exactly the lock's: 0.17+ needs Python >= 3.12 (README, CPU notes), where an unpinned GPU install would
-        # take a release none of slimish's Megatron workarounds were derived from.
+        # The stack the suite runs on, exactly the lock's (tests/test_pins.py): sglang pins torch, its CUDA 13 build;
+        # megatron-core 0.17+ needs Python >= 3.12 (docs/cpu-notes.md), where an unpinned install would take a
+        # release none of slimish's Megatron workarounds were derived from.
+        "torch==2.14.1",
         "megatron-core==0.16.1",
-        "sglang>=0.5.23",
-        "sglang-router>=0.3.2",
+        "sglang==0.5.23",
+        "sglang-router==0.3.2",
         "ray[default]>=2.59",  # token authentication on by default for a local Ray
         "pyyaml",
         "httpx",

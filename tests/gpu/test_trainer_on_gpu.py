@@ -1,0 +1,43 @@
+"""The trainer's RL step, SFT step, checkpoint and weight-sync export on the GPU (one rank: NCCL refuses two ranks on
+one GPU), against the same steps on the CPU in a process that sees no GPU. GPU kernels differ from the CPU's (fused
+attention paths, reduction order): the tolerances are fp32 ones, looser than the emulated tier's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import run_world
+from tests.trainer.test_worker_layouts import ADAM_EPS, SCRIPT
+
+ON_CPU = {"SLIMISH_EMULATED_GPU": "0", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(task_assets, out: Path, *, env: dict[str, str] | None, overrides: tuple[str, ...] = ()) -> dict:
+    run_world(SCRIPT, world_size=1, env=env, timeout=600,
+              args=["--tp", "1", "--hf", task_assets["model"], "--data", task_assets["train"], "--out", str(out),
+                    "--more-steps", *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
+    return torch.load(out / "rank0.pt")
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01"),
+                                       ("trainer.max_tokens_per_micro_batch=14", "trainer.logprob_chunk_tokens=3")],
+                         ids=["grpo", "ppo", "packed-chunked"])
+def test_a_step_on_the_gpu_is_the_cpu_step(task_assets, tmp_path, overrides):
+    gpu = _run(task_assets, tmp_path / "gpu", env=None, overrides=overrides)
+    cpu = _run(task_assets, tmp_path / "cpu", env=ON_CPU, overrides=overrides)
+    assert torch.allclose(gpu["before"], cpu["before"], atol=1e-4)
+    assert torch.allclose(gpu["after"], cpu["after"], atol=1e-3)
+    assert gpu["metrics"]["grad_norm"] == pytest.approx(cpu["metrics"]["grad_norm"], rel=1e-3)
+    for name, tensor in cpu["state"].items():  # what weight sync sends, after the step
+        assert (gpu["state"][name] - tensor).abs().max() <= 1e-3, name
+    assert gpu["sft"]["sft_loss"] == pytest.approx(cpu["sft"]["sft_loss"], rel=1e-4)
+    assert torch.equal(gpu["after_load"], gpu["after"]), "the checkpoint gives back the weights it was saved with"
+    exported = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in gpu["state"].values()])
+    assert torch.equal(gpu["flat"], exported), "weight sync's buckets hold the exported bytes"
+    # The engines' expected checksums from the tensors on the device (SGLang's GPU hash of each fused engine
+    # parameter) cover the same parameters as those from their CPU copies (SHA-256); the values differ by hash.
+    assert gpu["checksums"].keys() == gpu["cpu_checksums"].keys()
+    assert all(len(value) == 16 for value in gpu["checksums"].values())
