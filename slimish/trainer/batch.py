@@ -40,14 +40,18 @@ class MicroBatch:
     def to(self, device: torch.device, *, non_blocking: bool = False) -> MicroBatch:
         """This micro-batch with every tensor on `device` (itself when they are all there already). From pinned
         host memory to a GPU the copies are asynchronous with `non_blocking`."""
-        moved = {f.name: value.to(device, non_blocking=non_blocking) for f in dataclasses.fields(self)
-                 if isinstance(value := getattr(self, f.name), torch.Tensor) and value.device != device}
+        moved = {name: value.to(device, non_blocking=non_blocking) for name, value in self._tensors()
+                 if value.device != device}
         return dataclasses.replace(self, **moved) if moved else self
 
     def pin_memory(self) -> MicroBatch:
         """This micro-batch with its tensors in page-locked host memory (for asynchronous copies to a GPU)."""
-        return dataclasses.replace(self, **{f.name: value.pin_memory() for f in dataclasses.fields(self)
-                                            if isinstance(value := getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(self, **{name: value.pin_memory() for name, value in self._tensors()})
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(field name, tensor) of every field that holds a tensor now."""
+        return [(f.name, value) for f in dataclasses.fields(self)
+                if isinstance(value := getattr(self, f.name), torch.Tensor)]
 
     @property
     def packed(self) -> bool:

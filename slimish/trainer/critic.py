@@ -12,6 +12,7 @@ import torch
 from slimish.trainer.batch import MicroBatch
 from slimish.trainer.device import host_tensor, module_device
 from slimish.trainer.logprobs import unwrap_gpt_model
+from slimish.trainer.roles import TrainedRole
 from slimish.trainer.schedule import optimizer_step, run_schedule
 
 
@@ -49,17 +50,16 @@ def value_loss(values, old_values, returns, mask, *, clip: float, denom: float):
     return loss, {"value_loss": loss.detach(), "value_clip_frac": clip_frac}
 
 
-class Critic:
-    def __init__(self, cfg, build, load_weights, *, total_steps: int):
-        from slimish.trainer.model import wrap_for_training
+class Critic(TrainedRole):
+    """PPO's value model: `build()` loaded by `load_weights`, the value head installed, trained at
+    trainer.critic.lr with the policy's optimizer settings."""
 
-        opt, critic = cfg.trainer.optimizer, cfg.trainer.critic
+    def __init__(self, cfg, build, load_weights, *, total_steps: int):
         self.cfg = cfg
-        self.module = build()
-        load_weights(self.module)
-        self.head = ValueHead(self.module)
-        self.model, self.optimizer, self.lr_schedule = wrap_for_training(self.module, opt, lr=critic.lr,
-                                                                         total_steps=total_steps)
+        module = build()
+        load_weights(module)
+        self.head = ValueHead(module)  # before the optimizer is built: it trains the head too
+        super().__init__(module, cfg.trainer.optimizer, lr=cfg.trainer.critic.lr, total_steps=total_steps)
 
     def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, S-1] values per micro-batch (empty off the last stage)."""
@@ -79,13 +79,3 @@ class Critic:
             return loss * scale, metrics
 
         return optimizer_step(self.model, self.optimizer, microbatches, loss_fn, self.lr_schedule)
-
-    def save(self, path: str) -> None:
-        from slimish.trainer import checkpoint
-
-        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
-
-    def load(self, path: str) -> None:
-        from slimish.trainer import checkpoint
-
-        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)

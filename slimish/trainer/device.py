@@ -25,6 +25,9 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory (pinned when a GPU will read it back, so the copy there can be asynchronous)."""
-    tensor = tensor.detach().to("cpu")
-    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+    """`tensor` in host memory (pinned when a GPU will read it back, so the copy there can be asynchronous): one
+    copy, straight into the pinned buffer."""
+    tensor = tensor.detach()
+    if not torch.cuda.is_available():
+        return tensor.to("cpu")
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True).copy_(tensor)

@@ -33,17 +33,37 @@ def forward_logprobs(model, head: LogprobHead, microbatches: list[MicroBatch], *
     return [out["logprobs"] for out in outputs], [float(out["entropy_sum"]) for out in outputs]
 
 
-class Policy:
-    """The trained model: `build()` loaded by `load_weights`, wrapped in Megatron DDP with its optimizer and LR
-    schedule (`slimish.trainer.model.wrap_for_training`), its output layer turned into a chunked logprob head."""
+class TrainedRole:
+    """A role with an optimizer (the policy, the critic): `module` wrapped in Megatron DDP with its optimizer and LR
+    schedule peaking at `lr` (`slimish.trainer.model.wrap_for_training`), saved and loaded with them
+    (`slimish.trainer.checkpoint`). Whatever adds parameters to `module` is installed before this wraps it."""
 
-    def __init__(self, build: Callable, load_weights: Callable, opt_cfg, *, total_steps: int, chunk_tokens: int):
+    def __init__(self, module, opt_cfg, *, lr: float, total_steps: int):
         from slimish.trainer.model import wrap_for_training
 
-        self.module = build()
-        load_weights(self.module)
-        self.model, self.optimizer, self.lr_schedule = wrap_for_training(self.module, opt_cfg, lr=opt_cfg.lr,
+        self.module = module
+        self.model, self.optimizer, self.lr_schedule = wrap_for_training(module, opt_cfg, lr=lr,
                                                                          total_steps=total_steps)
+
+    def save(self, path: str) -> None:
+        from slimish.trainer import checkpoint
+
+        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
+
+    def load(self, path: str) -> None:
+        from slimish.trainer import checkpoint
+
+        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
+
+
+class Policy(TrainedRole):
+    """The trained model: `build()` loaded by `load_weights`, trained at trainer.optimizer.lr, its output layer
+    turned into a chunked logprob head."""
+
+    def __init__(self, build: Callable, load_weights: Callable, opt_cfg, *, total_steps: int, chunk_tokens: int):
+        module = build()
+        load_weights(module)
+        super().__init__(module, opt_cfg, lr=opt_cfg.lr, total_steps=total_steps)
         self.head = LogprobHead(self.module, chunk_tokens=chunk_tokens)
 
     @property
@@ -67,16 +87,6 @@ class Policy:
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-    def save(self, path: str) -> None:
-        from slimish.trainer import checkpoint
-
-        checkpoint.save(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
-
-    def load(self, path: str) -> None:
-        from slimish.trainer import checkpoint
-
-        checkpoint.load(self.module, self.optimizer, path, lr_schedule=self.lr_schedule)
 
 
 class Reference:

@@ -29,12 +29,18 @@ class RolloutBatch:
         """Each of this rank's samples' [response length] values of the per-token micro-batch `field` (e.g.
         "loss_mask", "old_logprobs"), in the order of `indices`. Empty off the last pipeline stage (no logprobs are
         made there); None when the step has no such values (no reference model, no critic)."""
-        mbs = [mb for minibatch in self.microbatches for mb in minibatch]
-        if any(mb.old_logprobs is None for mb in mbs):
+        if not self.on_last_stage:
             return []
+        mbs = [mb for minibatch in self.microbatches for mb in minibatch]
         if any(getattr(mb, field) is None for mb in mbs):
             return None
         return [values for mb in mbs for values in mb.gather(getattr(mb, field))]
+
+    @property
+    def on_last_stage(self) -> bool:
+        """Whether this rank made logprobs for its micro-batches (the last pipeline stage does, after
+        compute_logprobs)."""
+        return all(mb.old_logprobs is not None for minibatch in self.microbatches for mb in minibatch)
 
     @property
     def minibatch_samples(self) -> int:

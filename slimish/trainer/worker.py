@@ -246,12 +246,11 @@ class TrainerWorker:
         returns = iter(rollout.returns or [])
         sums: dict[str, list[float]] = {}
         grad_norms, critic_norms = [], []
-        on_last_stage = bool(rollout.local_responses("old_logprobs"))
         for mbs in rollout.microbatches:
             denom = self._denominator(mbs, aggregation, rollout.minibatch_samples)
             scale = len(mbs) * self.dp_size  # Megatron divides by num_microbatches, DDP averages over DP
             for mb in mbs:
-                if on_last_stage:
+                if rollout.on_last_stage:
                     mb.advantages = mb.scatter([next(per_token) for _ in mb.spans])
                     if self.critic is not None:
                         mb.returns = mb.scatter([next(returns) for _ in mb.spans])

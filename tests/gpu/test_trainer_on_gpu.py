@@ -9,17 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import run_world
-from tests.trainer.test_worker_layouts import ADAM_EPS, SCRIPT
+from tests.trainer.test_worker_layouts import _run as run_layout
 
 ON_CPU = {"SLIMISH_EMULATED_GPU": "0", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _run(task_assets, out: Path, *, env: dict[str, str] | None, overrides: tuple[str, ...] = ()) -> dict:
-    run_world(SCRIPT, world_size=1, env=env, timeout=600,
-              args=["--tp", "1", "--hf", task_assets["model"], "--data", task_assets["train"], "--out", str(out),
-                    "--more-steps", *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
-    return torch.load(out / "rank0.pt")
+    return run_layout(task_assets, out, world_size=1, tp=1, overrides=overrides, extra=("--more-steps",), env=env,
+                      timeout=600)[0]
 
 
 @pytest.mark.parametrize("overrides", [(), ("trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01"),

@@ -17,19 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import run_world
-from tests.trainer.test_worker_layouts import ADAM_EPS, PACKED, SCRIPT
+from tests.trainer.test_worker_layouts import PACKED
+from tests.trainer.test_worker_layouts import _run as run_layout
 
 pytestmark = pytest.mark.emulated_gpu
 
 
-def _run(task_assets, out: Path, *, emulated: bool, world_size: int = 1, tp: int = 1, pp: int = 1,
-         overrides: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[dict]:
-    env = {"SLIMISH_EMULATED_GPU": "1" if emulated else "0"}
-    run_world(SCRIPT, world_size=world_size, env=env,
-              args=["--tp", str(tp), "--pp", str(pp), "--hf", task_assets["model"], "--data", task_assets["train"],
-                    "--out", str(out), *extra, *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
-    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+def _run(task_assets, out: Path, *, emulated: bool, world_size: int = 1, tp: int = 1, **kwargs) -> list[dict]:
+    return run_layout(task_assets, out, world_size=world_size, tp=tp,
+                      env={"SLIMISH_EMULATED_GPU": "1" if emulated else "0"}, **kwargs)
 
 
 def _both(task_assets, tmp_path: Path, **kwargs) -> tuple[list[dict], list[dict]]:

@@ -25,11 +25,13 @@ ADAM_EPS = "trainer.optimizer.adam_eps=1e-5"
 
 
 def _run(task_assets, out: Path, *, world_size: int, tp: int, pp: int = 1, dtype: str = "float32",
-         overrides: tuple[str, ...] = ()) -> list[dict]:
-    run_world(SCRIPT, world_size=world_size, args=["--tp", str(tp), "--pp", str(pp), "--dtype", dtype,
-                                                   "--hf", task_assets["model"], "--data", task_assets["train"],
-                                                   "--out", str(out),
-                                                   *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
+         overrides: tuple[str, ...] = (), extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+         timeout: float = 300.0) -> list[dict]:
+    """Every rank's results of worker_rank.py at this layout (`extra`: its further options; `env`: for the ranks)."""
+    run_world(SCRIPT, world_size=world_size, env=env, timeout=timeout,
+              args=["--tp", str(tp), "--pp", str(pp), "--dtype", dtype, "--hf", task_assets["model"],
+                    "--data", task_assets["train"], "--out", str(out), *extra,
+                    *(a for o in (ADAM_EPS, *overrides) for a in ("--set", o))])
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
