@@ -305,6 +305,9 @@ class CheckpointConfig:
 class RayConfig:
     num_cpus: int = doc(0, "CPUs given to a local Ray (0 = all); ignored when RAY_ADDRESS joins a cluster.")
     placement_timeout_s: float = doc(120.0, "Seconds to wait for the GPUs (or slots) of trainer ranks and engines.")
+    cpus_per_slot: float = doc(0.01, "CPUs Ray reserves for each trainer rank and engine on a cluster without GPUs "
+                                     "(a sliver by default: on a small machine their CPU use is not Ray's to "
+                                     "schedule; on a CPU cluster, the cores each should own, so Ray spreads them).")
 
 
 @dataclass(kw_only=True)

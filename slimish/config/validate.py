@@ -88,6 +88,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
     _positive("trainer.max_tokens_per_micro_batch", tr.max_tokens_per_micro_batch, allow_zero=True)
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
+    _positive("ray.cpus_per_slot", cfg.ray.cpus_per_slot)
     for key in ("gpu_memory_gb", "gpu_tflops", "mfu", "nic_gbit_s", "fs_write_gbyte_s", "fs_read_gbyte_s",
                 "decode_tokens_per_s", "request_tokens_per_s", "reward_workers"):
         _positive(f"plan.{key}", getattr(cfg.plan, key))

@@ -16,7 +16,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-CPU_SLIVER = 0.01  # a bundle's resource when the cluster has no GPUs
+from slimish.cuda_facts import collect as collect_cuda_facts
+from slimish.cuda_facts import problem as cuda_problem
+from slimish.errors import UserError
+
+CPU_SLIVER = 0.01  # a bundle's resource when the cluster has no GPUs (the default of ray.cpus_per_slot)
 
 
 class PlacementError(RuntimeError):
@@ -25,15 +29,16 @@ class PlacementError(RuntimeError):
 
 @dataclass(frozen=True)
 class Slot:
-    """One reserved bundle: where an actor goes and the GPUs it holds."""
+    """One reserved bundle: where an actor goes and the GPUs (or, without GPUs, the CPUs) it holds."""
 
     group: PlacementGroup
     bundle: int
     node_id: str
     gpus: int
+    cpus: float = 0.0
 
     def actor_options(self) -> dict:
-        return {"num_cpus": 0 if self.gpus else CPU_SLIVER, "num_gpus": self.gpus,
+        return {"num_cpus": self.cpus, "num_gpus": self.gpus,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.group, placement_group_bundle_index=self.bundle)}
 
@@ -52,9 +57,9 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float) -> list[Slot]:
-    """`count` bundles of `gpus_each` GPUs each (a CPU sliver without GPUs), PACKed, ordered node by node."""
-    bundle = {"GPU": gpus_each} if gpus_each else {"CPU": CPU_SLIVER}
+def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float, cpus_each: float = CPU_SLIVER) -> list[Slot]:
+    """`count` bundles of `gpus_each` GPUs each (`cpus_each` CPUs without GPUs), PACKed, ordered node by node."""
+    bundle = {"GPU": gpus_each} if gpus_each else {"CPU": cpus_each}
     group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
@@ -64,7 +69,27 @@ def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float) -> list[
             f"{ray.cluster_resources()} in all and {ray.available_resources()} free")
     nodes = placement_group_table(group)["bundles_to_node_id"]
     order = sorted(range(count), key=lambda i: (nodes[i], i))
-    return [Slot(group, i, nodes[i], gpus_each) for i in order]
+    return [Slot(group, i, nodes[i], gpus_each, 0.0 if gpus_each else cpus_each) for i in order]
+
+
+class GpuUnusable(UserError):
+    """Ray gave a slot GPUs that the process running there cannot use (see `slimish.cuda_facts`)."""
+
+
+def check_gpus(slots: dict[str, list[Slot]]) -> None:
+    """Raise `GpuUnusable` (one line: the first slot's cause, and how many more) unless every GPU slot can use its
+    GPUs. Each slot is probed by a short task that holds its bundle, so it sees the CUDA_VISIBLE_DEVICES its actor
+    will; the task's worker exits after it (max_calls=1), keeping no CUDA state."""
+    probe = ray.remote(max_calls=1)(collect_cuda_facts)
+    holders = {f"{'trainer rank' if role == 'trainer' else 'engine'} {i}": slot
+               for role, role_slots in slots.items() for i, slot in enumerate(role_slots) if slot.gpus}
+    facts = ray.get([probe.options(**slot.actor_options()).remote() for slot in holders.values()])
+    names = node_names()
+    problems = [line for (holder, slot), fact in zip(holders.items(), facts, strict=True)
+                if (line := cuda_problem(fact, gpus=slot.gpus, holder=holder, node=names.get(slot.node_id)))]
+    if problems:
+        more = f" (and {len(problems) - 1} more slots cannot either)" if len(problems) > 1 else ""
+        raise GpuUnusable(problems[0] + more)
 
 
 def release(slots: list[Slot]) -> None:
@@ -82,10 +107,15 @@ def on_this_node() -> dict:
         node_id=ray.get_runtime_context().get_node_id(), soft=False)}
 
 
+def node_names() -> dict[str, str]:
+    """Ray node id -> the node's name (Slurm's node name under launch/train.sbatch), else its address."""
+    return {node["NodeID"]: node.get("NodeName") or node.get("NodeManagerAddress") for node in ray.nodes()}
+
+
 def placement_record(slots: dict[str, list[Slot]], engines: list[dict]) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
     GPUs Ray gave each engine."""
-    names = {node["NodeID"]: node.get("NodeName") or node.get("NodeManagerAddress") for node in ray.nodes()}
+    names = node_names()
     return {"gpus": cluster_gpus(),
             "trainer": [{"rank": rank, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus}
                         for rank, slot in enumerate(slots["trainer"])],

@@ -14,7 +14,7 @@ import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 
 from slimish.config.schema import JobConfig
 from slimish.network import interface_of
-from slimish.orchestration.placement import Slot, cluster_gpus, on_this_node, release, reserve
+from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, on_this_node, release, reserve
 
 
 def init_ray(cfg: JobConfig) -> None:
@@ -81,16 +81,21 @@ def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_ke
 
 
 def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
-    """Placement slots for the trainer ranks and the engines: GPUs when the Ray cluster has them."""
+    """Placement slots for the trainer ranks and the engines: GPUs when the Ray cluster has them (each checked to be
+    usable there, else `GpuUnusable`), else `ray.cpus_per_slot` CPUs each."""
     gpus = cluster_gpus() > 0
-    timeout = cfg.ray.placement_timeout_s
+    timeout, cpus = cfg.ray.placement_timeout_s, cfg.ray.cpus_per_slot
     trainer = reserve("slimish-trainer", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
-                      timeout_s=timeout)
+                      timeout_s=timeout, cpus_each=cpus)
     engine = cfg.rollout.engine
+    engines: list[Slot] = []
     try:
         engines = reserve("slimish-engines", count=engine.num_engines,
-                          gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout)
+                          gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout, cpus_each=cpus)
+        slots = {"trainer": trainer, "engines": engines}
+        if gpus:
+            check_gpus(slots)
     except BaseException:
-        release(trainer)
+        release(trainer + engines)
         raise
-    return {"trainer": trainer, "engines": engines}
+    return slots

@@ -8,6 +8,8 @@ from datetime import timedelta
 
 import torch
 
+from slimish.errors import UserError
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
@@ -36,6 +38,14 @@ def free_port() -> int:
 
 
 def resolve_backend(backend: str) -> str:
+    """`parallel.backend` made concrete: auto is nccl with CUDA, else gloo; nccl without usable CUDA is a UserError
+    saying why (it would otherwise fail deep in the first collective)."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        from slimish import cuda_facts
+
+        facts = cuda_facts.collect()
+        raise UserError(f"parallel.backend is nccl, but on {facts.node} {cuda_facts.cause(facts)}; or set "
+                        "parallel.backend=gloo")
     if backend != "auto":
         return backend
     return "nccl" if torch.cuda.is_available() else "gloo"

@@ -215,12 +215,12 @@ def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tiny_assets, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_node_training_job_places_trainer_and_engine_on_their_gpus(cluster, tiny_assets, tmp_path):
-    """A real 2-step job on 2 nodes that each offer Ray one GPU (declared: these CPU nodes have none, so torch and
-    SGLang still run on the CPU, but Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES are the GPU
-    cluster's). The trainer rank takes one node's GPU, so the engine must run on the other node's."""
+def test_two_node_training_job_places_trainer_and_engine_on_their_nodes(cluster, tiny_assets, tmp_path):
+    """A real 2-step job on 2 nodes that declare no GPUs (they have none) and offer Ray one CPU each; every trainer
+    rank and engine reserves one CPU (ray.cpus_per_slot=1, what a CPU cluster would ask), so the engine must run on
+    the node the trainer rank left free, and the weights cross nodes."""
     job = submit_train(cluster, tmp_path, "train", "rl.num_steps=2", "rollout.engine.num_engines=1",
-                       env={"SLIMISH_RAY_NUM_GPUS": "1"})
+                       "ray.cpus_per_slot=1", env={"SLIMISH_RAY_NUM_CPUS": "1", "SLIMISH_RAY_NUM_GPUS": "0"})
     assert cluster.wait_done(job, timeout=540) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
 
     run_dir = tmp_path / "train"
@@ -229,10 +229,28 @@ def test_two_node_training_job_places_trainer_and_engine_on_their_gpus(cluster, 
     assert len(steps) == 2 and steps[1] == steps[0] + 1, steps
     placement = json.loads((run_dir / "placement.json").read_text())
     [trainer], [engine] = placement["trainer"], placement["engines"]
-    assert placement["gpus"] == 2 and trainer["gpus"] == 1 and engine["gpus"] == 1, placement
+    assert placement["gpus"] == 0 and trainer["gpus"] == 0 and engine["gpus"] == 0, placement
     assert {trainer["node"], engine["node"]} == {"n1", "n2"}, placement
-    assert engine["cuda_visible_devices"] == "0", placement
     assert all(m["logprob_abs_diff_max"] <= 1e-4 for m in metric_steps(run_dir)), "weights reached the other node"
+    assert_nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_given_gpus_it_cannot_use_stops_in_one_line(cluster, tiny_assets, tmp_path):
+    """Nodes that declare a GPU to Ray they do not have (as a node with a broken or too old driver would): the job
+    stops before any engine or trainer starts, with one line naming the slot, the node and the cause."""
+    job = submit_train(cluster, tmp_path, "gpus", "rl.num_steps=2", "rollout.engine.num_engines=1",
+                       env={"SLIMISH_RAY_NUM_GPUS": "1"})
+    assert cluster.wait_done(job, timeout=240) == ("FAILED", "2:0"), job_output(tmp_path, job)
+
+    run_dir = tmp_path / "gpus"
+    driver_log = (run_dir / f"slurm-{job}" / "driver.log").read_text()
+    errors = [line for line in driver_log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in driver_log, driver_log[-4000:]
+    assert re.fullmatch(r"error: (trainer rank 0|engine 0) holds 1 GPU from Ray on n[12], but no NVIDIA driver is "
+                        r"installed \(libcuda.so.1 does not load\): .*\(and 1 more slots cannot either\)",
+                        errors[0]), errors[0]
+    assert not (run_dir / "placement.json").exists() and not (run_dir / "logs").exists(), "something started"
     assert_nothing_left(cluster, run_dir)
 
 
