@@ -27,7 +27,9 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 # CUDA 13 toolkit and cuDNN headers (Transformer Engine's torch extension builds from source). Never run by CI.
 venv-gpu: venv
 	$(BIN)/pip install --quiet --no-build-isolation -r requirements/gpu-lock.txt
-	$(BIN)/python -c "import torch, transformer_engine.pytorch; assert torch.cuda.is_available(), 'no usable CUDA device'; print('gpu stack ok')"
+	$(BIN)/python tools/check_stack.py
+	$(BIN)/python -m slimish.cuda_facts
+	$(BIN)/python -c "import transformer_engine.pytorch; print('gpu stack ok')"
 
 quickstart: venv
 	$(BIN)/slimish make-tiny --out artifacts/tiny
