@@ -23,6 +23,7 @@
 #   SLIMISH_RAY_DASHBOARD    1 = start the Ray dashboard on the head (default 0)
 #   SLIMISH_RAY_TMPDIR       parent of the per-node Ray temp dir (default /tmp; keep it short: socket paths)
 #   SLIMISH_RAY_START_ARGS   extra arguments for every `ray start`
+#   SLIMISH_EXEC             command prefix `ray start` runs under (a container runtime; see launch/train.sbatch)
 #   SLIMISH_KEEP_RAY_TMP     1 = keep the Ray temp dir (session logs) after the node stops
 #   SLIMISH_TEARDOWN_TIMEOUT seconds to wait for Ray to stop before SIGKILL (default 15)
 #
@@ -127,7 +128,8 @@ start_node() {
   trap 'stop_ray TERM' TERM
   trap 'stop_ray INT' INT
   trap 'stop_ray HUP' HUP
-  setsid ray start "${args[@]}" "${extra[@]}" &
+  read -ra exec_prefix <<<"${SLIMISH_EXEC:-}"
+  setsid "${exec_prefix[@]}" ray start "${args[@]}" "${extra[@]}" &
   ray_pid=$!
   echo "$ray_pid" >"$log_dir/ray-$node.pid"
   wait "$ray_pid" || rc=$?

@@ -3,7 +3,8 @@
     SLIMISH_DRIVER_CMD="python tests/slurm/ray_probe_driver.py" sbatch -N 2 launch/train.sbatch CONFIG [overrides]
 
 Takes the same arguments as `slimish train`, connects to RAY_ADDRESS, runs one Ray task pinned to each alive node,
-and writes one metrics.jsonl line per step (rl.num_steps of them) naming the Slurm node every task ran on.
+and writes one metrics.jsonl line per step (rl.num_steps of them) naming the Slurm node every task ran on, and
+whether it ran in tests/slurm/fake_container.sh.
 PROBE_STEP_SECONDS (default 0.5) is the time one step takes, so that a test can cancel the job mid-run.
 """
 
@@ -22,9 +23,10 @@ from slimish.config import load_config
 
 
 @ray.remote(num_cpus=1)
-def _where() -> str:
-    # Each Ray node inherits the environment of the srun step that started it.
-    return os.environ.get("SLURMD_NODENAME", "?")
+def _where() -> tuple[str, bool]:
+    # Each Ray node inherits the environment of the srun step that started it, and of the (stand-in) container it
+    # runs in, if any (tests/slurm/fake_container.sh).
+    return os.environ.get("SLURMD_NODENAME", "?"), os.environ.get("IN_FAKE_CONTAINER") == "1"
 
 
 def main() -> None:
@@ -45,8 +47,10 @@ def main() -> None:
                 _where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
                 for node in nodes
             ]
-            slurm_nodes = sorted(ray.get(pinned))
-            metrics.write(json.dumps({"step": step, "ray_nodes": len(nodes), "slurm_nodes": slurm_nodes}) + "\n")
+            where = sorted(ray.get(pinned))
+            slurm_nodes = [node for node, _ in where]
+            metrics.write(json.dumps({"step": step, "ray_nodes": len(nodes), "slurm_nodes": slurm_nodes,
+                                      "in_container": [inside for _, inside in where]}) + "\n")
             metrics.flush()
             print(f"probe step {step}: tasks ran on {slurm_nodes}", flush=True)
             time.sleep(step_seconds)

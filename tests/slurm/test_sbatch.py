@@ -202,15 +202,28 @@ def assert_ray_listens_on_loopback_only(addresses: list[str]):
 
 
 @pytest.mark.timeout(300)
-def test_bootstrap_runs_ray_tasks_on_both_nodes(cluster, tiny_assets, tmp_path):
-    """The bootstrap alone, with a stand-in driver: fast, and independent of the trainer (train.sbatch still
-    validates the quickstart config, whose model must exist: hence `tiny_assets`)."""
-    job = submit_train(cluster, tmp_path, "probe", "rl.num_steps=2", env={"SLIMISH_DRIVER_CMD": PROBE_DRIVER})
+def test_bootstrap_runs_ray_tasks_on_both_nodes_in_a_container(cluster, tiny_assets, tmp_path):
+    """The bootstrap alone, with a stand-in driver (fast, and independent of the trainer; train.sbatch still
+    validates the quickstart config, whose model must exist: hence `tiny_assets`), run in a container as docs/gpu.md
+    describes: SLIMISH_EXEC names the runtime, here a stand-in for it (tests/slurm/fake_container.sh). Every Python
+    and Ray command of the job goes through it, on the batch node and in both nodes' Ray steps; the host's venv is
+    on no PATH the job sees, so a command that bypassed the runtime would fail."""
+    calls = tmp_path / "container-calls.log"
+    host_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not p.startswith(sys.prefix))
+    job = submit_train(cluster, tmp_path, "probe", "rl.num_steps=2", env={
+        "SLIMISH_DRIVER_CMD": PROBE_DRIVER, "SLIMISH_EXEC": str(REPO / "tests/slurm/fake_container.sh"),
+        "FAKE_CONTAINER_LOG": str(calls), "FAKE_CONTAINER_VENV": sys.prefix, "PATH": host_path})
     assert cluster.wait_done(job, timeout=240) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
 
     run_dir = tmp_path / "probe"
     assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
-    assert [m["slurm_nodes"] for m in metric_steps(run_dir)] == [["n1", "n2"], ["n1", "n2"]]
+    steps = metric_steps(run_dir)
+    assert [m["slurm_nodes"] for m in steps] == [["n1", "n2"], ["n1", "n2"]]
+    assert [m["in_container"] for m in steps] == [[True, True], [True, True]], "Ray ran outside the container"
+    text = calls.read_text()
+    for pattern in (r"^n1 python -c ", r"^n1 ray start .*--head", r"^n2 ray start .*--address=",
+                    r"^n1 python launch/ray_wait_nodes.py ", r"^n1 python tests/slurm/ray_probe_driver.py --config "):
+        assert re.search(pattern, text, flags=re.M), f"{pattern} not run in the container:\n{text}"
     assert_nothing_left(cluster, run_dir)
 
 
