@@ -38,6 +38,7 @@ quickstart: venv
 lint: venv
 	$(BIN)/ruff check slimish tests bench tools
 	$(BIN)/python tools/check_devices.py
+	$(BIN)/lint-imports --no-cache
 
 # docs/config.md, generated from the config schema (tests/test_docs.py fails when it is out of date)
 docs: venv

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import sys
 from datetime import timedelta
 
 JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's own calls to the engines
@@ -27,6 +28,25 @@ def new_job_key() -> str:
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header SGLang's and the router's API-key check expects; none without a key."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def node_ip() -> str:
+    """The address Ray knows this node by (what other nodes reach it at; 127.0.0.1 on a local, loopback-only Ray),
+    or 127.0.0.1 outside Ray. Not `ray.util.get_node_ip_address()`: in a worker process that one guesses from the
+    routing table and returns the host's outward address even when the node was started on 127.0.0.1."""
+    ray = sys.modules.get("ray")  # a process that never imported Ray is not in a Ray cluster (and needs no import)
+    if ray is None or not ray.is_initialized():
+        return "127.0.0.1"
+    me = ray.get_runtime_context().get_node_id()
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == me)
+
+
+def free_port() -> int:
+    """A port free now on this node's address (loopback on one host): for a listener that must be named before it
+    binds (a rendezvous master port). Another process may take it meanwhile; `listening_socket` avoids that race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1" if node_ip().startswith("127.") else "", 0))
+        return sock.getsockname()[1]
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+
+from slimish.network import free_port  # tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,12 +29,6 @@ def task_assets(tmp_path_factory, tiny_models) -> dict[str, str]:
     root = tmp_path_factory.mktemp("task")
     paths = echo_digit.write_datasets(root)
     return {"model": str(tiny_models["qwen3"]), **paths}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,12 @@ class OptimizerConfig:
                                    "sharded over data-parallel ranks (grads reduce-scattered, weights all-gathered).")
 
 
+# The samples per prompt each advantage estimator needs (a group baseline needs 2): data the config checks read
+# without importing the trainer; `slimish/trainer/estimators.py` holds the estimators, one per key here.
+ESTIMATOR_MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "rloo": 2, "reinforce_plus_plus": 1,
+                            "reinforce_plus_plus_baseline": 2, "gspo": 2, "ppo": 1}
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",

@@ -6,7 +6,7 @@ import inspect
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
-from slimish.config.schema import JobConfig
+from slimish.config.schema import ESTIMATOR_MIN_GROUP_SIZE, JobConfig
 
 
 def _shown(path: str) -> str:
@@ -125,13 +125,11 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         if not 0 < eps < 1:
             raise ConfigError(key, f"must be in (0, 1), got {eps}")
 
-    from slimish.trainer.estimators import ESTIMATORS
-
-    estimator = ESTIMATORS[tr.loss.advantage_estimator]
-    if ro.samples_per_prompt < estimator.min_group_size:
+    min_group_size = ESTIMATOR_MIN_GROUP_SIZE[tr.loss.advantage_estimator]
+    if ro.samples_per_prompt < min_group_size:
         raise ConfigError("rollout.samples_per_prompt",
                           f"{tr.loss.advantage_estimator} takes a baseline within each group and needs >= "
-                          f"{estimator.min_group_size} samples, got {ro.samples_per_prompt}")
+                          f"{min_group_size} samples, got {ro.samples_per_prompt}")
     _positive("trainer.loss.reward_kl_coef", tr.loss.reward_kl_coef, allow_zero=True)
     _positive("trainer.loss.mis_low", tr.loss.mis_low, allow_zero=True)
     if tr.loss.mis_high and not tr.loss.mis_low <= 1.0 <= tr.loss.mis_high:
@@ -227,7 +225,7 @@ def _check_model(path: str) -> None:
 
 
 def _check_resume(resume: str) -> None:
-    from slimish.orchestration.checkpoints import is_complete
+    from slimish.run_layout import is_complete
 
     if resume in ("auto", "never"):
         return

@@ -1,5 +1,5 @@
-"""Where RL checkpoints live, which of them are complete, and how one is written so a crash never leaves a
-half-written checkpoint that looks complete.
+"""How an RL checkpoint is written so a crash never leaves a half-written checkpoint that looks complete, which one
+a run resumes from, and pruning (where they live and which are complete: `slimish.run_layout`).
 
 Layout: <run dir>/checkpoints/step_<N>/{trainer/ (Megatron dist checkpoint), rollout_buffer.jsonl (groups generated
 but not yet trained on: the partial-rollout buffer, one group per line), driver.json}. A checkpoint is written
@@ -12,39 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
+from slimish.run_layout import DRIVER_STATE, ROLLOUT_BUFFER, checkpoints_dir, complete_checkpoints, is_complete
 
-DRIVER_STATE = "driver.json"
-TRAINER_DIR = "trainer"
-ROLLOUT_BUFFER = "rollout_buffer.jsonl"
-_STEP_DIR = re.compile(r"step_(\d+)")
 _PARTIAL = ".partial-"
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def is_complete(path: Path) -> bool:
-    path = Path(path)
-    return (path / DRIVER_STATE).is_file() and (path / TRAINER_DIR).is_dir()
-
-
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete checkpoint of the run, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.fullmatch(child.name)
-        if match and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
 
 
 def resume_path(resume: str, run_dir: Path) -> Path | None:

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from slimish import run_layout
 from slimish.config import JobConfig, save_config, to_dict
 from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_job_key
@@ -122,7 +123,7 @@ class RLJob:
         """Load the resume checkpoint into trainer and data source, push its weights to the engines as its weight
         version (replacing the HF weights they booted with); returns the last completed step."""
         state = self.resume_state
-        self.trainer.call("load_checkpoint", str(self.resume_from / checkpoints.TRAINER_DIR))
+        self.trainer.call("load_checkpoint", str(self.resume_from / run_layout.TRAINER_DIR))
         rollout = state["rollout"]
         rollout.setdefault("scheduler", {"next_group_id": 0})["groups"] = checkpoints.read_rollout_buffer(
             self.resume_from)
@@ -138,7 +139,7 @@ class RLJob:
         resume."""
         t0 = time.monotonic()
         staging = checkpoints.begin(self.run_dir, step)
-        self.trainer.call("save_checkpoint", str(staging / checkpoints.TRAINER_DIR))
+        self.trainer.call("save_checkpoint", str(staging / run_layout.TRAINER_DIR))
         rollout = ray.get(self.rollout_manager.state.remote())
         checkpoints.write_rollout_buffer(staging, groups_of(upcoming) + rollout["scheduler"].pop("groups"))
         path = checkpoints.commit(staging, {

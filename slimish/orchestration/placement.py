@@ -43,16 +43,6 @@ class Slot:
                     placement_group=self.group, placement_group_bundle_index=self.bundle)}
 
 
-def node_ip() -> str:
-    """The address Ray knows this node by (what other nodes reach it at; 127.0.0.1 on a local, loopback-only Ray),
-    or 127.0.0.1 outside Ray. Not `ray.util.get_node_ip_address()`: in a worker process that one guesses from the
-    routing table and returns the host's outward address even when the node was started on 127.0.0.1."""
-    if not ray.is_initialized():
-        return "127.0.0.1"
-    me = ray.get_runtime_context().get_node_id()
-    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == me)
-
-
 def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 

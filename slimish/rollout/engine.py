@@ -18,8 +18,7 @@ import yaml
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
-from slimish.network import hosted_store
-from slimish.orchestration.placement import node_ip
+from slimish.network import hosted_store, node_ip
 from slimish.rollout.processes import ManagedProcess
 
 

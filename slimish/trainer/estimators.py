@@ -36,7 +36,6 @@ class Estimator:
     aggregation: str | None = None     # overrides trainer.loss.token_aggregation (None: keep it)
     needs_ref: Callable[[object], bool] = lambda trainer_cfg: False  # (TrainerConfig)
     needs_values: bool = False         # a critic (trainer.critic) gives per-token values
-    min_group_size: int = 2            # rollout.samples_per_prompt it needs (group baselines)
     # A critic's regression targets, per local sample [T_i] (None: no critic). Called with (inputs, TrainerConfig).
     returns: Callable[[StepInputs, object], list[torch.Tensor]] | None = None
 
@@ -178,8 +177,8 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(advantages=grpo),
     "dr_grpo": Estimator(advantages=dr_grpo, aggregation="constant"),
     "rloo": Estimator(advantages=rloo),
-    "reinforce_plus_plus": Estimator(advantages=reinforce_plus_plus, needs_ref=_reward_kl, min_group_size=1),
+    "reinforce_plus_plus": Estimator(advantages=reinforce_plus_plus, needs_ref=_reward_kl),
     "reinforce_plus_plus_baseline": Estimator(advantages=reinforce_plus_plus_baseline, needs_ref=_reward_kl),
     "gspo": Estimator(advantages=grpo, ratio_level="sequence", aggregation="seq_mean"),
-    "ppo": Estimator(advantages=ppo, returns=ppo_returns, needs_ref=_reward_kl, needs_values=True, min_group_size=1),
+    "ppo": Estimator(advantages=ppo, returns=ppo_returns, needs_ref=_reward_kl, needs_values=True),
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,19 +21,6 @@ class ParallelLayout:
     @property
     def data_parallel(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
-
-
-def node_ip() -> str:
-    """This node's address for rendezvous: Ray's address of the node when under Ray, else loopback."""
-    from slimish.orchestration.placement import node_ip as ray_node_ip
-
-    return ray_node_ip()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1" if node_ip().startswith("127.") else "", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_backend(backend: str) -> str:

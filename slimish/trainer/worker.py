@@ -18,6 +18,7 @@ from slimish.config.schema import JobConfig
 from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+from slimish.network import free_port, node_ip
 from slimish.sample import Sample
 from slimish.trainer import losses
 from slimish.trainer.balance import balanced_partition, imbalance
@@ -25,7 +26,7 @@ from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
 from slimish.trainer.estimators import ESTIMATORS, StepInputs
 from slimish.trainer.lr_schedule import current_lr, rl_optimizer_steps
 from slimish.trainer.packing import pack_ranks
-from slimish.trainer.parallel import ParallelLayout, free_port, init_parallel, node_ip, resolve_backend
+from slimish.trainer.parallel import ParallelLayout, init_parallel, resolve_backend
 from slimish.trainer.roles import Policy, Reference
 from slimish.trainer.rollout_batch import RolloutBatch
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from slimish import run_layout
 from slimish.config.loader import ConfigError
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import truncate_metrics
@@ -15,7 +16,7 @@ from slimish.rollout.data import PromptDataset
 
 def _save(run_dir, step: int, **extra) -> None:
     staging = checkpoints.begin(run_dir, step)
-    (staging / checkpoints.TRAINER_DIR).mkdir()
+    (staging / run_layout.TRAINER_DIR).mkdir()
     checkpoints.commit(staging, {"step": step, "weight_version": step, **extra})
 
 
@@ -23,7 +24,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     assert checkpoints.resume_path("auto", tmp_path) is None
     for step in (2, 9, 10):
         _save(tmp_path, step)
-    assert [s for s, _ in checkpoints.complete_checkpoints(tmp_path)] == [2, 9, 10]  # numeric, not lexical
+    assert [s for s, _ in run_layout.complete_checkpoints(tmp_path)] == [2, 9, 10]  # numeric, not lexical
     assert checkpoints.resume_path("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
     assert checkpoints.resume_path("never", tmp_path) is None
     explicit = tmp_path / "checkpoints" / "step_9"
@@ -34,10 +35,10 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
 def test_an_interrupted_save_is_never_resumed_from_and_is_cleaned_up(tmp_path):
     _save(tmp_path, 1)
     staging = checkpoints.begin(tmp_path, 2)  # killed while the trainer was writing
-    (staging / checkpoints.TRAINER_DIR).mkdir()
+    (staging / run_layout.TRAINER_DIR).mkdir()
     root = tmp_path / "checkpoints"
     (root / "step_3").mkdir()  # a directory that merely looks like a checkpoint (no driver.json)
-    (root / "step_3" / checkpoints.TRAINER_DIR).mkdir()
+    (root / "step_3" / run_layout.TRAINER_DIR).mkdir()
     assert checkpoints.resume_path("auto", tmp_path) == root / "step_1"
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         checkpoints.resume_path(str(root / "step_3"), tmp_path)
@@ -59,7 +60,7 @@ def test_prune_keeps_the_newest(tmp_path):
     assert checkpoints.prune(tmp_path, 0) == []
     deleted = checkpoints.prune(tmp_path, 2)
     assert [p.name for p in deleted] == ["step_1", "step_2", "step_3"]
-    assert [s for s, _ in checkpoints.complete_checkpoints(tmp_path)] == [4, 5]
+    assert [s for s, _ in run_layout.complete_checkpoints(tmp_path)] == [4, 5]
 
 
 def test_resumed_metrics_drop_steps_after_the_checkpoint(tmp_path):

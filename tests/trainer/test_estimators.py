@@ -105,10 +105,10 @@ def test_masked_importance_sampling_drops_tokens_or_whole_sequences_outside_the_
 def test_every_estimator_has_what_the_config_accepts():
     from typing import get_args, get_type_hints
 
-    from slimish.config.schema import LossConfig
+    from slimish.config.schema import ESTIMATOR_MIN_GROUP_SIZE, LossConfig
 
     allowed = get_args(get_type_hints(LossConfig)["advantage_estimator"])
-    assert set(allowed) == set(estimators.ESTIMATORS)
+    assert set(allowed) == set(estimators.ESTIMATORS) == set(ESTIMATOR_MIN_GROUP_SIZE)
 
 
 @pytest.mark.parametrize("name", sorted(estimators.ESTIMATORS))
