@@ -62,8 +62,8 @@ def build_model(root: Path, layers: int) -> Path:
 
 def start_engines(model: Path, log_dir: Path) -> list:
     from slimish.compat import sglang_cpu
-    from slimish.rollout.engine import engine_argv
-    from slimish.rollout.processes import ManagedProcess
+    from slimish.engines.process import ManagedProcess
+    from slimish.engines.server import engine_argv
 
     engines = []
     for i in range(NUM_ENGINES):

@@ -1,5 +1,5 @@
 """The import rules in pyproject.toml ([tool.importlinter], run by `make lint`): the tree keeps them, and an upward
-import breaks them with the offending line named."""
+import, or HTTP spoken outside slimish.engines, breaks them with the offending import named."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -26,13 +28,17 @@ def test_the_tree_keeps_the_import_rules():
     assert "0 broken" in result.stdout
 
 
-def test_an_upward_import_is_caught(tmp_path):
+@pytest.mark.parametrize("module, line, broken, chain", [
+    ("slimish/trainer/parallel.py", "from slimish.orchestration import placement",
+     "Lower layers never import higher ones BROKEN", "slimish.trainer.parallel -> slimish.orchestration.placement"),
+    ("slimish/rollout/scheduler.py", "import httpx",
+     "Only slimish.engines speaks HTTP to an engine or the router", "slimish.rollout.scheduler -> httpx"),
+])
+def test_a_broken_rule_is_caught(tmp_path, module, line, broken, chain):
     shutil.copytree(REPO / "slimish", tmp_path / "slimish", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)
-    parallel = tmp_path / "slimish/trainer/parallel.py"
-    upward = "\n\ndef _placement():\n    from slimish.orchestration import placement\n    return placement\n"
-    parallel.write_text(parallel.read_text() + upward)
+    path = tmp_path / module
+    path.write_text(path.read_text() + f"\n\ndef _added():\n    {line}\n")
     result = _lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout[-3000:]
-    assert "Lower layers never import higher ones BROKEN" in result.stdout
-    assert "slimish.trainer.parallel -> slimish.orchestration.placement" in result.stdout, result.stdout[-3000:]
+    assert broken in result.stdout and chain in result.stdout, result.stdout[-3000:]

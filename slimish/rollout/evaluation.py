@@ -14,9 +14,7 @@ from collections.abc import Callable
 from math import comb
 from pathlib import Path
 
-import httpx
-
-from slimish.network import auth_headers
+from slimish.engines.generation import GenerationClient
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.generate import SamplingParams, finish_multi_segment
 from slimish.rollout.programs import Interrupted, RolloutClient, single_turn
@@ -58,7 +56,7 @@ def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, param
                         for g, p in enumerate(s.prompts) for i in range(samples_per_prompt)] for s in sets}
     everything = [sample for group in samples.values() for sample in group]
     t0 = time.monotonic()
-    failed = asyncio.run(_generate(everything, router_url=router_url, headers=auth_headers(api_key), params=params,
+    failed = asyncio.run(_generate(everything, router_url=router_url, api_key=api_key, params=params,
                                    max_concurrency=max_concurrency, timeout_s=timeout_s, program=program,
                                    tokenize=tokenize, detokenize=detokenize, policy_version=policy_version))
     generated = [s for s in everything if id(s) not in failed]
@@ -85,7 +83,7 @@ def evaluate(sets: list[EvalSet], *, router_url: str, api_key: str | None, param
     return metrics, everything
 
 
-async def _generate(samples: list[Sample], *, router_url: str, headers: dict, params: SamplingParams,
+async def _generate(samples: list[Sample], *, router_url: str, api_key: str | None, params: SamplingParams,
                     max_concurrency: int, timeout_s: float, program: Callable | None, tokenize: Callable,
                     detokenize: Callable, policy_version: int) -> set[int]:
     """Run every sample to its end (an interrupted one is continued: nothing pauses evaluation, but an engine may
@@ -93,10 +91,11 @@ async def _generate(samples: list[Sample], *, router_url: str, headers: dict, pa
     semaphore = asyncio.Semaphore(max_concurrency)
     prefix = f"eval-{uuid.uuid4().hex[:8]}"
     failed: set[int] = set()
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
+    engines = GenerationClient(router_url, request_timeout_s=timeout_s, max_concurrency=max_concurrency,
+                               api_key=api_key)
+    try:
         async def one(n: int, sample: Sample) -> None:
-            client = RolloutClient(http=http, url=router_url, params=params, semaphore=semaphore, rid=f"{prefix}-{n}",
+            client = RolloutClient(engines=engines, params=params, semaphore=semaphore, rid=f"{prefix}-{n}",
                                    max_retries=RETRIES, retry_delay_s=RETRY_DELAY_S, tokenize=tokenize,
                                    detokenize=detokenize, policy_version=lambda: policy_version)
             for _ in range(RETRIES + 1):
@@ -112,4 +111,6 @@ async def _generate(samples: list[Sample], *, router_url: str, headers: dict, pa
             failed.add(id(sample))
 
         await asyncio.gather(*(one(n, s) for n, s in enumerate(samples)))
+    finally:
+        await engines.aclose()
     return failed

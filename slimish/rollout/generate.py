@@ -1,4 +1,5 @@
-"""/generate requests through the router with `input_ids` + `return_logprob`, each reply appended to its `Sample`.
+"""/generate requests through the router (`slimish.engines.generation`) with `input_ids` + `return_logprob`, each
+reply appended to its `Sample`.
 A request carries one sample, or several that share a token budget (SGLang's batched input, answered as a list in
 the same order): one request per GRPO group reaches the engine at once, rather than as many scattered arrivals,
 each of which the engine would schedule in a batch of its own.
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
-
+from slimish.engines.generation import GenerationClient, RequestError
 from slimish.sample import Sample, Status
 
 
@@ -141,42 +141,24 @@ def finish_multi_segment(sample: Sample, stop: tuple[str, ...], detokenize) -> N
     sample.response, sample.status = text[:begin], Status.COMPLETED
 
 
-class RequestError(RuntimeError):
-    """A /generate request failed; `retriable` when its engine may have died (connection error, HTTP 5xx) rather
-    than the request being wrong (HTTP 4xx, a malformed reply) or too slow (timeout)."""
-
-    def __init__(self, message: str, *, retriable: bool):
-        super().__init__(message)
-        self.retriable = retriable
-
-
-async def generate_one(http: httpx.AsyncClient, url: str, sample: Sample, params: SamplingParams, *,
-                       rid: str) -> Sample:
-    """Generate (or continue) `sample` through `url`/generate and append the reply; raises `RequestError` (the
-    sample unchanged) if the request fails."""
-    await _post(http, url, [sample], params, request_body(sample, params, rid))
+async def generate_one(client: GenerationClient, sample: Sample, params: SamplingParams, *, rid: str) -> Sample:
+    """Generate (or continue) `sample` through the router and append the reply; raises `RequestError` (the sample
+    unchanged) if the request fails."""
+    await _post(client, [sample], params, request_body(sample, params, rid))
     return sample
 
 
-async def generate_batch(http: httpx.AsyncClient, url: str, samples: list[Sample], params: SamplingParams, *,
+async def generate_batch(client: GenerationClient, samples: list[Sample], params: SamplingParams, *,
                          rid: str) -> list[Sample]:
     """`generate_one` for several samples that share a token budget, in one request: each reply is appended to its
     sample; if the request fails, `RequestError` is raised and every sample is unchanged."""
-    await _post(http, url, samples, params, batch_body(samples, params, rid))
+    await _post(client, samples, params, batch_body(samples, params, rid))
     return samples
 
 
-async def _post(http: httpx.AsyncClient, url: str, samples: list[Sample], params: SamplingParams, body: dict) -> None:
+async def _post(client: GenerationClient, samples: list[Sample], params: SamplingParams, body: dict) -> None:
+    replies = await client.generate(body)
     try:
-        resp = await http.post(f"{url}/generate", json=body)
-    except httpx.TimeoutException as exc:
-        raise RequestError(f"{type(exc).__name__}: {exc}", retriable=False) from exc
-    except httpx.TransportError as exc:
-        raise RequestError(f"{type(exc).__name__}: {exc}", retriable=True) from exc
-    if resp.status_code != 200:
-        raise RequestError(f"HTTP {resp.status_code}: {resp.text[:300]}", retriable=resp.status_code >= 500)
-    try:
-        replies = resp.json()
         replies = replies if isinstance(body["input_ids"][0], list) else [replies]
         if len(replies) != len(samples):
             raise ValueError(f"{len(replies)} replies to {len(samples)} inputs")

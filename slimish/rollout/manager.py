@@ -8,14 +8,14 @@ from collections import Counter
 from pathlib import Path
 
 from slimish.config.schema import JobConfig
+from slimish.engines.servers import EngineServers
+from slimish.engines.watchdog import EngineWatchdog
 from slimish.hooks import load_function
 from slimish.rollout import overlong, rewards
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.evaluation import EvalSet, evaluate
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
-from slimish.rollout.servers import RolloutServers
-from slimish.rollout.watchdog import EngineWatchdog
 from slimish.sample import Sample, Status
 
 
@@ -56,7 +56,7 @@ class RolloutManager:
                                   label_key=cfg.data.label_key, chat_template=cfg.data.apply_chat_template,
                                   max_prompts=ev.max_prompts)
                           for path in ([ev.data_path] + list(ev.more_data_paths) if ev.every > 0 else [])]
-        self.servers = RolloutServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
+        self.servers = EngineServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
                                       seed=cfg.run.seed, engine_options=engine_options, api_key=api_key)
         self.scheduler: RolloutScheduler | None = None
         self.progress_bar = progress_bar

@@ -27,9 +27,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-import httpx
-
-from slimish.rollout.generate import RequestError, SamplingParams, generate_one
+from slimish.engines.generation import GenerationClient, RequestError
+from slimish.rollout.generate import SamplingParams, generate_one
 from slimish.sample import Sample, Status
 
 
@@ -44,11 +43,11 @@ class RequestFailed(Exception):
 class RolloutClient:
     """What a rollout program gets: the policy behind the router, and the tokenizer."""
 
-    def __init__(self, *, http: httpx.AsyncClient, url: str, params: SamplingParams, semaphore: asyncio.Semaphore,
+    def __init__(self, *, engines: GenerationClient, params: SamplingParams, semaphore: asyncio.Semaphore,
                  rid: str, max_retries: int, retry_delay_s: float, tokenize: Callable[[str], list[int]],
                  detokenize: Callable[[list[int]], str], policy_version: Callable[[], int],
                  on_retry: Callable[[], None] = lambda: None):
-        self._http, self._url, self.params, self._semaphore = http, url, params, semaphore
+        self._engines, self.params, self._semaphore = engines, params, semaphore
         self._rid, self._calls = rid, 0
         self._max_retries, self._retry_delay_s, self._on_retry = max_retries, retry_delay_s, on_retry
         self.tokenize, self.detokenize, self._policy_version = tokenize, detokenize, policy_version
@@ -70,7 +69,7 @@ class RolloutClient:
             self._calls += 1
             try:
                 async with self._semaphore:
-                    await generate_one(self._http, self._url, sample, params, rid=f"{self._rid}-call{self._calls}")
+                    await generate_one(self._engines, sample, params, rid=f"{self._rid}-call{self._calls}")
                 break
             except RequestError as exc:
                 if not exc.retriable or attempt == self._max_retries:

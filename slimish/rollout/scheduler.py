@@ -33,11 +33,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
-
 from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
-from slimish.network import auth_headers
-from slimish.rollout.generate import RequestError, SamplingParams, finish_multi_segment, generate_batch
+from slimish.engines.generation import GenerationClient, RequestError
+from slimish.rollout.generate import SamplingParams, finish_multi_segment, generate_batch
 from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient
 from slimish.sample import Sample, Status
 
@@ -85,7 +83,7 @@ class RolloutScheduler:
                  dynamic_sampling: DynamicSamplingConfig | None = None, api_key: str | None = None,
                  program: Callable | None = None, tokenize: Callable[[str], list[int]] | None = None):
         self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
-        self._headers = auth_headers(api_key)  # router and engines refuse calls without the job's key
+        self._api_key = api_key  # router and engines refuse calls without the job's key
         self.max_retries = max_retries
         self.batch_groups, self.mode = prompts_per_step, partial.mode
         self.capacity = prompts_per_step + partial.over_sampling
@@ -160,9 +158,8 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     async def _setup(self) -> None:
-        limits = httpx.Limits(max_connections=self._max_concurrency, max_keepalive_connections=self._max_concurrency)
-        self._http = httpx.AsyncClient(timeout=self._timeout_s, limits=limits, headers=self._headers)
-        self._control_http = httpx.AsyncClient(timeout=60.0, headers=self._headers)
+        self._engines = GenerationClient(self.router_url, request_timeout_s=self._timeout_s,
+                                         max_concurrency=self._max_concurrency, api_key=self._api_key)
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
         self._changed = asyncio.Event()
 
@@ -236,7 +233,7 @@ class RolloutScheduler:
         interrupted program leaves the sample aborted (continued later); one whose request failed for good, or that
         raised, leaves it failed (counted: requests_failed, program_errors)."""
         model_tokens = sum(sample.loss_mask)
-        client = RolloutClient(http=self._http, url=self.router_url, params=self.params, semaphore=self._semaphore,
+        client = RolloutClient(engines=self._engines, params=self.params, semaphore=self._semaphore,
                                rid=rid, max_retries=self.max_retries, retry_delay_s=RETRY_DELAY_S,
                                tokenize=self._tokenize, detokenize=self._detokenize,
                                policy_version=lambda: self._engine_version,
@@ -283,7 +280,7 @@ class RolloutScheduler:
             for attempt in range(self.max_retries + 1):
                 try:
                     async with self._semaphore:
-                        await generate_batch(self._http, self.router_url, samples, self.params,
+                        await generate_batch(self._engines, samples, self.params,
                                              rid=rid if attempt == 0 else f"{rid}-retry{attempt}")
                     break
                 except RequestError as exc:
@@ -389,14 +386,8 @@ class RolloutScheduler:
     async def _control_all(self, path: str, body: dict) -> None:
         """POST `body` to `path` on every live engine; an engine that fails is reported and skipped (it may just
         have died: the watchdog takes care of it)."""
-        async def post(url: str) -> None:
-            resp = await self._control_http.post(f"{url}{path}", json=body)
-            if resp.status_code != 200:
-                raise RuntimeError(f"{url}{path} -> HTTP {resp.status_code}: {resp.text[:300]}")
-
-        urls = list(self.engine_urls)
-        results = await asyncio.gather(*(post(url) for url in urls), return_exceptions=True)
-        for url, error in [(url, r) for url, r in zip(urls, results) if isinstance(r, BaseException)]:
+        failures = await self._engines.control_all(list(self.engine_urls), path, body)
+        for url, error in failures.items():
             print(f"warning: {url}{path}: {type(error).__name__}: {error}", flush=True)
 
     async def _state(self) -> dict:
@@ -420,5 +411,4 @@ class RolloutScheduler:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self._http.aclose()
-        await self._control_http.aclose()
+        await self._engines.aclose()

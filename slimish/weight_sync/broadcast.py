@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import httpx
-
 from slimish import collectives
-from slimish.rollout.engine_client import EngineClient, EngineError
+from slimish.engines.client import EngineClient, EngineError
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import Transport, tensor_meta
@@ -77,7 +75,7 @@ class BroadcastTransport(Transport):
                 except EngineError as exc:
                     # An engine that is gone (it died, or the job is stopping its engines) keeps no group to destroy;
                     # anything else is worth a word.
-                    if not isinstance(exc.__cause__, httpx.TransportError):
+                    if not exc.unreachable:
                         print(f"warning: {exc}", flush=True)
             self._joined = False
         if self.group is not None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slimish import collectives
-from slimish.rollout.engine_client import EngineClient
+from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums

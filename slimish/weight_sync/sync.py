@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from slimish.rollout.engine_client import EngineClient
+from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing

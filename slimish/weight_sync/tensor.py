@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing
 
 from slimish.config.loader import ConfigError
-from slimish.rollout.engine_client import EngineClient
+from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.transport import Transport
 

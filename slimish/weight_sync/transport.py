@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from slimish.rollout.engine_client import EngineClient
+from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket
 
 

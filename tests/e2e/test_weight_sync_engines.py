@@ -29,10 +29,10 @@ FAMILIES = ["qwen3", "glm4_moe"]
 def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded): one engine per family."""
     from slimish.compat import sglang_cpu
+    from slimish.engines.process import ManagedProcess
+    from slimish.engines.server import engine_argv
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
-    from slimish.rollout.engine import engine_argv
-    from slimish.rollout.processes import ManagedProcess
     from slimish.tasks import echo_digit
     from slimish.tasks.tiny_model import build_tiny_model
 

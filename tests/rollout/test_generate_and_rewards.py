@@ -188,6 +188,13 @@ def test_split_stop_string_with_the_models_tokenizer(task_assets):
     sample.check()
 
 
+def _engines(transport):
+    """A GenerationClient whose engine is `transport` (an httpx MockTransport)."""
+    from slimish.engines.generation import GenerationClient
+
+    return GenerationClient("http://engine", request_timeout_s=30, max_concurrency=4, transport=transport)
+
+
 def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
     """Nothing is left to continue (a continuation would ask for max_new_tokens=0): the sample is truncated and
     trains. The engine's HTTP reply is served by httpx's MockTransport (the recorded reply, finish 'abort')."""
@@ -201,9 +208,12 @@ def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json=aborted))
 
     async def generate(max_new_tokens: int) -> Sample:
-        async with httpx.AsyncClient(transport=transport) as http:
+        engines = _engines(transport)
+        try:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
-            return await generate_one(http, "http://engine", _sample(), params, rid="r")
+            return await generate_one(engines, _sample(), params, rid="r")
+        finally:
+            await engines.aclose()
 
     assert asyncio.run(generate(2)).status is Status.TRUNCATED
     assert asyncio.run(generate(3)).status is Status.ABORTED
@@ -217,7 +227,8 @@ def test_a_batched_request_fills_each_sample_or_none():
 
     import httpx
 
-    from slimish.rollout.generate import RequestError, batch_body, generate_batch
+    from slimish.engines.generation import RequestError
+    from slimish.rollout.generate import batch_body, generate_batch
 
     params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1.0)
     truncated = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "length"}}}
@@ -230,11 +241,13 @@ def test_a_batched_request_fills_each_sample_or_none():
 
         async def go():
             samples = [_sample(), Sample(group_id=0, index=1, prompt="say 7", prompt_ids=[269, 221, 23], label="7")]
-            async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-                try:
-                    await generate_batch(http, "http://engine", samples, params, rid="g")
-                except RequestError:
-                    pass
+            engines = _engines(httpx.MockTransport(answer))
+            try:
+                await generate_batch(engines, samples, params, rid="g")
+            except RequestError:
+                pass
+            finally:
+                await engines.aclose()
             return samples
         return asyncio.run(go())
 

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from slimish.engines.generation import GenerationClient
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient, single_turn
 from slimish.sample import Sample, Status
@@ -47,12 +48,16 @@ class ScriptedEngine:
 
 def run(program, sample: Sample, engine: ScriptedEngine, *, max_new_tokens: int = 40):
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as http:
-            client = RolloutClient(http=http, url="http://engine", rid="r", semaphore=asyncio.Semaphore(4),
-                                   params=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0),
-                                   max_retries=0, retry_delay_s=0, tokenize=tokenize, detokenize=detokenize,
-                                   policy_version=lambda: VERSION)
+        engines = GenerationClient("http://engine", request_timeout_s=30, max_concurrency=4,
+                                   transport=httpx.MockTransport(engine))
+        client = RolloutClient(engines=engines, rid="r", semaphore=asyncio.Semaphore(4),
+                               params=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0),
+                               max_retries=0, retry_delay_s=0, tokenize=tokenize, detokenize=detokenize,
+                               policy_version=lambda: VERSION)
+        try:
             return await program(sample, client)
+        finally:
+            await engines.aclose()
     return asyncio.run(go())
 
 

@@ -24,8 +24,8 @@ STOP_E_T = ("e", "t")  # about one character in 18 of the untrained model's outp
 @pytest.fixture(scope="module")
 def engine_url(task_assets, tmp_path_factory):
     from slimish.compat import sglang_cpu
-    from slimish.rollout.engine import engine_argv
-    from slimish.rollout.processes import ManagedProcess
+    from slimish.engines.process import ManagedProcess
+    from slimish.engines.server import engine_argv
     from tests.conftest import free_port
 
     port = free_port()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from slimish.config.loader import ConfigError
-from slimish.rollout.engine_client import EngineClient
+from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.tensor import TensorTransport, _serialize, _share_by_name, flattened_metadata
 from slimish.weight_sync.transport import TransportContext

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from slimish.rollout.engine_client import EngineClient, EngineError
+from slimish.engines.client import EngineClient, EngineError
 from tests.conftest import free_port
 
 

@@ -21,20 +21,19 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
-from slimish.network import auth_headers
-from slimish.rollout.servers import RolloutServers
+from slimish.engines.client import EngineClient
+from slimish.engines.servers import EngineServers
 
 LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
 
 
 class EngineWatchdog:
-    def __init__(self, servers: RolloutServers, *, interval_s: float, on_live_change: Callable[[list[str]], None],
+    def __init__(self, servers: EngineServers, *, interval_s: float, on_live_change: Callable[[list[str]], None],
                  health_interval_s: float = 0.0, hang_timeout_s: float = 0.0, api_key: str | None = None):
         self.servers = servers
-        self._headers = auth_headers(api_key)  # /model_info answers 401 without the job's key, without asking the
-        # scheduler: a key-less probe would call every engine hung
+        # /model_info answers 401 without the job's key, without asking the scheduler: a key-less probe would call
+        # every engine hung
+        self._clients = {url: EngineClient(url, api_key=api_key) for url in servers.engine_urls}
         self.interval_s = interval_s
         self.health_interval_s, self.hang_timeout_s = health_interval_s, hang_timeout_s
         self._on_live_change = on_live_change
@@ -123,6 +122,8 @@ class EngineWatchdog:
             self._prober.join(timeout=self.hang_timeout_s + 10)
         for thread in self._restarts:
             thread.join(timeout=1)
+        for client in self._clients.values():
+            client.close()
 
     # ----------------------------------------------------------------------------------------- the thread
     def check(self) -> None:
@@ -163,7 +164,7 @@ class EngineWatchdog:
         """Kill those of `urls` that do not answer the probe (`/model_info` when `paused`, else `/health_generate`,
         discarded if the job has paused the engines since the `pauses`-th pause); returns them."""
         path = "/model_info" if paused else "/health_generate"
-        failures = dict(zip(urls, _in_parallel(lambda url: _answer(url, path, self.hang_timeout_s, self._headers),
+        failures = dict(zip(urls, _in_parallel(lambda url: self._clients[url].probe(path, self.hang_timeout_s),
                                                urls)))
         hung = []
         for i, url in enumerate(self.servers.engine_urls):
@@ -225,16 +226,6 @@ class EngineWatchdog:
             self.counts["restarts"] += 1
         print(f"engine {url} restarted in {time.monotonic() - t0:.0f}s; it joins at the next weight sync",
               flush=True)
-
-
-def _answer(url: str, path: str, timeout_s: float, headers: dict) -> str | None:
-    """None when `url` answers `path` with 200 within `timeout_s`; else what happened instead, for the log."""
-    start = time.monotonic()
-    try:
-        status = httpx.get(f"{url}{path}", timeout=timeout_s, headers=headers).status_code
-    except httpx.HTTPError as e:
-        return f"gave no answer ({type(e).__name__}) after {time.monotonic() - start:.1f}s"
-    return None if status == 200 else f"answered {status} after {time.monotonic() - start:.1f}s"
 
 
 def _in_parallel(fn: Callable, items: list) -> list:

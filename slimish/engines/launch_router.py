@@ -1,4 +1,4 @@
-"""`python -m slimish.rollout.launch_router ROUTER_ARGS`: sglang_router's own launcher, taking the API key from the
+"""`python -m slimish.engines.launch_router ROUTER_ARGS`: sglang_router's own launcher, taking the API key from the
 environment (`SLIMISH_ROUTER_API_KEY`) instead of the command line, which every local user can read in /proc."""
 
 from __future__ import annotations

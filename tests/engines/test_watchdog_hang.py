@@ -4,7 +4,7 @@ killed (and so handled as a dead engine); a healthy one is left alone; nothing i
 engines are paused (a weight sync) the probe is `/model_info`, which a paused engine answers and a frozen one does
 not; after a failed sync, a frozen engine is reported lost whether the prober or the sync's failure comes first.
 
-The engines are stand-in HTTP servers behind a stand-in of `RolloutServers`: this tests the watchdog's logic, not
+The engines are stand-in HTTP servers behind a stand-in of `EngineServers`: this tests the watchdog's logic, not
 SGLang (the crash e2e test runs real engines). A stand-in fails the probed paths it is told to by closing the
 connection unanswered, which the watchdog takes as no answer at once; so a test with a healthy engine beside a
 failing one has a bound (`BOUND_S`) that the healthy one's answer never races, however loaded the machine (CI once
@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from slimish.rollout.watchdog import JOINING, EngineWatchdog
+from slimish.engines.watchdog import JOINING, EngineWatchdog
 
 FROZEN = ("/health_generate", "/model_info")  # a stopped process answers nothing
 PAUSED = ("/health_generate",)  # a paused engine generates nothing, but its HTTP process answers
@@ -62,7 +62,7 @@ class StandInEngine:
 
 
 class StandInServers:
-    """What the watchdog uses of RolloutServers; a killed engine stays dead (restarts are not under test)."""
+    """What the watchdog uses of EngineServers; a killed engine stays dead (restarts are not under test)."""
 
     log_dir = "logs"
 

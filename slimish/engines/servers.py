@@ -12,30 +12,29 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import ray
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
-from slimish.network import auth_headers
-from slimish.rollout.engine import EngineProcess
-from slimish.rollout.launch_router import API_KEY_ENV
-from slimish.rollout.processes import ManagedProcess
+from slimish.engines import timeouts
+from slimish.engines.launch_router import API_KEY_ENV
+from slimish.engines.process import ManagedProcess
+from slimish.engines.router import RouterClient
+from slimish.engines.server import EngineProcess
 
 HOST = "127.0.0.1"
-TELEMETRY_TIMEOUT_S = 10.0
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
-    """sglang_router's launcher through ours (slimish.rollout.launch_router): with the job's key in its environment,
+    """sglang_router's launcher through ours (slimish.engines.launch_router): with the job's key in its environment,
     the router refuses clients without it (/generate and /workers alike) and sends it to the workers."""
-    return [sys.executable, "-m", "slimish.rollout.launch_router", "--host", HOST, "--port", str(port),
+    return [sys.executable, "-m", "slimish.engines.launch_router", "--host", HOST, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--disable-circuit-breaker",
             "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
             "--health-check-endpoint", "/ready", "--health-check-interval-secs", "10", "--log-level", "warn"]
 
 
-class RolloutServers:
+class EngineServers:
     """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate.
 
     `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement).
@@ -48,9 +47,9 @@ class RolloutServers:
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
         self.api_key = api_key
-        self._headers = auth_headers(api_key)
         self.engine_urls: list[str] = []
         self.router_url = f"http://{HOST}:{rollout.router.port}"
+        self.router_client = RouterClient(self.router_url, api_key=api_key)
         self.engines: list = []  # EngineProcess actors
         self.router: ManagedProcess | None = None
 
@@ -72,34 +71,24 @@ class RolloutServers:
                 env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.api_key} if self.api_key else {})},
                 log_path=self.log_dir / "router.log")
             self.router.start()
-            self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=120, interval_s=0.5)
-            self._wait_workers_registered(timeout_s=120)
+            self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=timeouts.ROUTER_READY_S,
+                                     interval_s=0.5)
+            self.router_client.wait_registered(len(self.engine_urls))
         except BaseException:
             self.stop()
             raise
         return time.monotonic() - t0
 
-    def _wait_workers_registered(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if len(self._router_workers()) >= len(self.engine_urls):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"router did not register {len(self.engine_urls)} workers in {timeout_s}s")
-
     def engine_alive(self, i: int) -> bool:
         """False when engine i's server process exited, or its actor (or node) is gone."""
         try:
-            return ray.get(self.engines[i].alive.remote(), timeout=30)
+            return ray.get(self.engines[i].alive.remote(), timeout=timeouts.ACTOR_CALL_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
     def engine_exit_code(self, i: int) -> int | None:
         try:
-            return ray.get(self.engines[i].exit_code.remote(), timeout=30)
+            return ray.get(self.engines[i].exit_code.remote(), timeout=timeouts.ACTOR_CALL_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None
 
@@ -111,38 +100,24 @@ class RolloutServers:
 
     def kill_engine(self, i: int) -> None:
         """SIGKILL engine i's whole process group (a hung engine); the watchdog then sees it dead."""
-        ray.get(self.engines[i].kill.remote(), timeout=60)
+        ray.get(self.engines[i].kill.remote(), timeout=timeouts.KILL_S)
 
     def wait_engine(self, i: int) -> None:
         ray.get(self.engines[i].wait_healthy.remote())
 
     def router_remove(self, url: str) -> None:
-        """Stop routing to `url` (the router has no retries: requests it still sends there fail and are retried
-        by the scheduler)."""
-        for worker in self._router_workers():
-            if worker.get("url") == url:
-                resp = httpx.delete(f"{self.router_url}/workers/{worker['id']}", timeout=10, headers=self._headers)
-                resp.raise_for_status()
+        """Stop routing to engine `url` (see `RouterClient.remove`)."""
+        self.router_client.remove(url)
 
     def router_add(self, url: str) -> None:
-        httpx.post(f"{self.router_url}/workers", json={"url": url}, timeout=10,
-                   headers=self._headers).raise_for_status()
-        deadline = time.monotonic() + 60
-        while not any(w.get("url") == url for w in self._router_workers()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router did not register {url} in 60s")
-            time.sleep(0.2)
-
-    def _router_workers(self) -> list[dict]:
-        workers = httpx.get(f"{self.router_url}/workers", timeout=10, headers=self._headers).json()
-        return workers.get("workers", workers) if isinstance(workers, dict) else workers
+        self.router_client.add(url)
 
     def gpu_telemetry(self) -> dict[str, float]:
         """Every engine's GPU memory and utilisation now; an engine that does not answer in time is left out."""
         out: dict[str, float] = {}
         for engine in self.engines:
             try:
-                out.update(ray.get(engine.gpu_telemetry.remote(), timeout=TELEMETRY_TIMEOUT_S))
+                out.update(ray.get(engine.gpu_telemetry.remote(), timeout=timeouts.TELEMETRY_S))
             except Exception:  # a dead or restarting engine: the watchdog deals with it, telemetry just skips it
                 continue
         return out
@@ -163,7 +138,7 @@ class RolloutServers:
             self.router.stop(grace_s)
         stops = [engine.stop.remote(grace_s) for engine in self.engines]
         try:
-            ray.get(stops, timeout=grace_s + 15)
+            ray.get(stops, timeout=grace_s + timeouts.STOP_EXTRA_S)
         except Exception as exc:  # an actor already gone: its server died with it (parent-death signal)
             print(f"warning: stopping engines: {exc}", flush=True)
         for engine in self.engines:

@@ -1,5 +1,5 @@
 """One SGLang engine: the server process on the node (and GPUs) Ray placed it on, started, watched and restarted by
-a Ray actor of this class (`RolloutServers` creates them). The process is started from the actor's own thread, so
+a Ray actor of this class (`EngineServers` creates them). The process is started from the actor's own thread, so
 that it dies with the actor (its parent-death signal fires when the thread that started it exits).
 
 Listeners (slimish/network.py): the server binds the node's address; the store of SGLang's own torch.distributed
@@ -18,8 +18,8 @@ import yaml
 
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
+from slimish.engines.process import ManagedProcess
 from slimish.network import hosted_store, node_ip
-from slimish.rollout.processes import ManagedProcess
 
 
 def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: str, tp: int, max_total_tokens: int,

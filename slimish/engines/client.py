@@ -1,36 +1,60 @@
-"""Control calls to one SGLang engine, made directly (the router does not forward control endpoints).
+"""Control calls to one SGLang engine, made directly (the router does not forward control endpoints), and its health
+probes.
 
 Field names follow sglang 0.5.23's `io_struct` (InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
-BeginWeightUpdateReqInput, ...); `tests/rollout/test_sglang_api_contract.py` freezes them.
+BeginWeightUpdateReqInput, ...); `tests/engines/test_sglang_api_contract.py` freezes them.
 """
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
+from slimish.engines import timeouts
 from slimish.network import auth_headers
 
 
 class EngineError(RuntimeError):
     """Any failed control call: the engine could not be reached, timed out, answered non-200 or success=false.
-    The message names the engine and the endpoint. One type for every cause, so that callers decide on one."""
+    The message names the engine and the endpoint. One type for every cause, so that callers decide on one;
+    `unreachable` tells the one cause some callers treat apart: no answer at all (no connection, or no reply in
+    time), as from an engine that is gone."""
+
+    def __init__(self, message: str, *, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class EngineClient:
-    """`api_key`: the job's key, which engines started by a job require (None for an engine started without one)."""
+    """`api_key`: the job's key, which engines started by a job require (None for an engine started without one).
+    `timeout_s` bounds each call (a weight update's by default)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0, *, api_key: str | None = None):
+    def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key))
+        self._headers = auth_headers(api_key)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._headers)
 
     def close(self) -> None:
         self._http.close()
+
+    def probe(self, path: str, timeout_s: float) -> str | None:
+        """None when the engine answers GET `path` with 200 within `timeout_s`; else what happened instead, for the
+        log. `/health_generate` runs a generation (SGLang answers 503 when its scheduler has produced nothing for
+        20 s); `/model_info` is served without the scheduler (a paused engine answers it at once)."""
+        start = time.monotonic()
+        try:
+            status = self._http.get(path, timeout=timeout_s).status_code
+        except httpx.HTTPError as exc:
+            return f"gave no answer ({type(exc).__name__}) after {time.monotonic() - start:.1f}s"
+        return None if status == 200 else f"answered {status} after {time.monotonic() - start:.1f}s"
 
     def _request(self, method: str, path: str, body: dict | None = None):
         try:
             resp = self._http.request(method, path, json=body)
         except httpx.HTTPError as exc:
-            raise EngineError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"{self.url}{path}: {type(exc).__name__}: {exc}",
+                              unreachable=isinstance(exc, httpx.TransportError)) from exc
         try:
             payload = resp.json()
         except ValueError:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from slimish.engines import timeouts
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -57,7 +59,7 @@ class ManagedProcess:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before becoming ready; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=10).status_code == 200:
+                if httpx.get(url, timeout=timeouts.HTTP_READY_POLL_S).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,15 @@
+"""The engine boundary: everything that starts, watches or speaks HTTP to an SGLang engine or the sglang-router.
+
+  client.py        EngineClient: one engine's control calls (weight updates, checksums, pause / continue / abort,
+                   health probes); EngineError for every failure
+  generation.py    GenerationClient: /generate through the router and control calls to many engines at once (async)
+  router.py        RouterClient: the router's worker list (add, remove, wait until registered)
+  server.py        EngineProcess: one engine's server process, in the Ray actor its placement slot holds
+  servers.py       EngineServers: the engines and the router, started, restarted and stopped together
+  watchdog.py      EngineWatchdog: each engine's state (live, restarting, joining, failed), dead and hung engines
+  process.py       ManagedProcess: a server process group we started, stopped by PID
+  launch_router.py the router's launcher, the job's key from the environment
+  timeouts.py      the named bounds of every wait above
+
+Nothing outside this package speaks HTTP to an engine or the router (`make lint` checks it).
+"""

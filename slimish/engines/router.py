@@ -1,0 +1,53 @@
+"""The sglang-router's worker list: which engines it sends /generate to. Requests carry the job's key (the router
+refuses its worker API without it)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from slimish.engines import timeouts
+from slimish.network import auth_headers
+
+
+class RouterClient:
+    def __init__(self, url: str, *, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self._headers = auth_headers(api_key)
+
+    def workers(self) -> list[dict]:
+        """The engines the router routes to, as it lists them (each with its "url" and "id")."""
+        workers = httpx.get(f"{self.url}/workers", timeout=timeouts.ROUTER_S, headers=self._headers).json()
+        return workers.get("workers", workers) if isinstance(workers, dict) else workers
+
+    def wait_registered(self, count: int, timeout_s: float = timeouts.ROUTER_READY_S) -> None:
+        """Until the router lists `count` engines (TimeoutError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if len(self.workers()) >= count:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"router did not register {count} workers in {timeout_s:.0f}s")
+
+    def remove(self, engine_url: str) -> None:
+        """Stop routing to `engine_url` (the router has no retries: requests it still sends there fail and are
+        retried by the scheduler)."""
+        for worker in self.workers():
+            if worker.get("url") == engine_url:
+                resp = httpx.delete(f"{self.url}/workers/{worker['id']}", timeout=timeouts.ROUTER_S,
+                                    headers=self._headers)
+                resp.raise_for_status()
+
+    def add(self, engine_url: str, timeout_s: float = timeouts.ROUTER_REGISTER_S) -> None:
+        """Route to `engine_url` again, once the router lists it (TimeoutError after `timeout_s`)."""
+        httpx.post(f"{self.url}/workers", json={"url": engine_url}, timeout=timeouts.ROUTER_S,
+                   headers=self._headers).raise_for_status()
+        deadline = time.monotonic() + timeout_s
+        while not any(w.get("url") == engine_url for w in self.workers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router did not register {engine_url} in {timeout_s:.0f}s")
+            time.sleep(0.2)
