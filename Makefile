@@ -28,7 +28,7 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 venv-gpu: venv
 	$(BIN)/pip install --quiet --no-build-isolation -r requirements/gpu-lock.txt
 	$(BIN)/python tools/check_stack.py
-	$(BIN)/python -m slimish.cuda_facts
+	$(BIN)/slimish check-gpu
 	$(BIN)/python -c "import transformer_engine.pytorch; print('gpu stack ok')"
 
 quickstart: venv

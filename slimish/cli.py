@@ -3,6 +3,7 @@
   slimish train CONFIG [key.sub=value ...]              run an RL job (`--config CONFIG` works too)
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
   slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
+  slimish check-gpu                                     whether this node can use CUDA, or why not (one line)
   slimish config [SECTION] [--markdown]                 every config key: type, default, meaning
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
@@ -47,13 +48,27 @@ def _config_argument(args) -> None:
                         "e.g. slimish train configs/quickstart_cpu.yaml rollout.samples_per_prompt=8")
 
 
+def _job_output(progress_bar: bool):
+    """How a job's lines reach the terminal: printed, or, under a rollout progress bar, printed around it."""
+    if progress_bar:
+        from ray.experimental.tqdm_ray import safe_print
+
+        return lambda line: safe_print(line, flush=True)
+    return lambda line: print(line, flush=True)
+
+
 def cmd_train(args) -> int:
     _config_argument(args)
     cfg = _load(args.config, args.overrides)
+    from slimish import log
     from slimish.orchestration.driver import train
 
+    log.setup(cfg.run.log_level)
+    # One rollout bar on a terminal; none when the output goes to a file or a pipe (as under sbatch or tee), where
+    # each redraw of a bar would be a line of its own among the step lines.
+    progress_bar = sys.stdout.isatty()
     try:
-        run_dir = train(cfg)
+        run_dir = train(cfg, report=_job_output(progress_bar), progress_bar=progress_bar)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the job stopped everything it started
         signum = getattr(exc, "signum", signal.SIGINT)
         print(f"stopped by signal {signum}; everything the job started is stopped (checkpoint.resume continues it "
@@ -80,6 +95,19 @@ def cmd_plan(args) -> int:
         raise UserError(f"config file not found: {exc.filename}") from None
     print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
     return 0
+
+
+def cmd_check_gpu(args) -> int:
+    """Whether this node can run the GPU stack, in one line (exit status 1 if not)."""
+    from slimish import cuda_facts
+
+    facts = cuda_facts.collect()
+    if facts.device_count:
+        print(f"cuda ok on {facts.node}: {facts.device_count} GPU(s), torch {facts.torch_version} (CUDA "
+              f"{facts.torch_cuda}), NVIDIA driver {facts.driver_version} (CUDA up to {facts.driver_cuda})")
+        return 0
+    print(f"cuda unusable on {facts.node}: {cuda_facts.cause(facts)}")
+    return 1
 
 
 def cmd_config(args) -> int:
@@ -178,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.set_defaults(fn=cmd_check_config)
+    p = sub.add_parser("check-gpu", help="whether this node can use CUDA, or why not, in one line (exit 1 if not)")
+    p.set_defaults(fn=cmd_check_gpu)
     p = sub.add_parser("plan", help="memory per GPU, weight-sync time and the binding wall of a config "
                                      "(config.json of the model only: no GPU, no weights)")
     p.add_argument("config", help="YAML config file")

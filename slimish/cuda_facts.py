@@ -10,9 +10,9 @@ seen in the field, each told apart by a fact gathered here without initialising 
 - the driver is older than the CUDA torch was built for (the pinned torch is built for CUDA 13: driver R580 or newer,
   or the cuda-compat package of that CUDA).
 
-`collect()` reads the facts in the calling process; `problem()` turns them into the one line, or None when CUDA
-works (`cause()` is its clause saying why). They are split so that the reasoning is tested with every cause, and
-the collection on this machine as it is.
+`slimish check-gpu` checks a node. `collect()` reads the facts in the calling process; `problem()` turns them into
+the one line, or None when CUDA works (`cause()` is its clause saying why). They are split so that the reasoning is
+tested with every cause, and the collection on this machine as it is.
 """
 
 from __future__ import annotations
@@ -118,17 +118,3 @@ def _version(text: str | None) -> tuple[int, ...]:
     except ValueError:
         return ()
 
-
-def main() -> int:
-    """`python -m slimish.cuda_facts`: whether this node can run the GPU stack, in one line (exit status 1 if not)."""
-    facts = collect()
-    if facts.device_count:
-        print(f"cuda ok on {facts.node}: {facts.device_count} GPU(s), torch {facts.torch_version} (CUDA "
-              f"{facts.torch_cuda}), NVIDIA driver {facts.driver_version} (CUDA up to {facts.driver_cuda})")
-        return 0
-    print(f"cuda unusable on {facts.node}: {cause(facts)}")
-    return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

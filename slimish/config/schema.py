@@ -24,6 +24,8 @@ class RunConfig:
     output_dir: str = doc("runs", "Directory holding one folder per run.")
     seed: int = doc(1234, "Seed for data order, sampling seeds and model init.")
     log_every: int = doc(1, "Print one line every this many steps.")
+    log_level: Literal["debug", "info", "warning", "error"] = doc(
+        "info", "Least severe log record shown, from the driver and every actor (one format: slimish/log.py).")
     save_rollouts: bool = doc(False, "Write every step's samples (tokens, logprobs, versions, reward, advantage, "
                                      "status) to <run dir>/rollouts/step_<N>.jsonl.")
     wandb_project: str = doc("", "Also log every step's metrics to this Weights & Biases project (needs a W&B login, "

@@ -8,6 +8,7 @@ sample), circuit breaker off (it would answer 503 to everything after a few fail
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from slimish.engines.launch_router import API_KEY_ENV
 from slimish.engines.process import ManagedProcess
 from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
+
+logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 
@@ -140,6 +143,6 @@ class EngineServers:
         try:
             ray.get(stops, timeout=grace_s + timeouts.STOP_EXTRA_S)
         except Exception as exc:  # an actor already gone: its server died with it (parent-death signal)
-            print(f"warning: stopping engines: {exc}", flush=True)
+            logger.warning("stopping engines: %s", exc)
         for engine in self.engines:
             ray.kill(engine)

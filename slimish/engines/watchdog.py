@@ -14,15 +14,17 @@ by the scheduler on the others.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from slimish.engines.client import EngineClient
 from slimish.engines.servers import EngineServers
+
+logger = logging.getLogger(__name__)
 
 LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
 
@@ -182,8 +184,8 @@ class EngineWatchdog:
                     continue
                 self._killing.add(url)
                 self.counts["hangs"] += 1
-            print(f"engine {url} is hung: {path} {failures[url]} (the bound: {self.hang_timeout_s:.0f}s); killing it",
-                  flush=True)
+            logger.warning("engine %s is hung: %s %s (the bound: %.0fs); killing it", url, path, failures[url],
+                           self.hang_timeout_s)
             self.servers.kill_engine(i)
             hung.append(url)
         if hung or any(failures.values()):
@@ -195,13 +197,13 @@ class EngineWatchdog:
             self.probe()
 
     def _on_death(self, i: int, url: str) -> None:
-        print(f"engine {url} died (exit code {self.servers.engine_exit_code(i)}); restarting it; see "
-              f"{self.servers.log_dir}/engine{i}.log", flush=True)
+        logger.warning("engine %s died (exit code %s); restarting it; see %s/engine%d.log", url,
+                       self.servers.engine_exit_code(i), self.servers.log_dir, i)
         self._on_live_change(self.live())
         try:
             self.servers.router_remove(url)
         except Exception as exc:  # the router keeps failing requests to it; the scheduler retries them
-            print(f"warning: could not remove {url} from the router: {exc}", flush=True)
+            logger.warning("could not remove %s from the router: %s", url, exc)
         # Waiting for it to become healthy takes a minute: on a thread of its own, so that the others stay watched.
         self.servers.respawn_engine(i)
         thread = threading.Thread(target=self._await_restart, args=(i, url), name=f"restart-{i}", daemon=True)
@@ -212,7 +214,7 @@ class EngineWatchdog:
         with self._lock:
             self.state[url] = FAILED
             self.counts["failures"] += 1
-        print(f"engine {url} could not be restarted:\n{traceback.format_exc()}", flush=True)
+        logger.error("engine %s could not be restarted", url, exc_info=True)
 
     def _await_restart(self, i: int, url: str) -> None:
         t0 = time.monotonic()
@@ -224,8 +226,7 @@ class EngineWatchdog:
         with self._lock:
             self.state[url] = JOINING
             self.counts["restarts"] += 1
-        print(f"engine {url} restarted in {time.monotonic() - t0:.0f}s; it joins at the next weight sync",
-              flush=True)
+        logger.warning("engine %s restarted in %.0fs; it joins at the next weight sync", url, time.monotonic() - t0)
 
 
 def _in_parallel(fn: Callable, items: list) -> list:

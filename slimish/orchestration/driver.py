@@ -14,10 +14,12 @@ last periodic one (checkpoint.save_every), so a kill during a save costs at most
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from slimish import run_layout
@@ -31,10 +33,16 @@ from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reser
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample, Status
 
+logger = logging.getLogger(__name__)
+
 
 class RLJob:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, *, report: Callable[[str], None], progress_bar: bool = False):
+        """`report(line)` shows one line of the job's output (the CLI prints it); `progress_bar`: the rollout
+        manager draws a bar of each step's rollout on the driver's terminal (`report` must then print without
+        breaking it)."""
         self.cfg = cfg
+        self.report = report
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
@@ -52,18 +60,10 @@ class RLJob:
         self.api_key = new_job_key()  # engines and router refuse calls without it
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
-        # One rollout bar on a terminal; none when the output goes to a file or a pipe (as under sbatch or tee),
-        # where each redraw of a bar would be a line of its own among the step lines.
-        self.progress_bar = sys.stdout.isatty()
+        self.progress_bar = progress_bar
 
     def say(self, line: str) -> None:
-        """One line of the job's output (with a rollout bar on the terminal, printed without breaking the bar)."""
-        if self.progress_bar:
-            from ray.experimental.tqdm_ray import safe_print
-
-            safe_print(line, flush=True)
-        else:
-            print(line, flush=True)
+        self.report(line)
 
     # --------------------------------------------------------------------------------------------- phases
     def start(self) -> dict:
@@ -334,7 +334,7 @@ class RLJob:
                     # Bounded: under scancel the Ray nodes are being stopped at the same time.
                     ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
                 except Exception as exc:
-                    self.say(f"warning: rollout shutdown: {exc}")
+                    logger.warning("rollout shutdown: %s", exc)
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
         if self.trainer is not None:
@@ -388,5 +388,6 @@ def _raise_terminated(signum, frame):
     raise Terminated(signum)
 
 
-def train(cfg: JobConfig) -> Path:
-    return RLJob(cfg).run()
+def train(cfg: JobConfig, *, report: Callable[[str], None], progress_bar: bool = False) -> Path:
+    """Run the job `cfg` describes (see `RLJob`); returns its run directory."""
+    return RLJob(cfg, report=report, progress_bar=progress_bar).run()

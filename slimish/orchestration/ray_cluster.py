@@ -12,15 +12,18 @@ import os
 
 import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 
+from slimish import log
 from slimish.config.schema import JobConfig
 from slimish.network import interface_of
 from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, on_this_node, release, reserve
 
 
 def init_ray(cfg: JobConfig) -> None:
-    env = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    env = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", log.LEVEL_ENV: cfg.run.log_level}
+    # Every worker process of the job logs as the driver does (slimish/log.py).
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "slimish.log.setup_worker"}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": env})
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env=runtime_env)
         return
     # gloo and NCCL pick their interface from the hostname unless told: on one host, loopback (the job's listeners
     # bind the node's Ray address, see slimish/network.py). launch/train.sbatch sets them from SLIMISH_NET_IFNAME.
@@ -28,7 +31,7 @@ def init_ray(cfg: JobConfig) -> None:
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env[name] = os.environ.get(name, loopback)
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=True, runtime_env={"env_vars": env})
+             log_to_driver=True, runtime_env=runtime_env)
 
 
 class TrainerGroup:

@@ -8,6 +8,7 @@ A sample passes when its reward reaches `eval.pass_threshold`. pass@j is the unb
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from slimish.rollout.data import PromptDataset
 from slimish.rollout.generate import SamplingParams, finish_multi_segment
 from slimish.rollout.programs import Interrupted, RolloutClient, single_turn
 from slimish.sample import Sample, Status
+
+logger = logging.getLogger(__name__)
 
 RETRIES = 2  # per request whose engine may have died (connection error, 5xx): the router picks another
 RETRY_DELAY_S = 1.0
@@ -105,8 +108,8 @@ async def _generate(samples: list[Sample], *, router_url: str, api_key: str | No
                 except Interrupted:
                     sample.status = Status.PENDING
                 except Exception as exc:  # RequestFailed, or the program's own error: the sample fails, counted
-                    print(f"warning: evaluation sample {sample.meta['eval_set']}/{sample.group_id} failed: "
-                          f"{type(exc).__name__}: {exc}", flush=True)
+                    logger.warning("evaluation sample %s/%s failed: %s: %s", sample.meta["eval_set"],
+                                   sample.group_id, type(exc).__name__, exc)
                     break
             failed.add(id(sample))
 

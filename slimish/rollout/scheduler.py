@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +38,8 @@ from slimish.engines.generation import GenerationClient, RequestError
 from slimish.rollout.generate import SamplingParams, finish_multi_segment, generate_batch
 from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient
 from slimish.sample import Sample, Status
+
+logger = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # re-send abort_all while requests are still out (one may reach an engine after the abort)
 RETRY_DELAY_S = 2.0  # times the attempt number: longer than the watchdog takes to unroute a dead engine
@@ -250,12 +252,11 @@ class RolloutScheduler:
             except RequestFailed as exc:
                 sample.status, sample.error, results = Status.FAILED, str(exc), [sample]
                 self._counters["requests_failed"] += 1
-                print(f"warning: a request of {rid} failed for good, its sample will not train: {exc}", flush=True)
+                logger.warning("a request of %s failed for good, its sample will not train: %s", rid, exc)
             except Exception as exc:  # the program's own error: its sample fails, the job goes on
                 sample.status, sample.error, results = Status.FAILED, f"{type(exc).__name__}: {exc}", [sample]
                 self._counters["program_errors"] += 1
-                print(f"warning: the rollout program failed on {rid}, its sample will not train:\n"
-                      f"{traceback.format_exc()}", flush=True)
+                logger.warning("the rollout program failed on %s, its sample will not train", rid, exc_info=True)
             for result in results:
                 result.group_id = group.group_id
                 result.meta["program"] = True
@@ -289,8 +290,8 @@ class RolloutScheduler:
                             sample.status, sample.error = Status.FAILED, str(exc)
                         self._counters["requests_failed"] += len(samples)
                         # Counted in metrics.jsonl; the reason is only here (and in run.save_rollouts files).
-                        print(f"warning: request {rid} failed after {attempt + 1} attempt(s), its {len(samples)} "
-                              f"sample(s) will not train: {exc}", flush=True)
+                        logger.warning("request %s failed after %d attempt(s), its %d sample(s) will not train: %s",
+                                       rid, attempt + 1, len(samples), exc)
                         break
                     self._counters["requests_retried"] += 1
                     await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
@@ -388,7 +389,7 @@ class RolloutScheduler:
         have died: the watchdog takes care of it)."""
         failures = await self._engines.control_all(list(self.engine_urls), path, body)
         for url, error in failures.items():
-            print(f"warning: {url}{path}: {type(error).__name__}: {error}", flush=True)
+            logger.warning("%s%s: %s: %s", url, path, type(error).__name__, error)
 
     async def _state(self) -> dict:
         generating = [Group(g.group_id, [Sample.from_dict(s.to_dict()) for s in g.samples])

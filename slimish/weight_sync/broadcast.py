@@ -10,6 +10,7 @@ buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from slimish import collectives
@@ -17,6 +18,8 @@ from slimish.engines.client import EngineClient, EngineError
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import Transport, tensor_meta
+
+logger = logging.getLogger(__name__)
 
 
 class BroadcastTransport(Transport):
@@ -76,7 +79,7 @@ class BroadcastTransport(Transport):
                     # An engine that is gone (it died, or the job is stopping its engines) keeps no group to destroy;
                     # anything else is worth a word.
                     if not exc.unreachable:
-                        print(f"warning: {exc}", flush=True)
+                        logger.warning("%s", exc)
             self._joined = False
         if self.group is not None:
             destroy_group(self.group)

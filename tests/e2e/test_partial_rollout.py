@@ -42,7 +42,8 @@ def run_job(task_assets, tmp_path, name: str, *overrides: str) -> tuple[list[dic
                             env=hook_env(tmp_path / name))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert not leftovers(), "processes left running after the job"
-    failures = "\n".join(line for line in result.stdout.splitlines() if "warning: request" in line)
+    output = (result.stdout + result.stderr).splitlines()  # the scheduler's warnings are log records, on stderr
+    failures = "\n".join(line for line in output if "slimish.rollout.scheduler: request" in line)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()], failures
 
 

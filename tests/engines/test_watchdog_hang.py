@@ -114,12 +114,12 @@ def test_a_hung_engine_is_killed_and_handled_as_dead(engines):
     assert watchdog.live() == [engines[0].url]
 
 
-def test_an_engine_that_holds_the_probe_past_the_bound_is_hung(engines, capsys):
+def test_an_engine_that_holds_the_probe_past_the_bound_is_hung(engines, caplog):
     """The bound: the probe gives up on an engine that holds it. It is alone, so no answer races the timer."""
     engines += [StandInEngine(hung=FROZEN, holds=True)]
     servers = StandInServers(engines)
     assert watchdog_of(servers, hang_timeout_s=0.5).probe() == [engines[0].url]
-    assert servers.killed == [0] and "/health_generate gave no answer (ReadTimeout)" in capsys.readouterr().out
+    assert servers.killed == [0] and "/health_generate gave no answer (ReadTimeout)" in caplog.text
 
 
 def test_an_engine_that_died_is_a_death_not_a_hang(engines):
