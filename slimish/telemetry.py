@@ -1,6 +1,7 @@
 """Per-step GPU memory and utilisation of this process's GPUs, through NVIDIA's NVML (`nvidia-ml-py`).
 
-Without a driver (CPU machines) it says so once, in one log line, and reports nothing from then on.
+Without a driver (CPU machines) it says so once, at debug level (where NVML fails otherwise: a warning), and
+reports nothing from then on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ class GpuTelemetry:
                 range(pynvml.nvmlDeviceGetCount())
             self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
         except Exception as exc:  # no driver or library (CPU), or NVML refused: telemetry is optional
-            log.info("GPU telemetry off for %s: %s", name, exc)
+            # Worth a word only where a GPU could be measured: without the NVML library there is no driver.
+            no_driver = type(exc).__name__ == "NVMLError_LibraryNotFound"
+            log.log(logging.DEBUG if no_driver else logging.WARNING, "GPU telemetry off for %s: %s", name, exc)
 
     def sample(self) -> dict[str, float]:
         """Memory in use (GB) and utilisation (%) of each GPU now; {} without GPUs."""

@@ -36,3 +36,16 @@ def test_only_the_cli_prints():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 printing.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not printing, f"print in library code (log through logging.getLogger(__name__)): {printing}"
+
+
+def test_third_party_noise_is_dropped_and_the_rest_kept(recwarn):
+    import warnings
+
+    log.quiet_third_party()
+    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
+    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+    warnings.warn("something a user should read", UserWarning)
+    assert [str(w.message) for w in recwarn] == ["something a user should read"]
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    assert not auth.filter(logging.makeLogRecord({"msg": "Token authentication is enabled for this Ray cluster."}))
+    assert auth.filter(logging.makeLogRecord({"msg": "Token authentication is disabled for this Ray cluster."}))

@@ -8,7 +8,7 @@ from slimish.telemetry import GpuTelemetry
 
 
 def test_without_a_driver_telemetry_is_empty_after_one_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="slimish.telemetry"):
+    with caplog.at_level(logging.DEBUG, logger="slimish.telemetry"):
         telemetry = GpuTelemetry("trainer0")
         assert telemetry.sample() == {} and telemetry.sample() == {}
     lines = [r.getMessage() for r in caplog.records if r.name == "slimish.telemetry"]
