@@ -42,9 +42,9 @@ def test_third_party_noise_is_dropped_and_the_rest_kept(recwarn):
     import warnings
 
     log.quiet_third_party()
-    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
-    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
-    warnings.warn("something a user should read", UserWarning)
+    for message in ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                    "Apex is not installed. Falling back to Torch Norm", "something a user should read"):
+        warnings.warn(message, UserWarning, stacklevel=1)
     assert [str(w.message) for w in recwarn] == ["something a user should read"]
     auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     assert not auth.filter(logging.makeLogRecord({"msg": "Token authentication is enabled for this Ray cluster."}))
