@@ -76,9 +76,9 @@ def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_ke
                   progress_bar: bool = False):
     """The rollout manager, on the driver's node; its engines go to `engine_slots` and require `api_key`;
     `progress_bar`: it draws one on the driver's terminal."""
-    from slimish.rollout.manager import RolloutManager
+    from slimish.rollout.manager import ConfiguredRolloutManager
 
-    return ray.remote(RolloutManager).options(**on_this_node()).remote(
+    return ray.remote(ConfiguredRolloutManager).options(**on_this_node()).remote(
         cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots], api_key=api_key,
         progress_bar=progress_bar)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from slimish.config.schema import JobConfig
+from slimish.engines.generation import GenerationClient
 from slimish.engines.servers import EngineServers
 from slimish.engines.watchdog import EngineWatchdog
 from slimish.hooks import load_function
@@ -34,30 +36,43 @@ def build_reward_fn(reward):
     return rewards.weighted_sum(list(zip(names, fns, weights)))
 
 
+def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None) -> dict:
+    """A `RolloutManager`'s parts, loaded as `cfg` says: its keyword arguments but `progress_bar`. The engines go to
+    `engine_options` (their placement slots) and require `api_key`; their logs go to `log_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    data, ev = cfg.data, cfg.eval
+    dataset = PromptDataset(data.path, tokenizer=tokenizer, prompt_key=data.prompt_key, label_key=data.label_key,
+                            shuffle=data.shuffle, seed=cfg.run.seed, chat_template=data.apply_chat_template,
+                            split=data.split)
+    eval_sets = [EvalSet(path, tokenizer=tokenizer, prompt_key=data.prompt_key, label_key=data.label_key,
+                         chat_template=data.apply_chat_template, max_prompts=ev.max_prompts)
+                 for path in ([ev.data_path] + list(ev.more_data_paths) if ev.every > 0 else [])]
+    servers = EngineServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir), seed=cfg.run.seed,
+                            engine_options=engine_options, api_key=api_key)
+    program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
+    return {"tokenizer": tokenizer, "dataset": dataset, "reward_fn": build_reward_fn(cfg.reward),
+            "program": program, "eval_sets": eval_sets, "servers": servers}
+
+
 class RolloutManager:
-    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None,
+    """The rollout side of a job, built from its parts: the tokenizer, the prompt stream, the reward hook, the
+    rollout program (None: one generation), the eval sets and the engine servers (`load_parts` loads them as the
+    config says; a job's Ray actor is a `ConfiguredRolloutManager`). `start()` starts the servers and builds the
+    scheduler and the watchdog on them."""
+
+    def __init__(self, cfg: JobConfig, *, tokenizer, dataset: PromptDataset, reward_fn: Callable,
+                 program: Callable | None, eval_sets: list[EvalSet], servers: EngineServers,
                  progress_bar: bool = False):
         """`progress_bar`: draw a bar of the step's scored groups on the driver's terminal (only where the driver's
         output is one: redrawn into a file or a pipe, a bar turns into a line per refresh among the step lines)."""
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        self.dataset = PromptDataset(cfg.data.path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
-                                     label_key=cfg.data.label_key, shuffle=cfg.data.shuffle, seed=cfg.run.seed,
-                                     chat_template=cfg.data.apply_chat_template, split=cfg.data.split)
-        self.reward_fn = build_reward_fn(cfg.reward)
-        self.program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
+        self.tokenizer, self.dataset, self.reward_fn, self.program = tokenizer, dataset, reward_fn, program
+        self.eval_sets, self.servers = eval_sets, servers
         ro = cfg.rollout  # training rollouts and evaluation sample alike
         self.sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
                                        stop=tuple(str(s) for s in ro.stop))
-        ev = cfg.eval
-        self.eval_sets = [EvalSet(path, tokenizer=self.tokenizer, prompt_key=cfg.data.prompt_key,
-                                  label_key=cfg.data.label_key, chat_template=cfg.data.apply_chat_template,
-                                  max_prompts=ev.max_prompts)
-                          for path in ([ev.data_path] + list(ev.more_data_paths) if ev.every > 0 else [])]
-        self.servers = EngineServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir),
-                                      seed=cfg.run.seed, engine_options=engine_options, api_key=api_key)
         self.scheduler: RolloutScheduler | None = None
         self.progress_bar = progress_bar
         self._progress = None  # the current step's rollout progress bar
@@ -67,14 +82,13 @@ class RolloutManager:
     def start(self) -> dict:
         seconds = self.servers.start()
         ro = self.cfg.rollout
+        engines = GenerationClient(self.servers.router_url, request_timeout_s=ro.request_timeout_s,
+                                   max_concurrency=ro.max_concurrency, api_key=self.servers.api_key)
         self.scheduler = RolloutScheduler(
-            router_url=self.servers.router_url, engine_urls=self.servers.engine_urls,
-            params=self.sampling, prompts_per_step=ro.prompts_per_step, partial=ro.partial,
-            max_concurrency=ro.max_concurrency, request_timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
-            new_group=self._new_group,
-            score=self._score, detokenize=self._detokenize,
-            dynamic_sampling=ro.dynamic_sampling, api_key=self.servers.api_key,
-            program=self.program, tokenize=self._tokenize)
+            engines=engines, engine_urls=self.servers.engine_urls, params=self.sampling,
+            prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
+            max_retries=ro.max_retries, new_group=self._new_group, score=self._score, detokenize=self._detokenize,
+            dynamic_sampling=ro.dynamic_sampling, program=self.program, tokenize=self._tokenize)
         if ro.engine.restart_dead:
             self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
@@ -227,3 +241,13 @@ class RolloutManager:
         if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
             self.watchdog.stop()
         self.servers.stop()
+
+
+class ConfiguredRolloutManager(RolloutManager):
+    """A `RolloutManager` whose parts `load_parts` loads from the config: what a job's Ray actor runs, so that they
+    load in the actor's process (a tokenizer or a reward hook need not pickle)."""
+
+    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None,
+                 progress_bar: bool = False):
+        super().__init__(cfg, **load_parts(cfg, log_dir=log_dir, engine_options=engine_options, api_key=api_key),
+                         progress_bar=progress_bar)

@@ -74,18 +74,18 @@ def informative(samples: list[Sample]) -> bool:
 class RolloutScheduler:
     """Thread-safe front (`collect`, `pause`, `resume`, `state`, `load_state`, `close`) over the generation loop.
 
+    `engines` generates through the router and reaches `engine_urls` for control calls; the scheduler uses it on its
+    own loop only and closes it in `close()`. At most `max_concurrency` requests are out at once.
     `new_group(group_id)` returns the samples of the next prompt; `score(samples)` sets their rewards and returns
     the number of reward failures (called on a worker thread); `detokenize(ids)` gives the text of a response that
     was generated in several requests."""
 
-    def __init__(self, *, router_url: str, engine_urls: list[str], params: SamplingParams, prompts_per_step: int,
-                 partial: PartialRolloutConfig, max_concurrency: int, request_timeout_s: float, max_retries: int,
+    def __init__(self, *, engines: GenerationClient, engine_urls: list[str], params: SamplingParams,
+                 prompts_per_step: int, partial: PartialRolloutConfig, max_concurrency: int, max_retries: int,
                  new_group: Callable[[int], list[Sample]], score: Callable[[list[Sample]], int],
-                 detokenize: Callable[[list[int]], str],
-                 dynamic_sampling: DynamicSamplingConfig | None = None, api_key: str | None = None,
+                 detokenize: Callable[[list[int]], str], dynamic_sampling: DynamicSamplingConfig | None = None,
                  program: Callable | None = None, tokenize: Callable[[str], list[int]] | None = None):
-        self.router_url, self.engine_urls, self.params = router_url, list(engine_urls), params
-        self._api_key = api_key  # router and engines refuse calls without the job's key
+        self._engines, self.engine_urls, self.params = engines, list(engine_urls), params
         self.max_retries = max_retries
         self.batch_groups, self.mode = prompts_per_step, partial.mode
         self.capacity = prompts_per_step + partial.over_sampling
@@ -94,7 +94,7 @@ class RolloutScheduler:
         self._program, self._tokenize = program, tokenize  # rollout.generate_fn (slimish/rollout/programs.py)
         self.dynamic_sampling = dynamic_sampling or DynamicSamplingConfig()
         self._dropped = 0  # uninformative groups dropped since the last collect
-        self._max_concurrency, self._timeout_s = max_concurrency, request_timeout_s
+        self._max_concurrency = max_concurrency
         self._rid_prefix = uuid.uuid4().hex[:8]
         self._next_group_id = 0
         self._policy_version = 0  # the version that trains the batch being collected (staleness is measured to it)
@@ -160,8 +160,6 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     async def _setup(self) -> None:
-        self._engines = GenerationClient(self.router_url, request_timeout_s=self._timeout_s,
-                                         max_concurrency=self._max_concurrency, api_key=self._api_key)
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
         self._changed = asyncio.Event()
 

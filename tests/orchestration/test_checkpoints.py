@@ -12,6 +12,7 @@ from slimish.config.loader import ConfigError
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import truncate_metrics
 from slimish.rollout.data import PromptDataset
+from tests.conftest import REPO
 
 
 def _save(run_dir, step: int, **extra) -> None:
@@ -91,9 +92,9 @@ def test_prompt_stream_continues_where_the_saved_state_left_it(tmp_path):
 
 
 def test_rollout_manager_state_round_trips(tmp_path):
-    from collections import Counter
-
+    from slimish.config import load_config
     from slimish.config.schema import PartialRolloutConfig
+    from slimish.engines.generation import GenerationClient
     from slimish.rollout.generate import SamplingParams
     from slimish.rollout.manager import RolloutManager
     from slimish.rollout.scheduler import RolloutScheduler
@@ -102,14 +103,15 @@ def test_rollout_manager_state_round_trips(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"p{i}", "label": i}) + "\n" for i in range(5)))
     managers = []
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [], files=False)
     for _ in range(2):  # without engines (the scheduler only contacts them to generate): the state it covers
-        manager = object.__new__(RolloutManager)
-        manager.dataset, manager.totals = _dataset(path), Counter()
+        manager = RolloutManager(cfg, tokenizer=None, dataset=_dataset(path), reward_fn=None, program=None,
+                                 eval_sets=[], servers=None)
+        engines = GenerationClient("http://127.0.0.1:9", request_timeout_s=1, max_concurrency=1)
         manager.scheduler = RolloutScheduler(
-            router_url="http://127.0.0.1:9", engine_urls=[], params=SamplingParams(max_new_tokens=4, temperature=1.0,
-                                                                                   top_p=1.0),
-            prompts_per_step=1, partial=PartialRolloutConfig(mode="abort"), max_concurrency=1, request_timeout_s=1,
-            max_retries=0, new_group=None, score=None, detokenize=None)
+            engines=engines, engine_urls=[], params=SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0),
+            prompts_per_step=1, partial=PartialRolloutConfig(mode="abort"), max_concurrency=1, max_retries=0,
+            new_group=None, score=None, detokenize=None)
         managers.append(manager)
     managers[0].dataset.next_batch(7)
     managers[0].totals.update({"completed": 12, "reward_failures": 1})
