@@ -6,7 +6,8 @@
   router.py        RouterClient: the router's worker list (add, remove, wait until registered)
   server.py        EngineProcess: one engine's server process, in the Ray actor its placement slot holds
   servers.py       EngineServers: the engines and the router, started, restarted and stopped together
-  watchdog.py      EngineWatchdog: each engine's state (live, restarting, joining, failed), dead and hung engines
+  engine_set.py    EngineSet: each engine's state (live, restarting, joining, failed), read by all, with a signal
+  watchdog.py      EngineWatchdog: finds dead and hung engines, restarts them, moves their states
   process.py       ManagedProcess: a server process group we started, stopped by PID
   launch_router.py the router's launcher, the job's key from the environment
   timeouts.py      the named bounds of every wait above

@@ -5,11 +5,11 @@ one. Hung means: its `/health_generate` does not answer within `hang_timeout_s`;
 within `hang_timeout_s` (the HTTP process serves it without the scheduler, so a paused engine or one loading a
 bucket answers at once, and a frozen one does not).
 
-States of an engine: live (in the router and in the weight-sync group) -> dead -> restarting -> joining (healthy,
-serving the initial checkpoint: not routed to) -> live again after the next weight sync, which rebuilds the
-weight-sync group with it. A restart that fails leaves the engine `failed`; the job goes on with the others (and
-fails with a clear error when none is left). Requests that were running on the dead engine fail and are retried
-by the scheduler on the others.
+The states it moves each engine through (live -> restarting -> joining -> live again after the next weight sync,
+which rebuilds the weight-sync group with it; failed if a restart fails) are kept in the job's `EngineSet`
+(`slimish/engines/engine_set.py`), which everyone else reads. The job goes on with the engines it has, and fails
+with a clear error when none is left. Requests that were running on a dead engine fail and are retried by the
+scheduler on the others.
 """
 
 from __future__ import annotations
@@ -17,31 +17,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from slimish.engines.client import EngineClient
+from slimish.engines.engine_set import FAILED, JOINING, LIVE, RESTARTING, EngineSet
 from slimish.engines.servers import EngineServers
 
 logger = logging.getLogger(__name__)
 
-LIVE, RESTARTING, JOINING, FAILED = "live", "restarting", "joining", "failed"
-
-
 class EngineWatchdog:
-    def __init__(self, servers: EngineServers, *, interval_s: float, on_live_change: Callable[[list[str]], None],
-                 health_interval_s: float = 0.0, hang_timeout_s: float = 0.0, api_key: str | None = None):
-        self.servers = servers
+    """Watches `servers`' engines and keeps their states in `engines` (see `slimish.engines.engine_set`)."""
+
+    def __init__(self, servers: EngineServers, engines: EngineSet, *, interval_s: float,
+                 on_live_change: Callable[[list[str]], None], health_interval_s: float = 0.0,
+                 hang_timeout_s: float = 0.0, api_key: str | None = None):
+        self.servers, self.engines = servers, engines
         # /model_info answers 401 without the job's key, without asking the scheduler: a key-less probe would call
         # every engine hung
         self._clients = {url: EngineClient(url, api_key=api_key) for url in servers.engine_urls}
         self.interval_s = interval_s
         self.health_interval_s, self.hang_timeout_s = health_interval_s, hang_timeout_s
         self._on_live_change = on_live_change
-        self.state = {url: LIVE for url in servers.engine_urls}
-        self.counts: Counter = Counter()
-        self._lock = threading.Lock()
+        self._lock = engines.lock  # one lock for the states and the probes' bookkeeping below
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
         self._prober = threading.Thread(target=self._probe_loop, name="engine-prober", daemon=True)
@@ -65,24 +63,16 @@ class EngineWatchdog:
             self._paused = False
 
     def live(self) -> list[str]:
-        with self._lock:
-            return [url for url, state in self.state.items() if state == LIVE]
+        return self.engines.live()
 
     def for_sync(self) -> dict:
-        """The engines the next weight sync goes to: live ones and the restarted ones waiting to join. Looks for dead
-        engines first, so that a sync never begins with an engine that died since the last periodic check."""
+        """The engines the next weight sync goes to (`EngineSet.for_sync`). Looks for dead engines first, so that a
+        sync never begins with an engine that died since the last periodic check."""
         self.check()
-        with self._lock:
-            joining = [url for url, state in self.state.items() if state == JOINING]
-            urls = [url for url, state in self.state.items() if state in (LIVE, JOINING)]
-        if not urls:
-            raise RuntimeError(f"no SGLang engine is left: {self.state}; see the engine logs")
-        return {"urls": urls, "joining": joining}
+        return self.engines.for_sync()
 
     def lost(self, urls: list[str]) -> list[str]:
-        """Those of `urls` that are neither live nor waiting to join (dead, restarting or failed)."""
-        with self._lock:
-            return [url for url in urls if self.state[url] not in (LIVE, JOINING)]
+        return self.engines.lost(urls)
 
     def lost_after_failure(self, urls: list[str], wait_s: float) -> list[str]:
         """After a weight sync to `urls` failed: those of them that died or hung (their restart has begun); []
@@ -105,17 +95,12 @@ class EngineWatchdog:
         """`urls` now hold the trained weights: route requests to them again."""
         for url in urls:
             self.servers.router_add(url)
-            with self._lock:
-                self.state[url] = LIVE
+            self.engines.set(url, LIVE)
         if urls:
             self._on_live_change(self.live())
 
     def metrics(self) -> dict:
-        with self._lock:
-            states = Counter(self.state.values())
-        return {"engines_live": states[LIVE], "engine_deaths": self.counts["deaths"],
-                "engine_hangs": self.counts["hangs"],
-                "engine_restarts": self.counts["restarts"], "engine_restart_failures": self.counts["failures"]}
+        return self.engines.metrics()
 
     def stop(self) -> None:
         self._stop.set()
@@ -133,16 +118,12 @@ class EngineWatchdog:
         by the watchdog thread every `interval_s`, by `for_sync` and after a failed sync; each death is handled once
         (claimed under the lock)."""
         for i, url in enumerate(self.servers.engine_urls):
-            with self._lock:
-                watched = self.state[url] in (LIVE, JOINING)
-            if not watched or self.servers.engine_alive(i):
+            if not self.engines.in_service(url) or self.servers.engine_alive(i):
                 continue
             with self._lock:
-                if self.state[url] not in (LIVE, JOINING):  # the other caller claimed it meanwhile
+                if not self.engines.claim(url, RESTARTING, count="deaths"):  # the other caller claimed it meanwhile
                     continue
                 self._killing.discard(url)
-                self.state[url] = RESTARTING
-                self.counts["deaths"] += 1
             try:
                 self._on_death(i, url)
             except Exception:
@@ -159,7 +140,7 @@ class EngineWatchdog:
         is killed on the strength of one that overlapped a pause. Paused, it is `/model_info`."""
         with self._lock:
             paused, pauses = self._paused, self._pauses
-            urls = [url for url, state in self.state.items() if state in (LIVE, JOINING)]
+            urls = [url for url in self.engines.urls if self.engines.in_service(url)]
         return self._kill_unresponsive(urls, paused=paused, pauses=pauses)
 
     def _kill_unresponsive(self, urls: list[str], *, paused: bool, pauses: int = 0) -> list[str]:
@@ -178,12 +159,12 @@ class EngineWatchdog:
             if not self.servers.engine_alive(i):
                 continue
             with self._lock:
-                if self.state[url] not in (LIVE, JOINING) or url in self._killing:
+                if not self.engines.in_service(url) or url in self._killing:
                     continue
                 if not paused and (self._paused or self._pauses != pauses):  # /health_generate met a pause
                     continue
                 self._killing.add(url)
-                self.counts["hangs"] += 1
+                self.engines.counts["hangs"] += 1
             logger.warning("engine %s is hung: %s %s (the bound: %.0fs); killing it", url, path, failures[url],
                            self.hang_timeout_s)
             self.servers.kill_engine(i)
@@ -211,9 +192,7 @@ class EngineWatchdog:
         thread.start()
 
     def _fail(self, url: str) -> None:
-        with self._lock:
-            self.state[url] = FAILED
-            self.counts["failures"] += 1
+        self.engines.set(url, FAILED, count="failures")
         logger.error("engine %s could not be restarted", url, exc_info=True)
 
     def _await_restart(self, i: int, url: str) -> None:
@@ -223,9 +202,7 @@ class EngineWatchdog:
         except Exception:
             self._fail(url)
             return
-        with self._lock:
-            self.state[url] = JOINING
-            self.counts["restarts"] += 1
+        self.engines.set(url, JOINING, count="restarts")
         logger.warning("engine %s restarted in %.0fs; it joins at the next weight sync", url, time.monotonic() - t0)
 
 

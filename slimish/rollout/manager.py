@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slimish.config.schema import JobConfig
+from slimish.engines.engine_set import EngineSet
 from slimish.engines.generation import GenerationClient
 from slimish.engines.servers import EngineServers
 from slimish.engines.watchdog import EngineWatchdog
@@ -76,6 +77,7 @@ class RolloutManager:
         self.scheduler: RolloutScheduler | None = None
         self.progress_bar = progress_bar
         self._progress = None  # the current step's rollout progress bar
+        self.engines: EngineSet | None = None  # each engine's state (from start())
         self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
 
@@ -89,8 +91,9 @@ class RolloutManager:
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             max_retries=ro.max_retries, new_group=self._new_group, score=self._score, detokenize=self._detokenize,
             dynamic_sampling=ro.dynamic_sampling, program=self.program, tokenize=self._tokenize)
+        self.engines = EngineSet(self.servers.engine_urls)
         if ro.engine.restart_dead:
-            self.watchdog = EngineWatchdog(self.servers, interval_s=ro.engine.watch_interval_s,
+            self.watchdog = EngineWatchdog(self.servers, self.engines, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
                                            health_interval_s=ro.engine.health_interval_s,
                                            hang_timeout_s=ro.engine.hang_timeout_s, api_key=self.servers.api_key)
@@ -202,10 +205,11 @@ class RolloutManager:
         self.scheduler.pause()
 
     def engines_for_sync(self) -> dict:
-        """{"urls": the engines the weight sync goes to, "joining": those of them restarted since the last one}."""
-        if self.watchdog is None:
-            return {"urls": self.servers.engine_urls, "joining": []}
-        return self.watchdog.for_sync()
+        """{"urls": the engines the weight sync goes to, "joining": those of them restarted since the last one}
+        (`EngineSet.for_sync`, after the watchdog has looked for engines that died since its last check)."""
+        if self.watchdog is not None:
+            self.watchdog.check()
+        return self.engines.for_sync()
 
     def engines_lost(self, urls: list[str], wait_s: float = 10.0) -> list[str]:
         """After a weight sync to `urls` failed: those of them that died, or hung and were killed (their restart has

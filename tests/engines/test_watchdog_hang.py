@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from slimish.engines.watchdog import JOINING, EngineWatchdog
+from slimish.engines.engine_set import JOINING, EngineSet
+from slimish.engines.watchdog import EngineWatchdog
 
 FROZEN = ("/health_generate", "/model_info")  # a stopped process answers nothing
 PAUSED = ("/health_generate",)  # a paused engine generates nothing, but its HTTP process answers
@@ -93,7 +94,8 @@ class StandInServers:
 
 
 def watchdog_of(servers, hang_timeout_s: float = BOUND_S) -> EngineWatchdog:
-    return EngineWatchdog(servers, interval_s=3600, on_live_change=lambda urls: None, hang_timeout_s=hang_timeout_s)
+    return EngineWatchdog(servers, EngineSet(servers.engine_urls), interval_s=3600, on_live_change=lambda urls: None,
+                          hang_timeout_s=hang_timeout_s)
 
 
 @pytest.fixture
@@ -197,7 +199,7 @@ def test_a_joining_engine_that_dies_is_restarted_again(engines):
     engines += [StandInEngine(), StandInEngine()]
     servers = StandInServers(engines)
     watchdog = watchdog_of(servers)
-    watchdog.state[engines[1].url] = JOINING
+    watchdog.engines.set(engines[1].url, JOINING)
     servers.killed.append(1)  # it died on its own
     watchdog.check()
     assert servers.respawned == [1] and watchdog.lost([engines[1].url]) == [engines[1].url]
