@@ -16,6 +16,7 @@ import socket
 import sys
 from datetime import timedelta
 
+STORE_TIMEOUT = timedelta(minutes=10)  # a store's wait for a key another rank has not set yet
 JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's own calls to the engines
 
 
@@ -64,7 +65,7 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
 
 
 def hosted_store(host: str, port: int = 0, *, world_size: int | None = None,
-                 timeout: timedelta = timedelta(minutes=10)):
+                 timeout: timedelta = STORE_TIMEOUT):
     """A torch `TCPStore` server listening on `host:port` only; returns (store, port). The store owns the socket
     and closes it when it is dropped."""
     import torch.distributed as dist

@@ -35,6 +35,8 @@ from slimish.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
 
+ROLLOUT_SHUTDOWN_S = 15.0  # the rollout manager's stop of engines and router, within Slurm's KillWait (30 s)
+
 
 class RLJob:
     def __init__(self, cfg: JobConfig, *, report: Callable[[str], None], progress_bar: bool = False):
@@ -332,7 +334,7 @@ class RLJob:
             if self.rollout_started:
                 try:
                     # Bounded: under scancel the Ray nodes are being stopped at the same time.
-                    ray.get(self.rollout_manager.shutdown.remote(), timeout=15)
+                    ray.get(self.rollout_manager.shutdown.remote(), timeout=ROLLOUT_SHUTDOWN_S)
                 except Exception as exc:
                     logger.warning("rollout shutdown: %s", exc)
             ray.kill(self.rollout_manager)

@@ -17,6 +17,8 @@ from slimish.config.schema import JobConfig
 from slimish.network import interface_of
 from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, on_this_node, release, reserve
 
+TRAINER_SHUTDOWN_S = 5.0  # a trainer rank's own shutdown, before it is killed either way
+
 
 def init_ray(cfg: JobConfig) -> None:
     env = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", log.LEVEL_ENV: cfg.run.log_level}
@@ -66,7 +68,7 @@ class TrainerGroup:
     def kill(self) -> None:
         for actor in self.actors:
             try:
-                ray.get(actor.shutdown.remote(), timeout=5)
+                ray.get(actor.shutdown.remote(), timeout=TRAINER_SHUTDOWN_S)
             except Exception:  # a dead or hung actor: ray.kill below ends it either way
                 pass
             ray.kill(actor)

@@ -9,6 +9,10 @@ import torch
 
 from slimish.errors import UserError
 
+# How long a trainer collective may wait for its slowest rank before the job fails: torch's default, which a long
+# step with uneven ranks (a pipeline's first stage waits a whole schedule for its first gradient) needs.
+TRAINER_GROUP_TIMEOUT = timedelta(minutes=30)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
@@ -50,7 +54,7 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
     if torch.cuda.is_available():
         torch.cuda.set_device(layout.rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        timeout = timedelta(minutes=30)
+        timeout = TRAINER_GROUP_TIMEOUT
         dist.init_process_group(backend=backend, store=_rendezvous_store(layout, master_addr, master_port, timeout),
                                 rank=layout.rank, world_size=layout.world_size, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():

@@ -11,9 +11,13 @@ from datetime import timedelta
 
 import torch
 
+# The sender's bound on joining the group and on one bucket's broadcast (the engines' side of the group keeps
+# torch's default, 30 minutes).
+WEIGHT_UPDATE_GROUP_TIMEOUT = timedelta(minutes=10)
+
 
 def new_weight_update_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                            group_name: str, timeout: timedelta = timedelta(minutes=10)):
+                            group_name: str, timeout: timedelta = WEIGHT_UPDATE_GROUP_TIMEOUT):
     from torch.distributed import distributed_c10d as c10d
 
     from slimish.network import hosted_store
