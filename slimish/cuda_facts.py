@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimish.compat.cuda_driver_stub import real_driver_library
+
 HIDING_VALUES = {"", "-1", "NoDevFiles", "none", "void"}
 
 
@@ -87,13 +89,10 @@ def cause(facts: CudaFacts) -> str:
 
 
 def _driver_library() -> tuple[bool, str | None]:
-    """(a real driver library loads, the CUDA version it supports). A real driver exports cuInit; slimish's CPU
-    stand-in for libcuda.so.1 carries the same soname but not that symbol."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False, None
-    if not hasattr(lib, "cuInit"):
+    """(a real driver library loads, the CUDA version it supports); slimish's CPU stand-in for libcuda.so.1 is no
+    driver (`real_driver_library`)."""
+    lib = real_driver_library()
+    if lib is None:
         return False, None
     version = ctypes.c_int(0)
     # cuDriverGetVersion needs no cuInit and no device: it answers even when the driver is too old for torch.

@@ -15,7 +15,6 @@ import sys
 import warnings
 
 LEVEL_ENV = "SLIMISH_LOG_LEVEL"
-LEVELS = ("debug", "info", "warning", "error")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

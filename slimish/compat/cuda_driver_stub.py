@@ -19,13 +19,18 @@ from pathlib import Path
 _SOURCE = "int cuPointerGetAttribute(void *d, int a, unsigned long long p) { return 100; }\n"
 
 
-def real_driver_present() -> bool:
-    """True when a real NVIDIA driver library loads. Once this process has loaded the stub (it carries the same
-    soname), dlopen("libcuda.so.1") returns the stub: a real driver is told apart by exporting cuInit."""
+def real_driver_library() -> ctypes.CDLL | None:
+    """The real NVIDIA driver library, or None when none loads. Once this process has loaded the stub (it carries the
+    same soname), dlopen("libcuda.so.1") returns the stub: a real driver is told apart by exporting cuInit."""
     try:
-        return hasattr(ctypes.CDLL("libcuda.so.1"), "cuInit")
+        lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False
+        return None
+    return lib if hasattr(lib, "cuInit") else None
+
+
+def real_driver_present() -> bool:
+    return real_driver_library() is not None
 
 
 def stub_path() -> Path:

@@ -32,8 +32,7 @@ class EngineClient:
 
     def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self._headers = auth_headers(api_key)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._headers)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key))
 
     def close(self) -> None:
         self._http.close()

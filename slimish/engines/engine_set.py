@@ -36,10 +36,6 @@ class EngineSet:
         with self.lock:
             return self._state[url]
 
-    def snapshot(self) -> dict[str, str]:
-        with self.lock:
-            return dict(self._state)
-
     def in_service(self, url: str) -> bool:
         return self.state(url) in IN_SERVICE
 

@@ -65,12 +65,6 @@ class EngineWatchdog:
     def live(self) -> list[str]:
         return self.engines.live()
 
-    def for_sync(self) -> dict:
-        """The engines the next weight sync goes to (`EngineSet.for_sync`). Looks for dead engines first, so that a
-        sync never begins with an engine that died since the last periodic check."""
-        self.check()
-        return self.engines.for_sync()
-
     def lost(self, urls: list[str]) -> list[str]:
         return self.engines.lost(urls)
 

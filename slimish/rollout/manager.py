@@ -84,10 +84,10 @@ class RolloutManager:
     def start(self) -> dict:
         seconds = self.servers.start()
         ro = self.cfg.rollout
-        engines = GenerationClient(self.servers.router_url, request_timeout_s=ro.request_timeout_s,
-                                   max_concurrency=ro.max_concurrency, api_key=self.servers.api_key)
+        generation = GenerationClient(self.servers.router_url, request_timeout_s=ro.request_timeout_s,
+                                      max_concurrency=ro.max_concurrency, api_key=self.servers.api_key)
         self.scheduler = RolloutScheduler(
-            engines=engines, engine_urls=self.servers.engine_urls, params=self.sampling,
+            engines=generation, engine_urls=self.servers.engine_urls, params=self.sampling,
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             max_retries=ro.max_retries, new_group=self._new_group, score=self._score, detokenize=self._detokenize,
             dynamic_sampling=ro.dynamic_sampling, program=self.program, tokenize=self._tokenize)
