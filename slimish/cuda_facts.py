@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import socket
 import warnings
 from dataclasses import dataclass
@@ -103,12 +104,20 @@ def _driver_library() -> tuple[bool, str | None]:
 
 def _kernel_module_version() -> str | None:
     try:
-        text = Path("/proc/driver/nvidia/version").read_text()
+        return kernel_module_version(Path("/proc/driver/nvidia/version").read_text())
     except OSError:
         return None
-    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023"
-    words = text.split("Kernel Module", 1)[-1].split()
-    return words[0] if words else None
+
+
+def kernel_module_version(text: str) -> str | None:
+    """The driver version in the text of /proc/driver/nvidia/version: the first dotted number of its NVRM line,
+    whichever module wrote it ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 ...", or
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ...")."""
+    for line in text.splitlines():
+        if line.startswith("NVRM version:"):
+            found = re.search(r"\b\d+\.\d+(?:\.\d+)?\b", line)
+            return found.group(0) if found else None
+    return None
 
 
 def _version(text: str | None) -> tuple[int, ...]:

@@ -68,3 +68,12 @@ def test_the_node_check_says_why_in_one_line(capsys):
     assert main(["check-gpu"]) == 1
     [line] = capsys.readouterr().out.splitlines()
     assert line.startswith("cuda unusable on ") and "no NVIDIA driver is installed" in line, line
+
+
+@pytest.mark.parametrize("text", [
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC version: 12.2\n",
+    # the open kernel module, as an H200 node printed it (the first reading here took "for" for the version)
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  \n"
+    "GCC version:  gcc version 15.3.0 (GCC) \n"])
+def test_the_driver_version_is_read_from_either_kernel_module(text):
+    assert cuda_facts.kernel_module_version(text) == text.split("  ")[1].strip()

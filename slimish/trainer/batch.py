@@ -40,13 +40,19 @@ class MicroBatch:
     def to(self, device: torch.device, *, non_blocking: bool = False) -> MicroBatch:
         """This micro-batch with every tensor on `device` (itself when they are all there already). From pinned
         host memory to a GPU the copies are asynchronous with `non_blocking`."""
-        moved = {name: value.to(device, non_blocking=non_blocking) for name, value in self._tensors()
-                 if value.device != device}
-        return dataclasses.replace(self, **moved) if moved else self
+        if all(value.device == device for _, value in self._tensors()):
+            return self
+        return self.apply(lambda value: value.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> MicroBatch:
         """This micro-batch with its tensors in page-locked host memory (for asynchronous copies to a GPU)."""
-        return dataclasses.replace(self, **{name: value.pin_memory() for name, value in self._tensors()})
+        return self.apply(torch.Tensor.pin_memory)
+
+    def apply(self, fn) -> MicroBatch:
+        """This micro-batch with `fn(tensor)` in place of each tensor. An expanded view (the causal mask: one
+        [S, S] mask seen as [B, 1, S, S]) is given to `fn` as the one copy it views and expanded again: pinning
+        refuses a tensor whose elements share memory, and copying the view would make B copies of the mask."""
+        return dataclasses.replace(self, **{name: _apply_compact(fn, value) for name, value in self._tensors()})
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(field name, tensor) of every field that holds a tensor now."""
@@ -98,6 +104,16 @@ class MicroBatch:
             mask = self.loss_mask[row, start:end]
             out[row, start:end] = mask / mask.sum().clamp(min=1)
         return out
+
+
+def _apply_compact(fn, tensor: torch.Tensor) -> torch.Tensor:
+    """`fn(tensor)` for a tensor whose elements each have memory of their own; for an expanded view, `fn` of what it
+    views (each expanded dimension taken once), expanded to the same shape."""
+    expanded = [size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())]
+    if not any(expanded):
+        return fn(tensor)
+    viewed = tensor[tuple(slice(0, 1) if e else slice(None) for e in expanded)]
+    return fn(viewed).expand(tensor.shape)
 
 
 def causal_mask(batch: int, seq_len: int, device=None) -> torch.Tensor:

@@ -74,3 +74,25 @@ def test_no_samples_is_one_padding_token_that_trains_nothing():
     mb = collate_packed([], pad_id=0)
     assert mb.tokens.shape == (1, 1) and mb.loss_mask.numel() == 0 and mb.trained_samples() == 0
     assert mb.cu_seqlens == [0, 1]
+
+
+def test_a_padded_batch_moves_one_copy_of_its_causal_mask():
+    """Pinning (before the copy to a GPU) refuses a tensor whose elements share memory, as the expanded causal mask's
+    do: first seen on an H200, where every padded step failed in `pin_memory`. Every tensor handed to the copy has
+    memory of its own, and the mask is copied once ([S, S]), not once per row."""
+    samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4]), _sample([1], [2])]
+    mb = collate(samples, pad_id=0)
+    copied = {}
+
+    def copy(tensor):
+        assert torch._debug_has_internal_overlap(tensor) == 0, "elements sharing memory: pin_memory refuses this"
+        copied[tensor.data_ptr()] = tensor.numel()
+        return tensor.clone()
+
+    moved = mb.apply(copy)
+    seq = mb.tokens.shape[1]
+    assert sorted(copied.values()) == sorted([mb.tokens.numel(), mb.position_ids.numel(), mb.loss_mask.numel(),
+                                              seq * seq])
+    for name in ("tokens", "position_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(getattr(moved, name), getattr(mb, name)), name
+    assert moved.attention_mask.shape == (3, 1, seq, seq) and moved.attention_mask.stride()[0] == 0
