@@ -15,6 +15,7 @@ import secrets
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 STORE_TIMEOUT = timedelta(minutes=10)  # a store's wait for a key another rank has not set yet
 JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's own calls to the engines
@@ -24,6 +25,16 @@ def new_job_key() -> str:
     """256 random bits as hex. Not urlsafe base64: its alphabet has '-', and a key that begins with one is taken for
     an option by the engines' and the router's argument parsers ("--api-key: expected one argument")."""
     return secrets.token_hex(32)
+
+
+def read_key(path: str) -> str:
+    """The key in file `path` (its first line; a UserError naming the file when it is empty)."""
+    from slimish.errors import UserError
+
+    lines = Path(path).read_text().splitlines()
+    if not lines or not lines[0].strip():
+        raise UserError(f"{path} holds no key: write the engines' API key on its first line")
+    return lines[0].strip()
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -159,6 +159,13 @@ class EngineConfig:
     hang_timeout_s: float = doc(60.0, "Seconds a /health_generate probe may take before its engine counts as hung "
                                       "(SGLang itself answers 503 after 20 s without scheduler progress).")
     extra_args: list = doc([], "Extra command-line arguments passed verbatim to sglang.launch_server.")
+    attach: list = doc([], "URLs of running SGLang engines to use instead of starting num_engines (num_engines "
+                           "must equal their count): engines kept up between jobs, e.g. while iterating on a "
+                           "reward. At the job's start each is reset (the checkpoint in model.hf_path reloaded, "
+                           "requests aborted, caches flushed); at its end each is left running. The job cannot "
+                           "restart them: no watchdog runs for attached engines.")
+    attach_key_file: str = doc("", "File holding the API key the attached engines were started with (SGLang "
+                                    "--api-key); the job's router and clients use it. Required with attach.")
 
 
 @dataclass(kw_only=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
@@ -155,6 +156,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         raise ConfigError("sft.batch_size", f"must split evenly over {data_parallel} data-parallel ranks, got "
                                             f"{cfg.sft.batch_size}")
 
+    _check_attach(ro.engine, files=files)
     engine_ports = range(ro.engine.base_port, ro.engine.base_port + ro.engine.num_engines)
     for key, port in [("rollout.router.port", ro.router.port),
                       ("rollout.router.prometheus_port", ro.router.prometheus_port),
@@ -284,3 +286,21 @@ def _check_hook(key: str, dotted: str) -> None:
         load_function(dotted)
     except HookError as exc:
         raise ConfigError(key, str(exc)) from None
+
+
+def _check_attach(engine, *, files: bool) -> None:
+    """Attached engines: as many as num_engines, each an http URL, with the key they were started with."""
+    if not engine.attach:
+        return
+    if len(engine.attach) != engine.num_engines:
+        raise ConfigError("rollout.engine.num_engines", f"is {engine.num_engines}, but rollout.engine.attach lists "
+                                                        f"{len(engine.attach)} engines: set num_engines="
+                                                        f"{len(engine.attach)}")
+    for url in engine.attach:
+        if not (isinstance(url, str) and re.fullmatch(r"https?://[^/\s]+", url)):
+            raise ConfigError("rollout.engine.attach", f"{url!r} is not an engine URL (http://HOST:PORT)")
+    if not engine.attach_key_file:
+        raise ConfigError("rollout.engine.attach_key_file", "is required with rollout.engine.attach: the file "
+                                                            "holding the key the engines were started with")
+    if files and not Path(engine.attach_key_file).is_file():
+        raise ConfigError("rollout.engine.attach_key_file", f"{_shown(engine.attach_key_file)} does not exist")

@@ -68,6 +68,10 @@ class EngineClient:
     def model_info(self) -> dict:
         return self._request("GET", "/model_info")
 
+    def server_info(self) -> dict:
+        """The engine's start-up configuration (`model_path`: what it was started on, whatever it loaded since)."""
+        return self._request("GET", "/server_info")
+
     def weight_version(self) -> str | None:
         return self.model_info().get("weight_version")
 

@@ -21,6 +21,16 @@ from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
 from slimish.network import hosted_store, node_ip
 
+ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of an SGLang server process: `sglang_cpu.server_env()` (what a CPU-only machine needs), with
+    `engine_path` first on PYTHONPATH, which hides Megatron-Core from the engine (see engine_path/megatron)."""
+    env = sglang_cpu.server_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ENGINE_PATH), env.get("PYTHONPATH")]))
+    return env
+
 
 def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: str, tp: int, max_total_tokens: int,
                 seed: int, extra: list[str]) -> list[str]:
@@ -53,7 +63,7 @@ class EngineProcess:
                            tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=self.seed + self.index,
                            extra=[*self._secret_args(), *eng.extra_args])
         self._store, store_port = hosted_store(self.host)
-        env = {**sglang_cpu.server_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
+        env = {**engine_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
                "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}
         self.proc = ManagedProcess(f"engine{self.index}", argv, env=env, log_path=self.log_path)
         self.proc.start()

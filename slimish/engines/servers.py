@@ -1,6 +1,10 @@
 """Launch the SGLang engines (one Ray actor each, on the node and GPUs its placement slot holds) and the
 sglang-router in front of them (a process of the rollout manager, on loopback), and tear them down.
 
+Attached engines (`rollout.engine.attach`): engines this job did not start, kept up between jobs. The job resets
+them at its start (`reset_attached`), puts its own router in front of them, and leaves them running at its end; it
+cannot restart them.
+
 Router choices that matter for RL (see README "CPU notes"): retries off (a retried /generate is a duplicate
 sample), circuit breaker off (it would answer 503 to everything after a few failures), Prometheus bound to
 127.0.0.1, health checks on the cheap /ready endpoint (/health runs a generation).
@@ -18,10 +22,12 @@ import ray
 from slimish.compat import sglang_cpu
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines import timeouts
+from slimish.engines.client import EngineClient, EngineError
 from slimish.engines.launch_router import API_KEY_ENV
 from slimish.engines.process import ManagedProcess
 from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
+from slimish.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +46,16 @@ def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, poli
 class EngineServers:
     """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate.
 
-    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement).
-    With `api_key`, engines and router refuse callers without it (slimish/network.py)."""
+    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement);
+    none with attached engines. With `api_key`, engines and router refuse callers without it (slimish/network.py);
+    attached engines require the key they were started with."""
 
     def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
                  engine_options: list[dict], api_key: str | None = None):
-        if len(engine_options) != rollout.engine.num_engines:
-            raise ValueError(f"{len(engine_options)} placement slots for {rollout.engine.num_engines} engines")
+        self.attached = list(rollout.engine.attach)
+        wanted = 0 if self.attached else rollout.engine.num_engines
+        if len(engine_options) != wanted:
+            raise ValueError(f"{len(engine_options)} placement slots for {wanted} engines to start")
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
         self.api_key = api_key
@@ -65,8 +74,13 @@ class EngineServers:
                                                         api_key=self.api_key)
                         for i, options in enumerate(self.engine_options)]
         try:
-            self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
-            ray.get([engine.wait_healthy.remote() for engine in self.engines])
+            if self.attached:
+                self.engine_urls = [url.rstrip("/") for url in self.attached]
+                for url in self.engine_urls:
+                    reset_attached(url, model_path=self.model.hf_path, api_key=self.api_key)
+            else:
+                self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
+                ray.get([engine.wait_healthy.remote() for engine in self.engines])
             router = self.rollout.router
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=router.port,
@@ -84,6 +98,8 @@ class EngineServers:
 
     def engine_alive(self, i: int) -> bool:
         """False when engine i's server process exited, or its actor (or node) is gone."""
+        if self.attached:
+            raise RuntimeError("attached engines are not watched (no process of this job)")
         try:
             return ray.get(self.engines[i].alive.remote(), timeout=timeouts.ACTOR_CALL_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -126,7 +142,10 @@ class EngineServers:
         return out
 
     def engine_info(self) -> list[dict]:
-        """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES."""
+        """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES (attached engines: the URL
+        alone, and `attached`)."""
+        if self.attached:
+            return [{"url": url, "attached": True, "pid": None} for url in self.engine_urls]
         return ray.get([engine.info.remote() for engine in self.engines])
 
     def pids(self) -> list[int]:
@@ -136,7 +155,7 @@ class EngineServers:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop router and engines together (a cancelled Slurm job has ~30 s before SIGKILL); the engine actors
-        are then killed too."""
+        are then killed too. Attached engines keep running."""
         if self.router is not None:
             self.router.stop(grace_s)
         stops = [engine.stop.remote(grace_s) for engine in self.engines]
@@ -146,3 +165,26 @@ class EngineServers:
             logger.warning("stopping engines: %s", exc)
         for engine in self.engines:
             ray.kill(engine)
+
+
+def reset_attached(url: str, *, model_path: str, api_key: str | None) -> None:
+    """Make a running engine as a freshly started one serving `model_path`: unpaused, with no request of an earlier
+    job left, the checkpoint reloaded from disk (weight version "0") and its caches flushed. A UserError in one
+    line when it does not answer or serves another model."""
+    client = EngineClient(url, timeout_s=timeouts.ATTACH_RESET_S, api_key=api_key)
+    try:
+        try:
+            served = client.server_info().get("model_path")  # as started: a disk sync changes model_info's
+        except EngineError as exc:
+            raise UserError(f"rollout.engine.attach: {url} {'does not answer' if exc.unreachable else 'refused'} "
+                            f"({exc}): start it, or attach engines that run with the key in "
+                            "rollout.engine.attach_key_file") from None
+        if served is None or Path(served).resolve() != Path(model_path).resolve():
+            raise UserError(f"rollout.engine.attach: {url} serves {served}, not model.hf_path {model_path}: "
+                            "attach engines started on the job's model")
+        client.continue_generation()  # an earlier job may have left it paused (partial rollouts)
+        client.abort()
+        client.update_weights_from_disk(model_path=model_path, weight_version="0", flush_cache=True)
+        logger.info("attached engine %s: reset to %s", url, model_path)
+    finally:
+        client.close()

@@ -12,3 +12,4 @@ ACTOR_CALL_S = 30.0        # a quick call to an engine's Ray actor (is the proce
 KILL_S = 60.0              # SIGKILL an engine's process group and reap it
 STOP_EXTRA_S = 15.0        # stopping engines: their grace period plus this, then their actors are killed
 TELEMETRY_S = 10.0         # one engine's GPU telemetry; an engine slower than this is left out of that sample
+ATTACH_RESET_S = 600.0     # resetting an attached engine: its checkpoint reloaded from disk

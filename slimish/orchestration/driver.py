@@ -25,7 +25,7 @@ from pathlib import Path
 from slimish import run_layout
 from slimish.config import JobConfig, save_config, to_dict
 from slimish.hooks import load_function
-from slimish.network import JOB_KEY_FILE, new_job_key
+from slimish.network import JOB_KEY_FILE, new_job_key, read_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import Slot, placement_record
@@ -59,7 +59,8 @@ class RLJob:
         self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
         self.synced_engines: list[str] = []
         self.slots: dict[str, list[Slot]] = {}
-        self.api_key = new_job_key()  # engines and router refuse calls without it
+        # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
+        self.api_key = read_key(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach else new_job_key()
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
         self.progress_bar = progress_bar

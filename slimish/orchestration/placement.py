@@ -49,6 +49,8 @@ def cluster_gpus() -> int:
 
 def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float, cpus_each: float = CPU_SLIVER) -> list[Slot]:
     """`count` bundles of `gpus_each` GPUs each (`cpus_each` CPUs without GPUs), PACKed, ordered node by node."""
+    if count == 0:  # attached engines: nothing to place
+        return []
     bundle = {"GPU": gpus_each} if gpus_each else {"CPU": cpus_each}
     group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
@@ -104,11 +106,13 @@ def node_names() -> dict[str, str]:
 
 def placement_record(slots: dict[str, list[Slot]], engines: list[dict]) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
-    GPUs Ray gave each engine."""
+    GPUs Ray gave each engine (attached engines: their URLs)."""
     names = node_names()
     return {"gpus": cluster_gpus(),
             "trainer": [{"rank": rank, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus}
                         for rank, slot in enumerate(slots["trainer"])],
-            "engines": [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
-                         "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
-                        for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]}
+            "engines": [{"index": i, "url": engine["url"], "attached": True} for i, engine in enumerate(engines)]
+            if engines and engines[0].get("attached") else  # running before the job: not placed by it
+            [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
+              "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
+             for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]}

@@ -95,7 +95,7 @@ def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
     engine = cfg.rollout.engine
     engines: list[Slot] = []
     try:
-        engines = reserve("slimish-engines", count=engine.num_engines,
+        engines = reserve("slimish-engines", count=0 if engine.attach else engine.num_engines,
                           gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout, cpus_each=cpus)
         slots = {"trainer": trainer, "engines": engines}
         if gpus:

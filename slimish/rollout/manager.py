@@ -92,7 +92,7 @@ class RolloutManager:
             max_retries=ro.max_retries, new_group=self._new_group, score=self._score, detokenize=self._detokenize,
             dynamic_sampling=ro.dynamic_sampling, program=self.program, tokenize=self._tokenize)
         self.engines = EngineSet(self.servers.engine_urls)
-        if ro.engine.restart_dead:
+        if ro.engine.restart_dead and not ro.engine.attach:  # the job cannot restart engines it did not start
             self.watchdog = EngineWatchdog(self.servers, self.engines, interval_s=ro.engine.watch_interval_s,
                                            on_live_change=self.scheduler.set_engine_urls,
                                            health_interval_s=ro.engine.health_interval_s,

@@ -82,6 +82,12 @@ BAD_CASES = [
     ("trainer.optimizer.lr_decay_style=step", "trainer.optimizer.lr_decay_style",
      "allowed values: 'constant', 'linear', 'cosine'"),
     ("trainer.optimizer.min_lr_ratio=1.5", "trainer.optimizer.min_lr_ratio", "must be in [0, 1]"),
+    ("rollout.engine.attach=[http://127.0.0.1:31000]", "rollout.engine.num_engines",
+     "is 2, but rollout.engine.attach lists 1 engines: set num_engines=1"),
+    ("rollout.engine.attach=[127.0.0.1:31000, http://127.0.0.1:31001]", "rollout.engine.attach",
+     "'127.0.0.1:31000' is not an engine URL (http://HOST:PORT)"),
+    ("rollout.engine.attach=[http://127.0.0.1:31000, http://127.0.0.1:31001]", "rollout.engine.attach_key_file",
+     "is required with rollout.engine.attach"),
 ]
 
 
@@ -170,3 +176,10 @@ def test_shipped_configs_parse(path, base):
 def test_sft_batch_must_split_over_data_parallel_ranks(base):
     with pytest.raises(ConfigError, match="sft.batch_size.*must split evenly over 2 data-parallel ranks, got 63"):
         load_config(REPO / "configs/quickstart_cpu.yaml", base + ["parallel.num_trainer_ranks=2", "sft.batch_size=63"])
+
+
+def test_attached_engines_need_their_key_file(base):
+    attach = ["rollout.engine.attach=[http://127.0.0.1:31000, http://127.0.0.1:31001]"]
+    with pytest.raises(ConfigError, match="rollout.engine.attach_key_file': '/nonexistent/key' does not exist"):
+        load_config(REPO / "configs/quickstart_cpu.yaml",
+                    base + attach + ["rollout.engine.attach_key_file=/nonexistent/key"])

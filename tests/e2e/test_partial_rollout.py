@@ -34,10 +34,11 @@ COMMON = ("sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "
           "weight_sync.bucket_mb=1", "trainer.loss.tis_cap=2.0")
 
 
-def run_job(task_assets, tmp_path, name: str, *overrides: str) -> tuple[list[dict], str]:
-    """The job's metrics records, and its failed-request warnings (the reasons behind `samples_failed`)."""
+def run_job(task_assets, tmp_path, engines, name: str, *overrides: str) -> tuple[list[dict], str]:
+    """The job's metrics records, and its failed-request warnings (the reasons behind `samples_failed`). The job
+    attaches to the session's shared `engines`."""
     become_subreaper()
-    cmd = train_command(task_assets, tmp_path, *COMMON, f"run.name={name}", *overrides)
+    cmd = train_command(task_assets, tmp_path, *COMMON, f"run.name={name}", *engines.overrides(), *overrides)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path,
                             env=hook_env(tmp_path / name))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -47,9 +48,10 @@ def run_job(task_assets, tmp_path, name: str, *overrides: str) -> tuple[list[dic
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()], failures
 
 
-def test_abort_mode_continues_aborted_requests_across_syncs(task_assets, tmp_path):
+def test_abort_mode_continues_aborted_requests_across_syncs(task_assets, tmp_path, attached):
     """With dynamic sampling on: every group a step trains has reward variance (groups without are replaced)."""
-    records, failures = run_job(task_assets, tmp_path, "abort", "rl.num_steps=4", "rollout.partial.mode=abort",
+    records, failures = run_job(task_assets, tmp_path, attached, "abort", "rl.num_steps=4",
+                                "rollout.partial.mode=abort",
                                 "rollout.partial.over_sampling=4", "rollout.dynamic_sampling.enabled=true",
                                 'rollout.stop=["e", "t"]', "reward.fn=tests.e2e.hooks.long_response_reward",
                                 "run.save_rollouts=true")
@@ -83,7 +85,7 @@ def assert_versions_are_true(records: list[dict]) -> None:
     assert stale and max(stale) > 1e-3, stale
 
 
-def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_path):
+def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_path, attached):
     """The next step's groups generate while the trainer trains. Whether a sync finds one of their requests still
     running is not left to the speed of generation against training (this model generates a batch in ~0.2 s): the
     run.phase_hook of tests/e2e/hooks.py freezes the engines as training begins and, as the sync begins, lets them
@@ -93,7 +95,8 @@ def test_retract_mode_keeps_generating_through_weight_syncs(task_assets, tmp_pat
     engine would not answer them."""
     from tests.e2e import hooks
 
-    records, failures = run_job(task_assets, tmp_path, "retract", "rl.num_steps=4", "rollout.partial.mode=retract",
+    records, failures = run_job(task_assets, tmp_path, attached, "retract", "rl.num_steps=4",
+                                "rollout.partial.mode=retract",
                                 "run.phase_hook=tests.e2e.hooks.hold_requests_for_syncs",
                                 "rollout.generate_fn=tests.e2e.hooks.generate_once_frozen",
                                 "rollout.engine.health_interval_s=0")

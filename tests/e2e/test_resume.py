@@ -29,9 +29,11 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path, mode):
+def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path, mode, attached):
+    """Both jobs attach to one shared engine: the second finds it holding the first's last weights, resets it to the
+    checkpoint and syncs the resumed weights into it."""
     become_subreaper()
-    common = ["sft.steps=3", "run.name=resume", "rollout.engine.num_engines=1", "rollout.prompts_per_step=4",
+    common = ["sft.steps=3", "run.name=resume", *attached.overrides(1), "rollout.prompts_per_step=4",
               "checkpoint.save_every=1", "checkpoint.keep_last=2", *MODES[mode], "rollout.max_new_tokens=48",
               "reward.fn=slimish.tasks.echo_digit.contains_reward", "run.save_rollouts=true",
               "weight_sync.transport=disk", "weight_sync.bucket_mb=0.1"]

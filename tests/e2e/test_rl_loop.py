@@ -160,15 +160,15 @@ def test_bf16_rl_steps_keep_engine_and_trainer_logprobs_together(task_assets, tm
     assert not leftovers(), "processes left running after the job"
 
 
-def test_pipeline_parallel_trainer_sends_every_stage_from_its_own_sender(task_assets, tmp_path):
+def test_pipeline_parallel_trainer_sends_every_stage_from_its_own_sender(task_assets, tmp_path, attached):
     """Trainer at pipeline-parallel 2 with stage senders (the default for broadcast): stage 1's leader broadcasts
     its own layers over its own group while rank 0 posts every engine request, and after every sync (the warm-up's
     and each step's) the engines hold exactly the trainer's weights: verified checksums, and engine and trainer
-    logprobs within 1e-4 (fp32)."""
+    logprobs within 1e-4 (fp32). Attached to the session's shared engines."""
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=2", "run.name=pp2",
                         "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2", "rollout.prompts_per_step=8",
-                        "weight_sync.bucket_mb=0.1")
+                        "weight_sync.bucket_mb=0.1", *attached.overrides())
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines()]

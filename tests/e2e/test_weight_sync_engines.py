@@ -28,9 +28,8 @@ FAMILIES = ["qwen3", "glm4_moe"]
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded): one engine per family."""
-    from slimish.compat import sglang_cpu
     from slimish.engines.process import ManagedProcess
-    from slimish.engines.server import engine_argv
+    from slimish.engines.server import engine_argv, engine_env
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.tasks import echo_digit
@@ -42,7 +41,7 @@ def engine(request, tmp_path_factory):
     port = free_port()
     argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
                        max_total_tokens=1024, seed=0, extra=[])
-    proc = ManagedProcess(f"engine_{family}", argv, env=sglang_cpu.server_env(), log_path=root / "engine.log")
+    proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(), log_path=root / "engine.log")
     proc.start()
     url = f"http://127.0.0.1:{port}"
     try:

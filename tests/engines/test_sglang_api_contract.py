@@ -68,3 +68,25 @@ def test_sampling_params_we_send_exist():
 
     sent = Ours(max_new_tokens=8, temperature=1.0, top_p=1.0, stop=("x",)).to_json()
     assert set(sent) <= set(_fields(SamplingParams))
+
+
+def test_the_endpoints_we_call_exist():
+    """Every path `EngineClient` calls is a route of the installed SGLang server (`/server_info`: the start-up
+    configuration that `reset_attached` reads the engine's model from)."""
+    import inspect
+    import re
+
+    from sglang.srt.entrypoints.http_server import app
+
+    from slimish.engines import client
+
+    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(client.EngineClient)))
+    assert {"/server_info", "/model_info", "/update_weights_from_disk", "/continue_generation"} <= called
+    def paths(routes):  # included routers (fastapi's _IncludedRouter) hold routes of their own
+        for route in routes:
+            if hasattr(route, "path"):
+                yield route.path
+            else:
+                yield from paths(route.original_router.routes)
+
+    assert called <= set(paths(app.routes))

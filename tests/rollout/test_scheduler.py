@@ -18,15 +18,14 @@ STOP_E_T = ("e", "t")  # about one character in 18 of the untrained model's outp
 
 @pytest.fixture(scope="module")
 def engine_url(task_assets, tmp_path_factory):
-    from slimish.compat import sglang_cpu
     from slimish.engines.process import ManagedProcess
-    from slimish.engines.server import engine_argv
+    from slimish.engines.server import engine_argv, engine_env
     from tests.conftest import free_port
 
     port = free_port()
     argv = engine_argv(model_path=task_assets["model"], host="127.0.0.1", port=port, device="cpu", dtype="float32",
                        tp=1, max_total_tokens=4096, seed=0, extra=[])
-    proc = ManagedProcess("engine", argv, env=sglang_cpu.server_env(),
+    proc = ManagedProcess("engine", argv, env=engine_env(),
                           log_path=tmp_path_factory.mktemp("engine") / "engine.log")
     proc.start()
     try:

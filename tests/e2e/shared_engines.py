@@ -1,0 +1,86 @@
+"""Engines shared by the e2e jobs that attach to them (`rollout.engine.attach`) instead of starting their own: an
+engine's start-up is most of a short job's time on this machine (~45 s of 70 for two engines).
+
+The engines run for the whole session, started as a user would start engines to attach to (SGLang's server, the
+engine environment of `slimish.engines.server`, an API key in a file). Each job resets them at its start (the
+checkpoint reloaded, requests aborted, caches flushed); between tests, `check_engines` makes sure that a job left
+them healthy and generating (not paused, not hung), so that a job that broke one fails where it did it. The router
+is each job's own, so no membership carries over between jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from slimish.engines.client import EngineClient
+from slimish.engines.process import ManagedProcess
+from slimish.engines.server import engine_argv, engine_env
+from slimish.network import free_port, new_job_key
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class SharedEngines:
+    urls: list[str]
+    key_file: Path
+    model: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def overrides(self, count: int | None = None) -> list[str]:
+        """The config overrides of a job attached to the first `count` engines (all by default)."""
+        urls = self.urls[:count]
+        return [f"rollout.engine.num_engines={len(urls)}", f"rollout.engine.attach=[{', '.join(urls)}]",
+                f"rollout.engine.attach_key_file={self.key_file}"]
+
+    def client(self, url: str) -> EngineClient:
+        return EngineClient(url, timeout_s=120, api_key=self.key_file.read_text().strip())
+
+    def check_engines(self) -> None:
+        """Every engine runs, answers a generation, and is not paused (a paused engine's /health_generate waits)."""
+        for url, process in zip(self.urls, self.processes):
+            assert process.alive(), f"shared engine {url} died:\n{process.log_tail()}"
+            client = self.client(url)
+            try:
+                problem = client.probe("/health_generate", timeout_s=60)
+            finally:
+                client.close()
+            assert problem is None, f"shared engine {url} {problem} after the test"
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+def start(model: str, root: Path, *, count: int = 2, seed: int = 1234, max_total_tokens: int = 4096
+          ) -> SharedEngines:
+    """`count` SGLang CPU engines on `model`, each requiring the key in `root`/engine_key, healthy on return."""
+    root.mkdir(parents=True, exist_ok=True)
+    key = new_job_key()
+    key_file = root / "engine_key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    engines = SharedEngines(urls=[], key_file=key_file, model=model)
+    try:
+        for i in range(count):
+            port = free_port()
+            fd, config = tempfile.mkstemp(dir=root, suffix=".yaml")  # the key via --config, not the command line
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump({"api-key": key}, f)
+            argv = engine_argv(model_path=model, host=HOST, port=port, device="cpu", dtype="float32", tp=1,
+                               max_total_tokens=max_total_tokens, seed=seed + i, extra=["--config", config])
+            process = ManagedProcess(f"shared_engine{i}", argv, env=engine_env(), log_path=root / f"engine{i}.log")
+            process.start()
+            engines.processes.append(process)
+            engines.urls.append(f"http://{HOST}:{port}")
+        for url, process in zip(engines.urls, engines.processes):
+            process.wait_http_ok(f"{url}/health_generate", timeout_s=600)
+    except BaseException:
+        engines.stop()
+        raise
+    return engines
