@@ -39,6 +39,13 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))
+    # torch's RMSNorm (WrappedTorchNorm) ignores config.params_dtype and makes fp32 weights. Every parameter takes the
+    # model's dtype, as Megatron's Float16Module would give it: SGLang's norms hold the same dtype, and Megatron's
+    # mixed-precision optimizer checkpoints only parameters of the model's dtype (an fp32 norm beside bf16 layers
+    # failed every save: "Param id N does not match any model sharded param").
+    for param in model.parameters():
+        if param.dtype != config.params_dtype and param.is_floating_point():
+            param.data = param.data.to(config.params_dtype)
     # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
     # moves (a model built on the meta device, to read its shapes, stays there).
     return model.to(device) if device.type != "cpu" else model

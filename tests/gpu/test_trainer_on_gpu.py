@@ -14,9 +14,10 @@ from tests.trainer.test_worker_layouts import _run as run_layout
 ON_CPU = {"SLIMISH_EMULATED_GPU": "0", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _run(task_assets, out: Path, *, env: dict[str, str] | None, overrides: tuple[str, ...] = ()) -> dict:
-    return run_layout(task_assets, out, world_size=1, tp=1, overrides=overrides, extra=("--more-steps",), env=env,
-                      timeout=600)[0]
+def _run(task_assets, out: Path, *, env: dict[str, str] | None, overrides: tuple[str, ...] = (),
+         dtype: str = "float32") -> dict:
+    return run_layout(task_assets, out, world_size=1, tp=1, dtype=dtype, overrides=overrides,
+                      extra=("--more-steps",), env=env, timeout=600)[0]
 
 
 @pytest.mark.parametrize("overrides", [(), ("trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01"),
@@ -38,3 +39,20 @@ def test_a_step_on_the_gpu_is_the_cpu_step(task_assets, tmp_path, overrides):
     # parameter) cover the same parameters as those from their CPU copies (SHA-256); the values differ by hash.
     assert gpu["checksums"].keys() == gpu["cpu_checksums"].keys()
     assert all(len(value) == 16 for value in gpu["checksums"].values())
+
+
+def test_a_bf16_step_on_the_gpu_tracks_the_fp32_cpu_step(task_assets, tmp_path):
+    """model.dtype=bfloat16 on the GPU (bf16 kernels, Megatron's mixed-precision optimizer with fp32 main weights)
+    against the fp32 step on the CPU, within bf16 precision: the tolerances of the CPU tier's bf16-at-TP2 test
+    (tests/trainer/test_worker_layouts.py)."""
+    gpu = _run(task_assets, tmp_path / "gpu", env=None, dtype="bfloat16")
+    cpu = _run(task_assets, tmp_path / "cpu", env=ON_CPU)
+    assert gpu["metrics"]["ppo_kl"] == 0.0, "same weights, same micro-batches: the ratio is exactly 1"
+    assert gpu["metrics"]["grad_norm"] == pytest.approx(cpu["metrics"]["grad_norm"], rel=1e-2)
+    assert torch.allclose(gpu["before"], cpu["before"], atol=2e-2)
+    moved, expected = (gpu["after"] - gpu["before"]).sum(1), (cpu["after"] - cpu["before"]).sum(1)
+    assert torch.equal(moved.sign(), expected.sign()) and torch.allclose(moved, expected, rtol=0.25)
+    assert gpu["state"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16  # what weight sync sends
+    for name, tensor in cpu["state"].items():
+        diff = (gpu["state"][name].float() - tensor).abs()  # bf16 rounding: up to 2^-8 of a weight's size
+        assert diff.max() <= 0.025 and diff.mean() <= 1e-3 + 2 ** -8 * tensor.abs().mean(), name

@@ -42,12 +42,14 @@ def _assert_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets, megatron_world, tmp_path):
-    first = _worker(task_assets)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets, megatron_world, tmp_path, dtype):
+    """In bf16 too: Megatron's mixed-precision optimizer (fp32 main params) saves and loads every parameter."""
+    first = _worker(task_assets, [f"model.dtype={dtype}"])
     _step(first)
     _step(first)  # two steps: Adam's moments and step count are non-trivial
     first.save_checkpoint(str(tmp_path / "ckpt"))
-    resumed = _worker(task_assets)
+    resumed = _worker(task_assets, [f"model.dtype={dtype}"])
     assert not torch.equal(first.export_state()["lm_head.weight"], resumed.export_state()["lm_head.weight"])
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     _assert_equal(first.export_state(), resumed.export_state())

@@ -92,8 +92,10 @@ def test_bf16_at_tp2_tracks_fp32(task_assets, tmp_path, reference):
     for name, tensor in state.items():
         # Adam with lr 0.01 moves a weight by about 0.01 whatever its grad: where fp32 and bf16 grads of a weight
         # differ in sign, the weights end 0.02 apart (measured max 0.0201; mean 1e-4).
-        diff = (tensor.float() - reference["state"][name]).abs()
-        assert diff.max() <= 0.025 and diff.mean() <= 1e-3, name
+        # A bf16 weight is also rounded to 8 significant bits: up to 2^-8 of its size apart (norm weights, ~1: 0.004).
+        expected = reference["state"][name]
+        diff = (tensor.float() - expected).abs()
+        assert diff.max() <= 0.025 and diff.mean() <= 1e-3 + 2 ** -8 * expected.abs().mean(), name
 
 
 ESTIMATOR_RUNS = {"reinforce_plus_plus": ("trainer.loss.advantage_estimator=reinforce_plus_plus",
