@@ -7,9 +7,10 @@ import pytest
 from tests.e2e import shared_engines
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_pool(task_assets, tmp_path_factory):
-    """Two engines on the session's tiny model, for the whole session (started at the first test that asks)."""
+    """Two engines on the session's tiny model, from the first test of tests/e2e that asks to the end of tests/e2e
+    (stopped before the tiers that follow, which need no engines)."""
     engines = shared_engines.start(task_assets["model"], tmp_path_factory.mktemp("shared_engines"))
     yield engines
     engines.stop()

@@ -1,7 +1,7 @@
 """Engines shared by the e2e jobs that attach to them (`rollout.engine.attach`) instead of starting their own: an
 engine's start-up is most of a short job's time on this machine (~45 s of 70 for two engines).
 
-The engines run for the whole session, started as a user would start engines to attach to (SGLang's server, the
+The engines run through tests/e2e, started as a user would start engines to attach to (SGLang's server, the
 engine environment of `slimish.engines.server`, an API key in a file). Each job resets them at its start (the
 checkpoint reloaded, requests aborted, caches flushed); between tests, `check_engines` makes sure that a job left
 them healthy and generating (not paused, not hung), so that a job that broke one fails where it did it. The router
