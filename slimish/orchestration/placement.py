@@ -108,11 +108,13 @@ def placement_record(slots: dict[str, list[Slot]], engines: list[dict]) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
     GPUs Ray gave each engine (attached engines: their URLs)."""
     names = node_names()
+    if slots["engines"]:
+        placed = [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
+                   "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
+                  for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]
+    else:  # attached engines ran before the job: it placed none
+        placed = [{"index": i, "url": engine["url"], "attached": True} for i, engine in enumerate(engines)]
     return {"gpus": cluster_gpus(),
             "trainer": [{"rank": rank, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus}
                         for rank, slot in enumerate(slots["trainer"])],
-            "engines": [{"index": i, "url": engine["url"], "attached": True} for i, engine in enumerate(engines)]
-            if engines and engines[0].get("attached") else  # running before the job: not placed by it
-            [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
-              "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
-             for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]}
+            "engines": placed}

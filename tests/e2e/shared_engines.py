@@ -20,7 +20,7 @@ import yaml
 from slimish.engines.client import EngineClient
 from slimish.engines.process import ManagedProcess
 from slimish.engines.server import engine_argv, engine_env
-from slimish.network import free_port, new_job_key
+from slimish.network import free_port, new_job_key, read_key
 
 HOST = "127.0.0.1"
 
@@ -38,8 +38,12 @@ class SharedEngines:
         return [f"rollout.engine.num_engines={len(urls)}", f"rollout.engine.attach=[{', '.join(urls)}]",
                 f"rollout.engine.attach_key_file={self.key_file}"]
 
+    @property
+    def key(self) -> str:
+        return read_key(str(self.key_file))
+
     def client(self, url: str) -> EngineClient:
-        return EngineClient(url, timeout_s=120, api_key=self.key_file.read_text().strip())
+        return EngineClient(url, timeout_s=120, api_key=self.key)
 
     def check_engines(self) -> None:
         """Every engine runs, answers a generation, and is not paused (a paused engine's /health_generate waits)."""

@@ -24,7 +24,7 @@ def test_a_reset_gives_back_an_engine_as_freshly_started(attached, task_assets):
     serving the checkpoint's weights (SGLang's checksum of every parameter) at version "0" and generating."""
     from safetensors.torch import load_file
 
-    url, key = attached.urls[0], attached.key_file.read_text().strip()
+    url, key = attached.urls[0], attached.key
     client = attached.client(url)
     checkpoint = next(t for path in sorted(Path(task_assets["model"]).glob("*.safetensors"))
                       for name, t in load_file(path).items() if name == NAME)
@@ -53,7 +53,7 @@ def test_a_reset_gives_back_an_engine_as_freshly_started(attached, task_assets):
 
 
 def test_an_engine_that_cannot_be_attached_is_one_line_naming_why(attached, task_assets, tmp_path):
-    url, key = attached.urls[0], attached.key_file.read_text().strip()
+    url, key = attached.urls[0], attached.key
     with pytest.raises(UserError, match=r"^rollout.engine.attach: http://127.0.0.1:9 does not answer .*: start it"):
         reset_attached("http://127.0.0.1:9", model_path=task_assets["model"], api_key=key)
     with pytest.raises(UserError, match=rf"^rollout.engine.attach: {url} refused .*HTTP 401"):
