@@ -28,6 +28,11 @@ def server_env(base: dict | None = None) -> dict:
     env["HF_HUB_OFFLINE"] = "1"
     if not cuda_available():
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # SGLang's crash diagnostics (a CUDA coredump, py-spy dumps of the other TP ranks' schedulers) have nothing
+        # to dump on a CPU engine (no CUDA, one scheduler), but would still sleep 5 s "to let GPU activity settle"
+        # at every stop: a stop signals the whole process group, and the server takes its scheduler's end for a crash.
+        env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+        env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if not real_driver_present():
             env["LD_PRELOAD"] = ":".join(p for p in [str(stub_path()), env.get("LD_PRELOAD", "")] if p)
     return env
