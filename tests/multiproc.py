@@ -102,9 +102,9 @@ class _WarmProcess:
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout + REPLY_MARGIN_S)
             line = self.proc.stdout.readline() if ready else ""
         if not line:
+            log = Path(self.log.name).read_text(errors="replace")[-3000:]
             self.close()
-            raise AssertionError(f"the warm rank process gave no answer (exit code {self.proc.poll()}):\n"
-                                 f"{Path(self.log.name).read_text(errors='replace')[-3000:]}")
+            raise AssertionError(f"the warm rank process gave no answer (exit code {self.proc.poll()}):\n{log}")
         return json.loads(line)["codes"]
 
     def close(self) -> None:
@@ -115,7 +115,8 @@ class _WarmProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.unlink(self.log.name)
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
 
 
 _WARM: dict[tuple, _WarmProcess] = {}
@@ -139,7 +140,9 @@ def _close_warm_processes() -> None:
 
 # ------------------------------------------------------------------------------------ the warm process itself
 def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux's PR_SET_PDEATHSIG), so that nothing outlives the tests."""
+    """SIGKILL this process when its parent's thread that forked it ends (Linux's PR_SET_PDEATHSIG): for a rank,
+    whose parent is the single-threaded warm process. (Not for the warm process itself: a test thread may start it,
+    and ends long before the session; it ends when its stdin closes or its parent is gone, see `_world`.)"""
     import ctypes
     import signal
 
@@ -188,7 +191,8 @@ def _world(argvs: list[list[str]], logs: list[str], timeout: float) -> list[int]
         pids.append(pid)
     codes: dict[int, int] = {}
     deadline = time.monotonic() + timeout
-    while len(codes) < len(pids) and time.monotonic() < deadline:
+    parent = os.getppid()
+    while len(codes) < len(pids) and time.monotonic() < deadline and os.getppid() == parent:
         for pid in pids:
             if pid not in codes:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -207,11 +211,14 @@ def _world(argvs: list[list[str]], logs: list[str], timeout: float) -> list[int]
 def _serve() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports or a rank's start print goes to the log, not into the replies
-    _die_with_parent()
+    parent = os.getppid()
     exec(PRELOAD, {})
     for line in sys.stdin:
         request = json.loads(line)
-        replies.write(json.dumps({"codes": _world(request["argvs"], request["logs"], request["timeout"])}) + "\n")
+        codes = _world(request["argvs"], request["logs"], request["timeout"])
+        if os.getppid() != parent:  # the tests are gone: so are its ranks (killed by `_world`), and so is this
+            return
+        replies.write(json.dumps({"codes": codes}) + "\n")
         replies.flush()
 
 

@@ -46,6 +46,7 @@ class TrainerWorker:
         self._stage_links: list = []
         self._groups_made = 0
         self._api_key: str | None = None  # the job's key, for the engines' control endpoints (connect_engines)
+        self._offloaded: list | None = None  # what offload() took, until onload()
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -443,6 +444,47 @@ class TrainerWorker:
             # too, so no rank is left inside a collective. (After a whole send there is nothing left.)
             for _ in tensors:
                 pass
+
+    # ---------------------------------------------------------------------------------------- offload
+    def _role_memory(self) -> list[tuple[list, object]]:
+        """(modules, optimizer) of each role this rank holds: the policy, the critic, the reference model."""
+        roles = [([self.policy.module], self.policy.optimizer)]
+        if self.critic is not None:
+            roles.append(([self.critic.module], self.critic.optimizer))
+        if self.reference is not None:
+            roles.append(([self.reference.module], None))
+        return roles
+
+    def offload(self) -> dict:
+        """Move every role's device memory to host memory (`slimish.trainer.offload`; nothing on the CPU), until
+        `onload()`: what a colocated trainer does while the engines generate on its GPUs."""
+        from slimish.trainer import offload
+
+        assert self._offloaded is None, "offload() twice without onload()"
+        start = time.perf_counter()
+        self._offloaded = [offload.offload(modules, optimizer) for modules, optimizer in self._role_memory()]
+        return {"offload_bytes": sum(role.bytes_copied for role in self._offloaded),
+                "offload_freed_bytes": sum(role.bytes_freed for role in self._offloaded),
+                "time_offload_s": time.perf_counter() - start}
+
+    def onload(self) -> dict:
+        """Give back what `offload()` moved: parameters and optimizer state bit-exact, gradients zeroed."""
+        from slimish.trainer import offload
+
+        assert self._offloaded is not None, "onload() without offload()"
+        start = time.perf_counter()
+        for role in self._offloaded:
+            offload.onload(role)
+        self._offloaded = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"time_onload_s": time.perf_counter() - start}
+
+    def device_bytes(self) -> int:
+        """What the roles hold on this rank's device now (0 while offloaded; 0 on the CPU)."""
+        from slimish.trainer import offload
+
+        return sum(offload.device_bytes(modules, optimizer) for modules, optimizer in self._role_memory())
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """HF-named copy of the whole model on rank 0 (empty elsewhere); every rank must call it. For tests."""

@@ -113,6 +113,37 @@ def test_sync_export_checkpoint_and_sft_on_the_emulated_gpu(task_assets, tmp_pat
     assert torch.equal(gpu["after_load"], gpu["after"]), "the checkpoint gives back the weights it was saved with"
 
 
+OFFLOAD_LAYOUTS = {  # id -> (world size, overrides)
+    "ppo-bf16": (1, ESTIMATOR_OVERRIDES["ppo"] + ("model.dtype=bfloat16",)),  # critic, reference, fp32 main params
+    "dp2-distributed-optimizer": (2, ("trainer.optimizer.distributed=true",)),  # sharded main params and moments
+}
+
+
+@pytest.mark.parametrize("layout", list(OFFLOAD_LAYOUTS))
+def test_an_offload_round_trip_on_the_emulated_gpu_changes_nothing(task_assets, tmp_path, layout):
+    """Every role offloaded to host memory right after the RL step and onloaded (a colocated trainer's move while
+    its engines generate) frees all the roles held on the device, and the run goes on bit-exactly as without it:
+    the logprobs after the step, the exported weights, a checkpoint, an SFT step on the moved Adam state."""
+    world_size, overrides = OFFLOAD_LAYOUTS[layout]
+    kwargs = dict(world_size=world_size, overrides=overrides, extra=("--more-steps",))
+    with ThreadPoolExecutor(2) as pool:
+        moved = pool.submit(_run, task_assets, tmp_path / "offload", emulated=True, **{
+            **kwargs, "extra": ("--more-steps", "--offload")})
+        kept = pool.submit(_run, task_assets, tmp_path / "kept", emulated=True, **kwargs)
+        moved, kept = moved.result(), kept.result()
+    for rank_moved, rank_kept in zip(moved, kept):
+        figures = rank_moved["offload"]
+        held, during, after = figures["held"]
+        assert held > 0 and during == 0 and after == held, figures["held"]
+        assert figures["offload_freed_bytes"] >= held and 0 < figures["offload_bytes"] <= held
+        for key in ("before", "after", "after_load"):
+            assert (rank_moved[key] is None and rank_kept[key] is None) or torch.equal(rank_moved[key],
+                                                                                       rank_kept[key]), key
+        assert rank_moved["sft"] == rank_kept["sft"]
+        assert rank_moved["state"].keys() == rank_kept["state"].keys()
+        assert all(torch.equal(rank_moved["state"][name], t) for name, t in rank_kept["state"].items())
+
+
 # REINFORCE++ (whitening statistics reduced over the data-parallel ranks) with sequence-level importance sampling
 # (segment sums in the loss): what the dropped-device runs below run, and must pass without the drop.
 SEQUENCE_IS = ("trainer.loss.is_level=sequence", "trainer.loss.tis_cap=2")

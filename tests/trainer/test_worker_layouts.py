@@ -121,3 +121,11 @@ def test_estimator_advantages_span_every_rank(task_assets, tmp_path, estimator, 
             assert result["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-5), key
         if result["after"] is not None:
             assert torch.allclose(result["after"], one["after"][result["rows"]], atol=1e-4)
+
+
+def test_offload_on_the_cpu_moves_nothing(task_assets, tmp_path, reference):
+    """On the CPU the trainer's memory is host memory: offload finds nothing on a device, moves nothing, and the run
+    is the one without it (the moves themselves: the emulated-GPU tier and tests/gpu)."""
+    (result,) = _run(task_assets, tmp_path, world_size=1, tp=1, extra=("--offload",))
+    assert result["offload"]["held"] == [0, 0, 0] and result["offload"]["offload_freed_bytes"] == 0
+    assert torch.equal(result["after"], reference["after"])

@@ -6,7 +6,8 @@ Launched by tests.multiproc.run_world:
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
 pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
 rewards) and metrics, the parity metrics of compute_logprobs, and the
-whole-model export (`export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns.
+whole-model export (`export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
+--offload, every role is offloaded and onloaded right after the step ("offload": `offload_round_trip`'s figures).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     parser.add_argument("--more-steps", action="store_true", help="also sync export, checkpoint and SFT (more_steps)")
     parser.add_argument("--drop-device", help="undo one piece of device discipline (drop_device)")
+    parser.add_argument("--offload", action="store_true", help="offload and onload every role after the RL step")
     return parser.parse_args()
 
 
@@ -108,17 +110,35 @@ def main() -> None:
             sample.reward = reward
         advantages = worker.compute_advantages()
     metrics = worker.train()
+    offloaded = offload_round_trip(worker) if args.offload else None
     after, _ = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     state = worker.export_state()  # on the trainer's device
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
               "advantages": advantages, "dp_rank": worker.dp_rank, "dp_size": worker.dp_size,
-              "state": {name: tensor.cpu() for name, tensor in state.items()}}
+              "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
     worker.shutdown()
+
+
+def offload_round_trip(worker) -> dict:
+    """Every role's device memory to host memory and back (what a colocated step does while engines generate):
+    what the roles held on the device before, while offloaded and after, the calls' own figures, and (with CUDA)
+    the GPU memory allocated at each point."""
+    allocated = [] if not torch.cuda.is_available() else [torch.cuda.memory_allocated()]
+    held = [worker.device_bytes()]
+    moved = worker.offload()
+    held.append(worker.device_bytes())
+    if allocated:
+        allocated.append(torch.cuda.memory_allocated())
+    back = worker.onload()
+    held.append(worker.device_bytes())
+    if allocated:
+        allocated.append(torch.cuda.memory_allocated())
+    return {"held": held, "cuda_allocated": allocated, **moved, **back}
 
 
 def more_steps(worker, samples, state: dict[str, torch.Tensor], out: Path) -> dict:

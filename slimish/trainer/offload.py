@@ -1,0 +1,132 @@
+"""A trainer role's device memory moved to host memory and back: what a colocated trainer does while the engines
+generate on its GPUs, so that between its steps it holds nothing there.
+
+What moves: every device storage a role keeps between steps: its parameters (or the DDP buffer they view), its
+module buffers, its optimizer's main parameters and state (Adam's moments, the fp32 copies of a bf16 model); their
+bytes go to host memory (pinned on a GPU). Gradients (DDP's grad buffer, `.grad`) are freed without a copy: every
+step zeroes them first (`schedule.optimizer_step`), and onload gives them back zeroed.
+
+How: each storage is resized to zero bytes once its bytes are safe, which frees its device memory but keeps every
+tensor viewing it (a parameter in DDP's buffer, the optimizer's references, Megatron's bucket views) the same Python
+object; onload resizes it back and copies the bytes in. Nothing is rebuilt, no reference held elsewhere goes stale,
+and the round trip is bit-exact. Megatron-Core resizes its DDP buffers the same way
+(`_ParamAndGradBuffer.offload_to_cpu`), but moves optimizer state by replacing tensors and has no pass over a whole
+role; this one covers every storage of the role at once.
+
+On the CPU the trainer's memory is host memory already: there is nothing to move, and both calls report 0 bytes. On
+the emulated GPU (`slimish.compat.emulated_gpu`), whose tensors hold their data in CPU tensors, the storages resized
+are those CPU tensors': the same moves, on that data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Stored:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor | None  # the bytes while offloaded; None for a gradient (zeroed on onload)
+
+
+@dataclass
+class OffloadedRole:
+    """What `offload` took from one role, for `onload` to give back."""
+    stored: list[_Stored] = field(default_factory=list)
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(s.nbytes for s in self.stored if s.host is not None)
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(s.nbytes for s in self.stored)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding `tensor`'s data (on the emulated GPU, its CPU tensor's)."""
+    return getattr(tensor, "cpu_data", tensor).untyped_storage()
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole of `storage` as a uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (a chained one holds one per parameter group kind)."""
+    if optimizer is None:
+        return []
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for opt in chained for inner in _torch_optimizers(opt)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def role_tensors(modules: list[torch.nn.Module], optimizer=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(tensors whose bytes a role keeps, its gradient tensors): one per storage, those on the trainer's device."""
+    kept: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+
+    def add(into: dict, tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+            storage = _storage(tensor)
+            if storage.nbytes() > 0:
+                into.setdefault(storage.data_ptr(), tensor)
+
+    for module in modules:
+        for param in module.parameters():
+            add(kept, param)
+            add(grads, getattr(param, "main_grad", None))
+            add(grads, param.grad)
+        for buffer in module.buffers():
+            add(kept, buffer)
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                add(kept, param)
+                add(grads, param.grad)
+        for state in inner.state.values():
+            for value in state.values():
+                add(kept, value)
+    return list(kept.values()), [t for ptr, t in grads.items() if ptr not in kept]
+
+
+def device_bytes(modules: list[torch.nn.Module], optimizer=None) -> int:
+    """What a role holds on the trainer's device now (0 once offloaded)."""
+    kept, grads = role_tensors(modules, optimizer)
+    return sum(_storage(t).nbytes() for t in kept + grads)
+
+
+def offload(modules: list[torch.nn.Module], optimizer=None) -> OffloadedRole:
+    """Move a role's device storages to host memory (see the module docstring); nothing on the CPU."""
+    kept, grads = role_tensors(modules, optimizer)
+    pin = torch.cuda.is_available()
+    out = OffloadedRole()
+    for tensor, keep in [(t, True) for t in kept] + [(t, False) for t in grads]:
+        storage = _storage(tensor)
+        host = None
+        if keep:
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+            host.copy_(_bytes_view(storage))  # blocking: the bytes are in host memory before the storage goes
+        out.stored.append(_Stored(storage, storage.nbytes(), host))
+        storage.resize_(0)
+    if pin:
+        torch.cuda.empty_cache()  # back to the driver, for the engines on this GPU
+    return out
+
+
+def onload(offloaded: OffloadedRole) -> None:
+    """Give back what `offload` took: every storage at its size, kept bytes copied in, gradients zeroed."""
+    for stored in offloaded.stored:
+        stored.storage.resize_(stored.nbytes)
+        view = _bytes_view(stored.storage)
+        if stored.host is None:
+            view.zero_()
+        else:
+            view.copy_(stored.host)
+    offloaded.stored.clear()
