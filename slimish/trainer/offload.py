@@ -116,7 +116,11 @@ def offload(modules: list[torch.nn.Module], optimizer=None) -> OffloadedRole:
         out.stored.append(_Stored(storage, storage.nbytes(), host))
         storage.resize_(0)
     if pin:
-        torch.cuda.empty_cache()  # back to the driver, for the engines on this GPU
+        # cuBLAS keeps its workspaces in torch's caching allocator, per handle and stream, for as long as the process
+        # lives (tens of MiB per GPU); they are made again at the next matmul. Then all of it goes back to the
+        # driver, for the engines on this GPU.
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
     return out
 
 

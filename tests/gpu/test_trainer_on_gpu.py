@@ -61,7 +61,7 @@ def test_a_bf16_step_on_the_gpu_tracks_the_fp32_cpu_step(task_assets, tmp_path):
 def test_an_offload_round_trip_on_the_gpu_frees_its_memory_and_changes_nothing(task_assets, tmp_path, capsys):
     """PPO in bf16 (policy with fp32 main params and Adam moments, critic, reference model): every role offloaded to
     host memory right after the RL step and onloaded, as a colocated trainer does while its engines generate. The GPU
-    memory the trainer had allocated goes (all but what no role owns: e.g. rotary caches), and the run goes on
+    memory the trainer had allocated goes (with cuBLAS's workspaces, 64 MiB of the 68 on an H200), and the run goes on
     bit-exactly as the same run without the round trip: logprobs, exported weights, SFT step, checkpoint."""
     overrides = ("trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01")
     kept = _run(task_assets, tmp_path / "kept", env=None, overrides=overrides, dtype="bfloat16")
@@ -76,7 +76,9 @@ def test_an_offload_round_trip_on_the_gpu_frees_its_memory_and_changes_nothing(t
             print(f"\noffload: roles held {held / 2**20:.2f} MiB; allocated {before / 2**20:.2f} MiB -> "
                   f"{offloaded / 2**20:.2f} MiB offloaded -> {back / 2**20:.2f} MiB back; "
                   f"offload {figures['time_offload_s'] * 1e3:.1f} ms, onload {figures['time_onload_s'] * 1e3:.1f} ms")
-        assert before - offloaded >= held and abs(back - before) <= 2**20
+        # Offloaded, the trainer holds (almost) nothing on the GPU: cuBLAS's workspaces go too, and come back at
+        # the next matmul, not at onload (an H200: 67.90 MiB -> 0.01 MiB -> 3.90 MiB, the roles' 3.86 MiB back).
+        assert offloaded <= 2**20 and back - offloaded >= held
     for key in ("before", "after", "after_load"):
         assert torch.equal(moved[key], kept[key]), key
     assert moved["sft"] == kept["sft"]
