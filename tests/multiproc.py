@@ -7,7 +7,8 @@ On a machine without CUDA the ranks are forked from a warm process (one per dist
 that has already imported torch, Megatron-Core, transformers and the trainer: a fresh interpreter spends ~8 s of CPU
 on those imports, more than most of these worlds spend on their work, and the fast tier starts worlds ~100 times.
 The warm process does nothing else before it forks (no thread, no process group, no tensor maths), so a rank starts
-as a fresh interpreter would after the same imports: the script runs as `__main__` with its own argv, cwd and log.
+as a fresh interpreter would after the same imports: the script runs as `__main__` in the repository with its own
+argv, log and process group, and ends as an interpreter does (exit handlers run; what it leaves is killed).
 With CUDA the ranks are fresh interpreters (`subprocess`), since a process that has asked about CUDA must not fork.
 """
 
