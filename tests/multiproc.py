@@ -18,10 +18,12 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tests.conftest import REPO, free_port
@@ -145,7 +147,6 @@ def _die_with_parent() -> None:
     whose parent is the single-threaded warm process. (Not for the warm process itself: a test thread may start it,
     and ends long before the session; it ends when its stdin closes or its parent is gone, see `_world`.)"""
     import ctypes
-    import signal
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
@@ -185,9 +186,6 @@ def _rank(argv: list[str], log_path: str) -> None:
 
 def _world(argvs: list[list[str]], logs: list[str], timeout: float) -> list[int] | None:
     """Fork one rank per argv; their exit codes, or None when one outlived `timeout` (all are then killed)."""
-    import signal
-    import time
-
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
@@ -216,8 +214,6 @@ def _world(argvs: list[list[str]], logs: list[str], timeout: float) -> list[int]
 
 def _end_rank(pid: int) -> int:
     """Kill whatever is left in a rank's process group, reap the rank; its exit code."""
-    import signal
-
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:

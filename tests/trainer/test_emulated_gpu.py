@@ -125,11 +125,13 @@ def test_an_offload_round_trip_on_the_emulated_gpu_changes_nothing(task_assets, 
     its engines generate) frees all the roles held on the device, and the run goes on bit-exactly as without it:
     the logprobs after the step, the exported weights, a checkpoint, an SFT step on the moved Adam state."""
     world_size, overrides = OFFLOAD_LAYOUTS[layout]
-    kwargs = dict(world_size=world_size, overrides=overrides, extra=("--more-steps",))
+
+    def run(name: str, *extra: str):
+        return pool.submit(_run, task_assets, tmp_path / name, emulated=True, world_size=world_size,
+                           overrides=overrides, extra=("--more-steps", *extra))
+
     with ThreadPoolExecutor(2) as pool:
-        moved = pool.submit(_run, task_assets, tmp_path / "offload", emulated=True, **{
-            **kwargs, "extra": ("--more-steps", "--offload")})
-        kept = pool.submit(_run, task_assets, tmp_path / "kept", emulated=True, **kwargs)
+        moved, kept = run("offload", "--offload"), run("kept")
         moved, kept = moved.result(), kept.result()
     for rank_moved, rank_kept in zip(moved, kept):
         figures = rank_moved["offload"]
