@@ -1,10 +1,12 @@
 """A trainer role's device memory moved to host memory and back: what a colocated trainer does while the engines
 generate on its GPUs, so that between its steps it holds nothing there.
 
-What moves: every device storage a role keeps between steps: its parameters (or the DDP buffer they view), its
-module buffers, its optimizer's main parameters and state (Adam's moments, the fp32 copies of a bf16 model); their
-bytes go to host memory (pinned on a GPU). Gradients (DDP's grad buffer, `.grad`) are freed without a copy: every
-step zeroes them first (`schedule.optimizer_step`), and onload gives them back zeroed.
+What moves: every device storage a role keeps between steps, in two parts that may move at different times:
+"params", its parameters (or the DDP buffer they view) and module buffers; "state", its optimizer's main parameters
+and state (Adam's moments, the fp32 copies of a bf16 model) and its gradients. Kept bytes go to host memory (pinned
+on a GPU). Gradients (DDP's grad buffer, `.grad`) are freed without a copy: every step zeroes them first
+(`schedule.optimizer_step`), and onload gives them back zeroed. A colocated trainer offloads "state" after training
+and "params" after the weight sync that reads them.
 
 How: each storage is resized to zero bytes once its bytes are safe, which frees its device memory but keeps every
 tensor viewing it (a parameter in DDP's buffer, the optimizer's references, Megatron's bucket views) the same Python
@@ -67,47 +69,61 @@ def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
 
-def role_tensors(modules: list[torch.nn.Module], optimizer=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(tensors whose bytes a role keeps, its gradient tensors): one per storage, those on the trainer's device."""
-    kept: dict[int, torch.Tensor] = {}
-    grads: dict[int, torch.Tensor] = {}
+PARTS = ("params", "state")
 
-    def add(into: dict, tensor) -> None:
+
+def role_tensors(modules: list[torch.nn.Module], optimizer=None) -> dict[str, list[torch.Tensor]]:
+    """{"params": the model's kept tensors, "state": the optimizer's kept tensors, "grads": the gradients}: one
+    tensor per storage that is on the trainer's device and not offloaded, each storage in one list only (the first
+    of those that holds it: an fp32 optimizer's parameters are the model's)."""
+    found: dict[str, dict[int, torch.Tensor]] = {"params": {}, "state": {}, "grads": {}}
+    seen: set[int] = set()
+
+    def add(part: str, tensor) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
             storage = _storage(tensor)
-            if storage.nbytes() > 0:
-                into.setdefault(storage.data_ptr(), tensor)
+            if storage.nbytes() > 0 and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                found[part][storage.data_ptr()] = tensor
 
     for module in modules:
         for param in module.parameters():
-            add(kept, param)
-            add(grads, getattr(param, "main_grad", None))
-            add(grads, param.grad)
+            add("params", param)
         for buffer in module.buffers():
-            add(kept, buffer)
-    for inner in _torch_optimizers(optimizer):
+            add("params", buffer)
+    inners = _torch_optimizers(optimizer)
+    for inner in inners:
         for group in inner.param_groups:
             for param in group["params"]:
-                add(kept, param)
-                add(grads, param.grad)
+                add("state", param)
         for state in inner.state.values():
             for value in state.values():
-                add(kept, value)
-    return list(kept.values()), [t for ptr, t in grads.items() if ptr not in kept]
+                add("state", value)
+    for module in modules:
+        for param in module.parameters():
+            add("grads", getattr(param, "main_grad", None))
+            add("grads", param.grad)
+    for inner in inners:
+        for group in inner.param_groups:
+            for param in group["params"]:
+                add("grads", param.grad)
+    return {part: list(tensors.values()) for part, tensors in found.items()}
 
 
 def device_bytes(modules: list[torch.nn.Module], optimizer=None) -> int:
     """What a role holds on the trainer's device now (0 once offloaded)."""
-    kept, grads = role_tensors(modules, optimizer)
-    return sum(_storage(t).nbytes() for t in kept + grads)
+    return sum(_storage(t).nbytes() for tensors in role_tensors(modules, optimizer).values() for t in tensors)
 
 
-def offload(modules: list[torch.nn.Module], optimizer=None) -> OffloadedRole:
-    """Move a role's device storages to host memory (see the module docstring); nothing on the CPU."""
-    kept, grads = role_tensors(modules, optimizer)
+def offload(modules: list[torch.nn.Module], optimizer=None, parts: tuple[str, ...] = PARTS) -> OffloadedRole:
+    """Move `parts` of a role's device storages to host memory (see the module docstring); nothing on the CPU."""
+    tensors = role_tensors(modules, optimizer)
+    moved = [(t, True) for part in PARTS if part in parts for t in tensors[part]]
+    if "state" in parts:
+        moved += [(t, False) for t in tensors["grads"]]
     pin = torch.cuda.is_available()
     out = OffloadedRole()
-    for tensor, keep in [(t, True) for t in kept] + [(t, False) for t in grads]:
+    for tensor, keep in moved:
         storage = _storage(tensor)
         host = None
         if keep:

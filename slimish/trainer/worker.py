@@ -46,7 +46,8 @@ class TrainerWorker:
         self._stage_links: list = []
         self._groups_made = 0
         self._api_key: str | None = None  # the job's key, for the engines' control endpoints (connect_engines)
-        self._offloaded: list | None = None  # what offload() took, until onload()
+        self._offloaded: list = []  # what offload() took, until onload()
+        self._offloaded_parts: set[str] = set()
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -316,12 +317,18 @@ class TrainerWorker:
     def save_checkpoint(self, path: str) -> None:
         """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
         calls it), and the critic's, if any, beside it (`checkpoint.critic_path`). The reference model is not saved:
-        it is the initial policy, rebuilt from model.hf_path."""
+        it is the initial policy, rebuilt from model.hf_path. An offloaded trainer is onloaded for the save and
+        offloaded again after it (colocated, the engines release their KV cache around it)."""
         from slimish.trainer import checkpoint
 
+        parts = tuple(self._offloaded_parts)
+        if parts:  # saved from the device (Megatron's dist checkpoint), and offloaded again after
+            self.onload()
         self.policy.save(path)
         if self.critic is not None:
             self.critic.save(checkpoint.critic_path(path))
+        if parts:
+            self.offload(parts)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning-rate
@@ -455,27 +462,35 @@ class TrainerWorker:
             roles.append(([self.reference.module], None))
         return roles
 
-    def offload(self) -> dict:
-        """Move every role's device memory to host memory (`slimish.trainer.offload`; nothing on the CPU), until
-        `onload()`: what a colocated trainer does while the engines generate on its GPUs."""
+    def offload(self, parts: tuple[str, ...] | list[str] = ("params", "state")) -> dict:
+        """Move `parts` ("params": the models; "state": optimizer state and gradients) of every role's device memory
+        to host memory (`slimish.trainer.offload`; nothing on the CPU), until `onload()`: what a colocated trainer
+        does while the engines generate on its GPUs. Returns the bytes copied and freed, and the seconds taken."""
         from slimish.trainer import offload
 
-        assert self._offloaded is None, "offload() twice without onload()"
+        parts = tuple(parts)
+        assert not self._offloaded_parts & set(parts), f"offload({parts}) twice without onload()"
         start = time.perf_counter()
-        self._offloaded = [offload.offload(modules, optimizer) for modules, optimizer in self._role_memory()]
-        return {"offload_bytes": sum(role.bytes_copied for role in self._offloaded),
-                "offload_freed_bytes": sum(role.bytes_freed for role in self._offloaded),
+        roles = [offload.offload(modules, optimizer, parts) for modules, optimizer in self._role_memory()]
+        self._offloaded += roles
+        self._offloaded_parts |= set(parts)
+        return {"offload_bytes": sum(role.bytes_copied for role in roles),
+                "offload_freed_bytes": sum(role.bytes_freed for role in roles),
                 "time_offload_s": time.perf_counter() - start}
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded_parts)
 
     def onload(self) -> dict:
         """Give back what `offload()` moved: parameters and optimizer state bit-exact, gradients zeroed."""
         from slimish.trainer import offload
 
-        assert self._offloaded is not None, "onload() without offload()"
+        assert self.offloaded, "onload() without offload()"
         start = time.perf_counter()
         for role in self._offloaded:
             offload.onload(role)
-        self._offloaded = None
+        self._offloaded, self._offloaded_parts = [], set()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"time_onload_s": time.perf_counter() - start}

@@ -60,16 +60,17 @@ def test_a_bf16_step_on_the_gpu_tracks_the_fp32_cpu_step(task_assets, tmp_path):
 
 def test_an_offload_round_trip_on_the_gpu_frees_its_memory_and_changes_nothing(task_assets, tmp_path, capsys):
     """PPO in bf16 (policy with fp32 main params and Adam moments, critic, reference model): every role offloaded to
-    host memory right after the RL step and onloaded, as a colocated trainer does while its engines generate. The GPU
-    memory the trainer had allocated goes (with cuBLAS's workspaces, 64 MiB of the 68 on an H200), and the run goes on
-    bit-exactly as the same run without the round trip: logprobs, exported weights, SFT step, checkpoint."""
+    host memory right after the RL step (optimizer state and gradients, then the models), a checkpoint saved while
+    offloaded, and onloaded, as a colocated trainer does while its engines generate. The GPU memory the trainer had
+    allocated goes (with cuBLAS's workspaces, 64 MiB of the 68 on an H200), and the run goes on bit-exactly as the
+    same run without the round trip: logprobs, exported weights, SFT step, the checkpoint saved while offloaded."""
     overrides = ("trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01")
     kept = _run(task_assets, tmp_path / "kept", env=None, overrides=overrides, dtype="bfloat16")
     moved = _run(task_assets, tmp_path / "moved", env=None, overrides=overrides, dtype="bfloat16",
                  extra=("--offload",))
     figures = moved["offload"]
-    held, during, after = figures["held"]
-    assert held > 0 and during == 0 and after == held
+    held, without_state, during, after_save, after = figures["held"]
+    assert held > without_state > during == after_save == 0 and after == held, figures["held"]
     if figures["cuda_allocated"]:  # a real GPU (not EMULATE=1)
         before, offloaded, back = figures["cuda_allocated"]
         with capsys.disabled():

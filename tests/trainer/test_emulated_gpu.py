@@ -121,9 +121,11 @@ OFFLOAD_LAYOUTS = {  # id -> (world size, overrides)
 
 @pytest.mark.parametrize("layout", list(OFFLOAD_LAYOUTS))
 def test_an_offload_round_trip_on_the_emulated_gpu_changes_nothing(task_assets, tmp_path, layout):
-    """Every role offloaded to host memory right after the RL step and onloaded (a colocated trainer's move while
-    its engines generate) frees all the roles held on the device, and the run goes on bit-exactly as without it:
-    the logprobs after the step, the exported weights, a checkpoint, an SFT step on the moved Adam state."""
+    """Every role offloaded to host memory right after the RL step, as a colocated step does (optimizer state and
+    gradients, then the models), a checkpoint saved while offloaded, and onloaded: the offloads free all the roles
+    held on the device, the save leaves them offloaded, and the run goes on bit-exactly as without any of it: the
+    logprobs after the step, the exported weights, an SFT step on the moved Adam state, and the logprobs after
+    loading the checkpoint saved while offloaded."""
     world_size, overrides = OFFLOAD_LAYOUTS[layout]
 
     def run(name: str, *extra: str):
@@ -135,8 +137,8 @@ def test_an_offload_round_trip_on_the_emulated_gpu_changes_nothing(task_assets, 
         moved, kept = moved.result(), kept.result()
     for rank_moved, rank_kept in zip(moved, kept):
         figures = rank_moved["offload"]
-        held, during, after = figures["held"]
-        assert held > 0 and during == 0 and after == held, figures["held"]
+        held, without_state, during, after_save, after = figures["held"]
+        assert held > without_state > during == after_save == 0 and after == held, figures["held"]
         assert figures["offload_freed_bytes"] >= held and 0 < figures["offload_bytes"] <= held
         for key in ("before", "after", "after_load"):
             assert (rank_moved[key] is None and rank_kept[key] is None) or torch.equal(rank_moved[key],

@@ -7,7 +7,8 @@ Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step 
 pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
 rewards) and metrics, the parity metrics of compute_logprobs, and the
 whole-model export (`export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
---offload, every role is offloaded and onloaded right after the step ("offload": `offload_round_trip`'s figures).
+--offload, every role is offloaded (as a colocated step does, a checkpoint saved meanwhile) and onloaded right after
+the step ("offload": `offload_round_trip`'s figures).
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def main() -> None:
             sample.reward = reward
         advantages = worker.compute_advantages()
     metrics = worker.train()
-    offloaded = offload_round_trip(worker) if args.offload else None
-    after, _ = response_logprobs(worker, samples)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    offloaded = offload_round_trip(worker, out) if args.offload else None
+    after, _ = response_logprobs(worker, samples)
     state = worker.export_state()  # on the trainer's device
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
               "advantages": advantages, "dp_rank": worker.dp_rank, "dp_size": worker.dp_size,
@@ -124,20 +125,27 @@ def main() -> None:
     worker.shutdown()
 
 
-def offload_round_trip(worker) -> dict:
-    """Every role's device memory to host memory and back (what a colocated step does while engines generate):
-    what the roles held on the device before, while offloaded and after, the calls' own figures, and (with CUDA)
-    the GPU memory allocated at each point."""
+def offload_round_trip(worker, out: Path) -> dict:
+    """Every role's device memory to host memory and back, in a colocated step's order: optimizer state and
+    gradients after training, the models after the weight sync (that reads them), a checkpoint saved while
+    offloaded (to out/offloaded_checkpoint), then onload before the next step trains. What the roles held on the
+    device before, after each offload, after the save and after onload; the calls' own figures, summed; and (with
+    CUDA) the GPU memory allocated before, while offloaded and after."""
     allocated = [] if not torch.cuda.is_available() else [torch.cuda.memory_allocated()]
     held = [worker.device_bytes()]
-    moved = worker.offload()
+    state = worker.offload(("state",))
+    held.append(worker.device_bytes())
+    params = worker.offload(("params",))
     held.append(worker.device_bytes())
     if allocated:
         allocated.append(torch.cuda.memory_allocated())
+    worker.save_checkpoint(str(out / "offloaded_checkpoint"))
+    held.append(worker.device_bytes())
     back = worker.onload()
     held.append(worker.device_bytes())
     if allocated:
         allocated.append(torch.cuda.memory_allocated())
+    moved = {key: state[key] + params[key] for key in state}
     return {"held": held, "cuda_allocated": allocated, **moved, **back}
 
 
@@ -160,7 +168,9 @@ def more_steps(worker, samples, state: dict[str, torch.Tensor], out: Path) -> di
             result[key] = expected.result()
     worker.save_checkpoint(str(out / "checkpoint"))
     result["sft"] = worker.sft_step(samples)
-    worker.load_checkpoint(str(out / "checkpoint"))
+    # The checkpoint saved while offloaded (--offload) holds what this one holds: load it, else this one.
+    offloaded = out / "offloaded_checkpoint"
+    worker.load_checkpoint(str(offloaded if offloaded.exists() else out / "checkpoint"))
     result["after_load"] = response_logprobs(worker, samples)[0]
     return result
 
