@@ -326,6 +326,16 @@ class RayConfig:
 
 
 @dataclass(kw_only=True)
+class PlacementConfig:
+    colocate: bool = doc(False, "Trainer ranks and engines share the GPUs: GPU i holds trainer rank i and one "
+                                "engine's rank (rollout.engine.num_engines x tensor_parallel must equal "
+                                "parallel.num_trainer_ranks). They take turns: the engines release their memory "
+                                "while the trainer trains, the trainer offloads to host memory while they generate, "
+                                "and every step ends with a full weight sync (transport 'tensor' or 'disk'; needs "
+                                "rl.mode sync).")
+
+
+@dataclass(kw_only=True)
 class PlanConfig:
     """What `slimish plan` cannot know from the config: the cluster and the workload. Defaults: H100 SXM nodes."""
     gpu_memory_gb: float = doc(80.0, "Memory per GPU (GB, 1e9 bytes) a trainer rank or an engine rank may use.")
@@ -357,4 +367,5 @@ class JobConfig:
     rl: RlConfig = field(default_factory=RlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

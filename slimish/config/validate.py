@@ -157,6 +157,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
                                             f"{cfg.sft.batch_size}")
 
     _check_attach(ro.engine, files=files)
+    _check_colocate(cfg)
     engine_ports = range(ro.engine.base_port, ro.engine.base_port + ro.engine.num_engines)
     for key, port in [("rollout.router.port", ro.router.port),
                       ("rollout.router.prometheus_port", ro.router.prometheus_port),
@@ -286,6 +287,38 @@ def _check_hook(key: str, dotted: str) -> None:
         load_function(dotted)
     except HookError as exc:
         raise ConfigError(key, str(exc)) from None
+
+
+def _check_colocate(cfg: JobConfig) -> None:
+    """Colocation: each GPU holds one trainer rank and one engine rank, which take turns on it (see
+    `slimish.orchestration.colocation`)."""
+    if not cfg.placement.colocate:
+        return
+    engine, ranks = cfg.rollout.engine, cfg.parallel.num_trainer_ranks
+    if cfg.weight_sync.transport == "broadcast":
+        raise ConfigError("weight_sync.transport", "'broadcast' cannot run colocated: NCCL refuses a group with two "
+                                                   "ranks on one GPU (trainer rank and engine); use "
+                                                   "weight_sync.transport=tensor (CUDA IPC, one node) or disk")
+    if cfg.rl.mode != "sync":
+        raise ConfigError("rl.mode", f"got {cfg.rl.mode!r}, but colocated engines must be idle while the trainer "
+                                     "trains on their GPUs (they release their memory then): use rl.mode=sync, or "
+                                     "placement.colocate=false")
+    if engine.attach:
+        raise ConfigError("placement.colocate", "attached engines run outside the job, which cannot place them with "
+                                                "its trainer ranks: drop rollout.engine.attach or set "
+                                                "placement.colocate=false")
+    if engine.tensor_parallel > 1:
+        raise ConfigError("rollout.engine.tensor_parallel",
+                          f"got {engine.tensor_parallel}; colocated engines are one GPU each for now (an engine over "
+                          "several GPUs would hold ranks in several trainer ranks' placement bundles, which is not "
+                          "built): use 1, or placement.colocate=false")
+    if engine.num_engines * engine.tensor_parallel != ranks:
+        raise ConfigError("rollout.engine.num_engines",
+                          f"got {engine.num_engines} engine(s) of {engine.tensor_parallel} GPU(s) for "
+                          f"{ranks} trainer rank(s); colocated, every GPU holds one trainer rank and one engine rank: "
+                          f"set rollout.engine.num_engines={ranks // engine.tensor_parallel or 1}"
+                          + ("" if ranks % engine.tensor_parallel == 0 else
+                             f" and parallel.num_trainer_ranks to a multiple of {engine.tensor_parallel}"))
 
 
 def _check_attach(engine, *, files: bool) -> None:

@@ -6,11 +6,16 @@ are PACKed onto as few nodes as possible, and trainer ranks are numbered node by
 ranks Megatron puts in one tensor-parallel group share a node. Without GPUs each bundle holds a sliver of CPU (Ray
 bundles cannot be empty; the real CPU use is not Ray's to schedule on a small machine), so the code path is the same
 on a laptop, in CI and on a GPU cluster: only the resources asked for differ.
+
+Colocated (`placement.colocate`): one placement group of one bundle per GPU; trainer rank i and engine i (one GPU
+each) hold half of bundle i each, so Ray gives both the same GPU (and sets the same CUDA_VISIBLE_DEVICES). Without
+GPUs the bundle's CPU sliver is halved the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -21,6 +26,7 @@ from slimish.cuda_facts import problem as cuda_problem
 from slimish.errors import UserError
 
 CPU_SLIVER = 0.01  # a bundle's resource when the cluster has no GPUs (the default of ray.cpus_per_slot)
+COLOCATED_SHARE = 0.5  # of a colocated bundle, for each of the two actors on it (a trainer rank and an engine)
 
 
 class PlacementError(RuntimeError):
@@ -34,7 +40,7 @@ class Slot:
     group: PlacementGroup
     bundle: int
     node_id: str
-    gpus: int
+    gpus: float  # whole GPUs, or a share of one (colocated)
     cpus: float = 0.0
 
     def actor_options(self) -> dict:
@@ -78,10 +84,17 @@ def check_gpus(slots: dict[str, list[Slot]]) -> None:
     facts = ray.get([probe.options(**slot.actor_options()).remote() for slot in holders.values()])
     names = node_names()
     problems = [line for (holder, slot), fact in zip(holders.items(), facts, strict=True)
-                if (line := cuda_problem(fact, gpus=slot.gpus, holder=holder, node=names.get(slot.node_id)))]
+                if (line := cuda_problem(fact, gpus=math.ceil(slot.gpus), holder=holder,
+                                         node=names.get(slot.node_id)))]
     if problems:
         more = f" (and {len(problems) - 1} more slots cannot either)" if len(problems) > 1 else ""
         raise GpuUnusable(problems[0] + more)
+
+
+def colocated(bundles: list[Slot]) -> dict[str, list[Slot]]:
+    """Trainer rank i and engine i on bundle i (one GPU, or a CPU sliver), each holding `COLOCATED_SHARE` of it."""
+    shares = [replace(slot, gpus=slot.gpus * COLOCATED_SHARE, cpus=slot.cpus * COLOCATED_SHARE) for slot in bundles]
+    return {"trainer": shares, "engines": list(shares)}
 
 
 def release(slots: list[Slot]) -> None:

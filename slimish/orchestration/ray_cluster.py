@@ -15,7 +15,7 @@ import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 from slimish import log
 from slimish.config.schema import JobConfig
 from slimish.network import interface_of
-from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, on_this_node, release, reserve
+from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, colocated, on_this_node, release, reserve
 
 TRAINER_SHUTDOWN_S = 5.0  # a trainer rank's own shutdown, before it is killed either way
 
@@ -87,9 +87,21 @@ def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_ke
 
 def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
     """Placement slots for the trainer ranks and the engines: GPUs when the Ray cluster has them (each checked to be
-    usable there, else `GpuUnusable`), else `ray.cpus_per_slot` CPUs each."""
+    usable there, else `GpuUnusable`), else `ray.cpus_per_slot` CPUs each; shared by trainer rank i and engine i
+    with placement.colocate (`placement.colocated`)."""
     gpus = cluster_gpus() > 0
     timeout, cpus = cfg.ray.placement_timeout_s, cfg.ray.cpus_per_slot
+    if cfg.placement.colocate:
+        bundles = reserve("slimish-colocated", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
+                          timeout_s=timeout, cpus_each=cpus)
+        try:
+            slots = colocated(bundles)
+            if gpus:
+                check_gpus(slots)
+        except BaseException:
+            release(bundles)
+            raise
+        return slots
     trainer = reserve("slimish-trainer", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
                       timeout_s=timeout, cpus_each=cpus)
     engine = cfg.rollout.engine

@@ -173,6 +173,35 @@ def test_shipped_configs_parse(path, base):
     load_config(path, base)
 
 
+COLOCATED = ["placement.colocate=true", "weight_sync.transport=tensor", "rollout.engine.num_engines=1"]
+COLOCATE_CASES = [
+    # (overrides on top of a valid colocated layout, key named in the error, a fragment of the explanation)
+    (["weight_sync.transport=broadcast"], "weight_sync.transport", "NCCL refuses a group with two ranks on one GPU"),
+    (["rl.mode=one_step_off"], "rl.mode", "must be idle while the trainer trains"),
+    (["rollout.engine.num_engines=2"], "rollout.engine.num_engines",
+     "2 engine(s) of 1 GPU(s) for 1 trainer rank(s); colocated, every GPU holds one trainer rank and one engine rank: "
+     "set rollout.engine.num_engines=1"),
+    (["rollout.engine.tensor_parallel=2"], "rollout.engine.tensor_parallel", "colocated engines are one GPU each"),
+    (["rollout.engine.attach=[http://127.0.0.1:31000]", "rollout.engine.attach_key_file=/etc/hostname"],
+     "placement.colocate", "attached engines run outside the job"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", COLOCATE_CASES, ids=[c[1] for c in COLOCATE_CASES])
+def test_layouts_that_cannot_colocate_are_refused(base, overrides, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + COLOCATED + overrides)
+    assert err.value.key == key
+    assert fragment in str(err.value)
+
+
+def test_a_colocated_layout_loads(base):
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", base + COLOCATED)
+    assert cfg.placement.colocate and cfg.weight_sync.transport == "tensor"
+    for transport in ("disk", "tensor"):
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + COLOCATED + [f"weight_sync.transport={transport}"])
+
+
 def test_sft_batch_must_split_over_data_parallel_ranks(base):
     with pytest.raises(ConfigError, match="sft.batch_size.*must split evenly over 2 data-parallel ranks, got 63"):
         load_config(REPO / "configs/quickstart_cpu.yaml", base + ["parallel.num_trainer_ranks=2", "sft.batch_size=63"])
