@@ -41,5 +41,7 @@ setup(
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
-    entry_points={"console_scripts": ["slimish=slimish.cli:main"]},
+    entry_points={"console_scripts": ["slimish=slimish.cli:main"],
+                  # loaded by SGLang early in each of its processes; changes nothing on a GPU engine
+                  "sglang.srt.plugins": ["slimish_cpu_engine=slimish.compat.sglang_plugin:register"]},
 )

@@ -38,13 +38,15 @@ def server_env(base: dict | None = None) -> dict:
     return env
 
 
-def server_args(*, device: str, dtype: str) -> list[str]:
-    """Device-specific sglang.launch_server arguments."""
+def server_args(*, device: str, dtype: str, colocated: bool = False) -> list[str]:
+    """Device-specific sglang.launch_server arguments. `colocated`: the engine shares its GPUs with trainer ranks and
+    releases its memory while they train, which frees GPU memory only with SGLang's memory saver
+    (torch_memory_saver, CUDA-only); on the CPU the release frees nothing, and the flag is left out."""
     if device == "cpu":
         return ["--device", "cpu", "--dtype", dtype, "--attention-backend", "torch_native",
                 "--sampling-backend", "pytorch", "--sleep-on-idle", "--skip-server-warmup",
                 "--grammar-backend", "none"]
-    return ["--device", device, "--dtype", dtype]
+    return ["--device", device, "--dtype", dtype, *(["--enable-memory-saver"] if colocated else [])]
 
 
 def resolve_device(device: str) -> str:

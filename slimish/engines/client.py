@@ -116,6 +116,16 @@ class EngineClient:
         places = [(r["parallelism_info"][0]["pp_rank"], r["parallelism_info"][0]["tp_rank"]) for r in ranks]
         return [rank["checksums"] for _, rank in sorted(zip(places, ranks), key=lambda pair: pair[0])]
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the engine's GPU memory of `tags` ("weights", "kv_cache", "cuda_graph"; None = all) for colocated
+        trainer ranks; the engine must be idle. Released weights are not kept (unless SGLang's weights CPU backup
+        is on): a weight sync must follow their resume. Frees GPU memory only with --enable-memory-saver."""
+        self._post("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take back what `release_memory_occupation(tags)` freed."""
+        self._post("/resume_memory_occupation", {"tags": tags} if tags else {})
+
     def flush_cache(self) -> None:
         self._post("/flush_cache")
 

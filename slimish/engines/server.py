@@ -33,17 +33,18 @@ def engine_env() -> dict[str, str]:
 
 
 def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: str, tp: int, max_total_tokens: int,
-                seed: int, extra: list[str]) -> list[str]:
+                seed: int, extra: list[str], colocated: bool = False) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(tp), "--max-total-tokens", str(max_total_tokens),
             "--random-seed", str(seed), "--log-level", "warning",
-            *sglang_cpu.server_args(device=device, dtype=dtype), *map(str, extra)]
+            *sglang_cpu.server_args(device=device, dtype=dtype, colocated=colocated), *map(str, extra)]
 
 
 class EngineProcess:
     def __init__(self, *, index: int, rollout: RolloutConfig, model: ModelConfig, log_dir: str, seed: int,
-                 api_key: str | None = None):
+                 api_key: str | None = None, colocated: bool = False):
         self.index, self.rollout, self.model, self.seed, self.api_key = index, rollout, model, seed, api_key
+        self.colocated = colocated  # shares its GPUs with trainer ranks (placement.colocate)
         self.log_path = Path(log_dir) / f"engine{index}.log"
         self.host = node_ip()  # what other nodes reach this engine at (loopback on a local Ray)
         self.port = rollout.engine.base_port + index
@@ -61,7 +62,7 @@ class EngineProcess:
         argv = engine_argv(model_path=self.model.hf_path, host=self.host, port=self.port,
                            device=sglang_cpu.resolve_device(eng.device), dtype=self.model.dtype,
                            tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=self.seed + self.index,
-                           extra=[*self._secret_args(), *eng.extra_args])
+                           extra=[*self._secret_args(), *eng.extra_args], colocated=self.colocated)
         self._store, store_port = hosted_store(self.host)
         env = {**engine_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
                "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}

@@ -48,17 +48,18 @@ class EngineServers:
 
     `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement);
     none with attached engines. With `api_key`, engines and router refuse callers without it (slimish/network.py);
-    attached engines require the key they were started with."""
+    attached engines require the key they were started with. `colocated`: the engines share their GPUs with trainer
+    ranks (placement.colocate) and release their memory while those train."""
 
     def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
-                 engine_options: list[dict], api_key: str | None = None):
+                 engine_options: list[dict], api_key: str | None = None, colocated: bool = False):
         self.attached = list(rollout.engine.attach)
         wanted = 0 if self.attached else rollout.engine.num_engines
         if len(engine_options) != wanted:
             raise ValueError(f"{len(engine_options)} placement slots for {wanted} engines to start")
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
-        self.api_key = api_key
+        self.api_key, self.colocated = api_key, colocated
         self.engine_urls: list[str] = []
         self.router_url = f"http://{HOST}:{rollout.router.port}"
         self.router_client = RouterClient(self.router_url, api_key=api_key)
@@ -71,7 +72,7 @@ class EngineServers:
         actor = ray.remote(EngineProcess)
         self.engines = [actor.options(**options).remote(index=i, rollout=self.rollout, model=self.model,
                                                         log_dir=str(self.log_dir), seed=self.seed,
-                                                        api_key=self.api_key)
+                                                        api_key=self.api_key, colocated=self.colocated)
                         for i, options in enumerate(self.engine_options)]
         try:
             if self.attached:

@@ -47,6 +47,10 @@ class EngineWatchdog:
         # While the job pauses the engines the probe asks /model_info instead of /health_generate (which a paused
         # engine does not answer); a /health_generate probe that overlapped a pause is discarded: `_pauses` tells.
         self._paused, self._pauses = False, 0
+        # /health_generate probes on their way: each is a request an engine runs, so an engine must not be told to
+        # release its memory meanwhile (SGLang asserts its scheduler is idle then, and the server dies).
+        self._generating = 0
+        self._probes_done = threading.Condition(self._lock)
         self._killing: set[str] = set()  # hung engines being killed: each is killed (and counted) once
 
     def start(self) -> None:
@@ -54,9 +58,13 @@ class EngineWatchdog:
         if self.health_interval_s > 0 and self.hang_timeout_s > 0:
             self._prober.start()
 
-    def pause_probes(self) -> None:
+    def pause_probes(self, *, until_idle: bool = False) -> None:
+        """Probe with `/model_info` from now on; `until_idle`: return only once no `/health_generate` probe is on
+        its way (each ends within `hang_timeout_s`), so that the engines run no request of the watchdog's."""
         with self._lock:
             self._paused, self._pauses = True, self._pauses + 1
+            if until_idle:
+                self._probes_done.wait_for(lambda: self._generating == 0)
 
     def resume_probes(self) -> None:
         with self._lock:
@@ -135,7 +143,14 @@ class EngineWatchdog:
         with self._lock:
             paused, pauses = self._paused, self._pauses
             urls = [url for url in self.engines.urls if self.engines.in_service(url)]
-        return self._kill_unresponsive(urls, paused=paused, pauses=pauses)
+            self._generating += not paused  # counted before it is sent: see pause_probes(until_idle=True)
+        try:
+            return self._kill_unresponsive(urls, paused=paused, pauses=pauses)
+        finally:
+            if not paused:
+                with self._lock:
+                    self._generating -= 1
+                    self._probes_done.notify_all()
 
     def _kill_unresponsive(self, urls: list[str], *, paused: bool, pauses: int = 0) -> list[str]:
         """Kill those of `urls` that do not answer the probe (`/model_info` when `paused`, else `/health_generate`,

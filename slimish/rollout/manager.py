@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from slimish.config.schema import JobConfig
+from slimish.engines.client import EngineClient
 from slimish.engines.engine_set import EngineSet
 from slimish.engines.generation import GenerationClient
 from slimish.engines.servers import EngineServers
@@ -51,7 +53,7 @@ def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_
                          chat_template=data.apply_chat_template, max_prompts=ev.max_prompts)
                  for path in ([ev.data_path] + list(ev.more_data_paths) if ev.every > 0 else [])]
     servers = EngineServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir), seed=cfg.run.seed,
-                            engine_options=engine_options, api_key=api_key)
+                            engine_options=engine_options, api_key=api_key, colocated=cfg.placement.colocate)
     program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
     return {"tokenizer": tokenizer, "dataset": dataset, "reward_fn": build_reward_fn(cfg.reward),
             "program": program, "eval_sets": eval_sets, "servers": servers}
@@ -80,6 +82,7 @@ class RolloutManager:
         self.engines: EngineSet | None = None  # each engine's state (from start())
         self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
+        self.released: set[str] = set()  # memory the engines have released (colocated: while the trainer trains)
 
     def start(self) -> dict:
         seconds = self.servers.start()
@@ -224,8 +227,40 @@ class RolloutManager:
         if self.watchdog is not None:
             self.watchdog.admit(list(joined))
         self.scheduler.resume(policy_version=policy_version)
-        if self.watchdog is not None:
+        if self.watchdog is not None and not self.released:
             self.watchdog.resume_probes()
+
+    def release_memory(self, tags: list[str]) -> dict:
+        """Colocated engines free their GPU memory of `tags` for the trainer ranks on their GPUs (they must be idle:
+        between steps of rl.mode sync). Until `resume_memory` gives all of it back, the watchdog probes them
+        without generating (`/model_info`). Returns {"time_release_s"}."""
+        t0 = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.pause_probes(until_idle=True)
+        self.released |= set(tags)
+        self._on_live_engines(lambda client: client.release_memory_occupation(list(tags)))
+        return {"time_release_s": time.monotonic() - t0}
+
+    def resume_memory(self, tags: list[str]) -> dict:
+        """Take back the memory `release_memory` freed, `tags` of it. Returns {"time_resume_s"}."""
+        t0 = time.monotonic()
+        self._on_live_engines(lambda client: client.resume_memory_occupation(list(tags)))
+        self.released -= set(tags)
+        if self.watchdog is not None and not self.released:
+            self.watchdog.resume_probes()
+        return {"time_resume_s": time.monotonic() - t0}
+
+    def _on_live_engines(self, call: Callable[[EngineClient], None]) -> None:
+        """`call` on every live engine at once. An engine that died meanwhile is the watchdog's: its restart comes
+        back with all its memory (and the served checkpoint, which the next full sync replaces)."""
+        live = self.engines.live()
+        with ThreadPoolExecutor(max(1, len(live))) as pool:
+            futures = [pool.submit(_call_engine, url, self.servers.api_key, call) for url in live]
+        failures = {url: f.exception() for url, f in zip(live, futures) if f.exception() is not None}
+        lost = set(self.engines_lost(list(failures))) if failures else set()
+        for url, exc in failures.items():
+            if url not in lost:
+                raise exc
 
     def state(self) -> dict:
         """What a resumed run needs so that no prompt is skipped or drawn twice: the prompt stream's position (the
@@ -245,6 +280,14 @@ class RolloutManager:
         if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
             self.watchdog.stop()
         self.servers.stop()
+
+
+def _call_engine(url: str, api_key: str | None, call: Callable[[EngineClient], None]) -> None:
+    client = EngineClient(url, api_key=api_key)
+    try:
+        call(client)
+    finally:
+        client.close()
 
 
 class ConfiguredRolloutManager(RolloutManager):

@@ -203,3 +203,25 @@ def test_a_joining_engine_that_dies_is_restarted_again(engines):
     servers.killed.append(1)  # it died on its own
     watchdog.check()
     assert servers.respawned == [1] and watchdog.lost([engines[1].url]) == [engines[1].url]
+
+
+def test_a_pause_until_idle_waits_for_the_generate_probe_on_its_way(engines):
+    """Before colocated engines release their memory they must run no request of the watchdog's: a pause with
+    `until_idle` returns only after the `/health_generate` probe already sent has ended (here held by the engine
+    until the test lets it go), and the probes after it ask `/model_info`."""
+    arrived = threading.Event()
+    engines += [StandInEngine(hung=PAUSED, holds=True, on_request=arrived.set)]
+    watchdog = watchdog_of(StandInServers(engines))
+    probing = threading.Thread(target=watchdog.probe)
+    probing.start()
+    assert arrived.wait(30), "the probe reached the engine"
+    pausing = threading.Thread(target=watchdog.pause_probes, kwargs={"until_idle": True})
+    pausing.start()
+    pausing.join(0.5)
+    assert pausing.is_alive(), "the pause waits while the probe is on its way"
+    engines[0].release.set()
+    probing.join(30)
+    pausing.join(30)
+    assert not pausing.is_alive()
+    engines[0].release.clear()
+    assert watchdog.probe() == [], "paused, the probe is /model_info, which the engine answers at once"
