@@ -226,3 +226,16 @@ def _prompts_per_step(run_dir: Path) -> int:
     import yaml
 
     return yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["prompts_per_step"]
+
+
+PHASES = "phases.jsonl"  # record_phases appends {"phase", "step"} for each phase the driver begins
+
+
+def record_phases(phase: str, step: int, engine_urls: list[str]) -> None:
+    """`run.phase_hook`: the order of the driver's phases, in the run directory (SLIMISH_TEST_RUN_DIR)."""
+    with (Path(os.environ["SLIMISH_TEST_RUN_DIR"]) / PHASES).open("a") as f:
+        f.write(json.dumps({"phase": phase, "step": step}) + "\n")
+
+
+def phases_recorded(run_dir: Path) -> list[tuple[str, int]]:
+    return [(r["phase"], r["step"]) for r in map(json.loads, (run_dir / PHASES).read_text().splitlines())]
