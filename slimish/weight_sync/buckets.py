@@ -47,10 +47,12 @@ class FlatBuffers:
     and 0.12-0.15 s into reused ones (`bench/flatten.py`).
     A buffer grows when a bucket does not fit (a tensor larger than the bucket size travels alone); `share(buffer)`
     is applied to every new buffer (the tensor transport puts it in shared memory). The buffers live as long as this
-    object (two buckets' worth of memory on the sending device)."""
+    object (two buckets' worth of memory on the sending device). `reuse=False`: every bucket gets a new buffer (the
+    caller holds it as long as it must live)."""
 
-    def __init__(self, share: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, share: Callable[[torch.Tensor], None] | None = None, *, reuse: bool = True):
         self._share = share
+        self._reuse = reuse
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
@@ -58,11 +60,11 @@ class FlatBuffers:
         """The bucket's bytes in the next buffer (a view of exactly `bucket.nbytes`)."""
         device = bucket.tensors[0].device
         buffer = self._buffers[self._turn]
-        if buffer is None or buffer.numel() < bucket.nbytes or buffer.device != device:
+        if not self._reuse or buffer is None or buffer.numel() < bucket.nbytes or buffer.device != device:
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
             if self._share is not None:
                 self._share(buffer)
-            self._buffers[self._turn] = buffer
+            self._buffers[self._turn] = buffer if self._reuse else None
         self._turn ^= 1
         flat = buffer[:bucket.nbytes]
         torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in bucket.tensors], out=flat)

@@ -9,11 +9,22 @@ crosses a socket. The buffer is kept alive until every engine has answered.
 CPU: the buffer must be shared with torch's `file_system` strategy (a named segment the engine opens by name).
 Under the default `file_descriptor` strategy the handle is a file descriptor handed over a multiprocessing
 connection whose authentication key the engine process does not have: SGLang 0.5.23's receive fails with
-"AuthenticationError: digest sent was rejected" and the server goes down. GPU: the handle is a CUDA IPC handle;
-only the device differs.
+"AuthenticationError: digest sent was rejected" and the server goes down.
+
+GPU: the handle is a CUDA IPC handle, which names the sender's device by its index; an engine rank under Ray sees
+its GPU as device 0 whatever its index on the node. So the handle carries the device's UUID instead, which SGLang's
+receiving side maps back to its own index (`sglang.srt.utils.patch_torch`, applied in every SGLang scheduler): the
+sender does the same rewrite for its own pickles only (`_reduce_with_device_uuid`), where SGLang's patch would
+rewrite every tensor torch pickles in the process, and fails on CPU tensors.
 
 Overlap as in `broadcast`: the next bucket is exported and copied while the engines load the previous one, so at
-most two buffers are alive; they are reused from bucket to bucket (`FlatBuffers`), each shared once.
+most two buffers are alive. On the CPU they are reused from bucket to bucket (`FlatBuffers`), each shared once: the
+engine's copy out of a buffer is done when it answers. On a GPU every bucket gets a fresh buffer, dropped once every
+engine has answered: an engine answers once its copy is queued on its stream, not done, so a reused buffer could be
+overwritten while it is still read. A dropped buffer is not freed while an engine holds it: torch keeps a sent CUDA
+block aside until each receiver has released its handle, and a receiver synchronises its stream before it does
+(`CudaIPCSentData`; the deleter in torch's StorageSharing.cpp). Which of the two costs less on a GPU (a fresh block
+and IPC mapping per bucket, or a reuse after a device sync) has not been measured.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.multiprocessing
+from torch.multiprocessing import reductions
 
 from slimish.config.loader import ConfigError
 from slimish.engines.client import EngineClient
@@ -45,10 +57,12 @@ class TensorTransport(Transport):
                               f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
         super().connect(clients)
         self.buffers = FlatBuffers(share=_share_by_name)
+        self.fresh = FlatBuffers(share=_share_by_name, reuse=False)
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
-            flat, metadata = self.buffers.flatten(bucket), flattened_metadata(bucket)
+            buffers = self.buffers if bucket.tensors[0].device.type == "cpu" else self.fresh
+            flat, metadata = buffers.flatten(bucket), flattened_metadata(bucket)
             # One pickle per receiving rank: under the file_system strategy each pickle takes a reference to the
             # shared segment and each unpickling drops one, so a pickle read by two ranks would drop the sender's
             # own reference too, and the segment's name would be gone when the next bucket reuses the buffer.
@@ -90,11 +104,27 @@ def flattened_metadata(bucket: Bucket) -> list[types.SimpleNamespace]:
 
 
 def _serialize(obj) -> str:
-    """What SGLang's MultiprocessingSerializer makes: a ForkingPickler pickle (tensors by handle), base64."""
+    """What SGLang's MultiprocessingSerializer makes: a ForkingPickler pickle (tensors by handle, CUDA devices by
+    UUID), base64."""
     buffer = io.BytesIO()
     with _file_system_sharing():
-        ForkingPickler(buffer).dump(obj)
+        pickler = ForkingPickler(buffer)
+        pickler.dispatch_table[torch.Tensor] = _reduce_with_device_uuid
+        pickler.dump(obj)
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _reduce_with_device_uuid(tensor: torch.Tensor):
+    """torch's reduction of `tensor` for another process; for a CUDA tensor, with its device's UUID in place of the
+    device index, at the argument SGLang's receiving side maps back (`patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX`,
+    whose `_device_to_uuid` this uses: the two ends agree by construction)."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX as at
+        from sglang.srt.utils.patch_torch import _device_to_uuid
+
+        args = (*args[:at], _device_to_uuid(args[at]), *args[at + 1:])
+    return rebuild, args
 
 
 @contextmanager

@@ -88,3 +88,35 @@ def test_a_reused_buffer_stays_readable_by_name_after_two_engines_read_it():
                 assert read_in_a_new_process(payload) == [value] * 4
     finally:
         transport.close()
+
+
+def test_a_cpu_tensor_is_pickled_as_torch_pickles_it():
+    """The device-UUID rewrite touches CUDA tensors only (SGLang's own patch, applied process-wide, would fail on a
+    CPU tensor's shorter reduction)."""
+    from torch.multiprocessing import reductions
+
+    from slimish.weight_sync.tensor import _reduce_with_device_uuid
+
+    tensor = torch.arange(4.0)
+    assert _reduce_with_device_uuid(tensor)[0] is reductions.reduce_tensor(tensor)[0]
+
+
+def test_the_device_argument_sglang_maps_is_torchs_storage_device():
+    """A CUDA tensor's handle names its device at the argument SGLang's receiver maps from a UUID back to its own
+    device index; that index is SGLang's constant, which must be torch's `storage_device` of `rebuild_cuda_tensor`
+    (checked here without a GPU: the sender rewrites exactly what the receiver reads)."""
+    import inspect
+
+    from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX
+    from torch.multiprocessing import reductions
+
+    params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert params[_REDUCE_TENSOR_ARG_DEVICE_INDEX] == "storage_device"
+
+
+def test_fresh_buffers_are_new_for_every_bucket():
+    """The GPU's buffers: a new one per bucket, never one the engines may still be reading."""
+    buffers, bucket = FlatBuffers(reuse=False), Bucket()
+    bucket.add("a", torch.ones(4))
+    first, second, third = (buffers.flatten(bucket) for _ in range(3))
+    assert len({t.untyped_storage().data_ptr() for t in (first, second, third)}) == 3
