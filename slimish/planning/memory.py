@@ -14,6 +14,11 @@ Engine (one GPU of a tensor-parallel engine): weights / engine tp, and the KV ca
 rollout.max_concurrency requests at full length (prompt + max_new_tokens), at most rollout.engine.max_total_tokens
 (SGLang's pool): 2 x layers x kv heads/tp (at least one) x head dim per token, or MLA's compressed latent
 (kv_lora_rank + rope dim) per layer, whole on every rank.
+Colocated (placement.colocate), one GPU holds a trainer rank and an engine rank in turns
+(`slimish.orchestration.colocation`): generate = the engine (the trainer offloaded); train = the trainer rank (the
+engine released); sync = the trainer's weights, the engine's weights and two weight-sync buckets (the trainer's
+optimizer state offloaded, the engine's KV cache still released). Host memory per GPU: what the trainer offloads
+(weights and optimizer state; gradients are freed, not copied). CUDA contexts and allocator slack are not counted.
 """
 
 from __future__ import annotations
@@ -99,3 +104,22 @@ def engine_gpu(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> EngineMe
         per_token = 2 * arch.num_layers * kv_heads * arch.kv_channels * dtype
     return EngineMemory(weights=params.total * dtype / engine.tensor_parallel, kv_cache=kv_tokens * per_token,
                         kv_tokens=kv_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedMemory:
+    generate: float
+    train: float
+    sync: float
+    host: float  # host memory per GPU the trainer offloads to
+
+    @property
+    def peak(self) -> float:
+        return max(self.generate, self.train, self.sync)
+
+
+def colocated_gpu(cfg, trainer: TrainerMemory, engine: EngineMemory) -> ColocatedMemory:
+    buckets = 2 * cfg.weight_sync.bucket_mb * 2**20
+    return ColocatedMemory(generate=engine.total, train=trainer.total,
+                           sync=trainer.weights + engine.weights + buckets,
+                           host=trainer.weights + trainer.optimizer)

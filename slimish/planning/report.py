@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from slimish.planning.memory import GB, engine_gpu, trainer_rank
+from slimish.planning.memory import GB, colocated_gpu, engine_gpu, trainer_rank
 from slimish.planning.params import ParamCount, count_params
-from slimish.planning.walls import ADVICE, step_walls
+from slimish.planning.walls import ADVICE, COLOCATED_ADVICE, step_walls
 
 
 def plan_text(cfg, hf_config: dict) -> str:
@@ -13,7 +13,7 @@ def plan_text(cfg, hf_config: dict) -> str:
     arch = architecture_from_hf(hf_config)
     params = count_params(hf_config)
     return "\n".join([*_header(cfg, arch, params), *_trainer(cfg, arch, params), *_engine(cfg, arch, params),
-                      *_walls(cfg, arch, params)])
+                      *_colocated(cfg, arch, params), *_walls(cfg, arch, params)])
 
 
 def _header(cfg, arch, params: ParamCount) -> list[str]:
@@ -22,7 +22,8 @@ def _header(cfg, arch, params: ParamCount) -> list[str]:
     return [f"model: {arch.family}, {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active per "
             f"token), {cfg.model.dtype}",
             f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
-            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}",
+            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}"
+            + (", on the trainer's GPUs (colocated)" if cfg.placement.colocate else ""),
             _lr_schedule(cfg)]
 
 
@@ -80,6 +81,23 @@ def _engine(cfg, arch, params: ParamCount) -> list[str]:
                                                       "rollout.max_concurrency")]
 
 
+def _colocated(cfg, arch, params: ParamCount) -> list[str]:
+    """Colocated: what one GPU holds in each phase of a step (`memory.colocated_gpu`)."""
+    if not cfg.placement.colocate:
+        return []
+    prompt = cfg.plan.prompt_tokens
+    mem = colocated_gpu(cfg, trainer_rank(cfg, arch, params, prompt_tokens=prompt),
+                        engine_gpu(cfg, arch, params, prompt_tokens=prompt))
+    return ["", "colocated GPU (trainer rank and engine rank in turns), GB:",
+            f"  generate {_gb(mem.generate)}   (the engine; the trainer offloaded)",
+            f"  train    {_gb(mem.train)}   (the trainer rank; the engine released)",
+            f"  sync     {_gb(mem.sync)}   (trainer weights + engine weights + two {cfg.weight_sync.bucket_mb:g} MiB "
+            "buckets)",
+            f"  host     {_gb(mem.host)}   (host memory per GPU the trainer offloads to: weights and optimizer "
+            "state)",
+            _fits(mem.peak, cfg.plan.gpu_memory_gb, "the fix of the phase that does not fit, above")]
+
+
 def _walls(cfg, arch, params: ParamCount) -> list[str]:
     walls = step_walls(cfg, arch, params)
     lines = ["", "seconds per step:"]
@@ -91,5 +109,5 @@ def _walls(cfg, arch, params: ParamCount) -> list[str]:
     how = (f"generation overlapping training (rl.mode {cfg.rl.mode})" if walls.overlapped
            else "run one after another")
     lines.append(f"binding wall: {binding} ({walls.seconds()[binding]:.1f} s of {walls.step_seconds():.1f} s per "
-                 f"step, {how}); to move it: {ADVICE[binding]}")
+                 f"step, {how}); to move it: {(COLOCATED_ADVICE if cfg.placement.colocate else ADVICE)[binding]}")
     return lines

@@ -30,6 +30,12 @@ ADVICE = {
                "generation overlaps training",
     "reward": "more reward workers (a remote reward service), or a cheaper reward",
 }
+# Colocated, generation cannot overlap training (they take turns on the same GPUs).
+COLOCATED_ADVICE = {**ADVICE,
+                    "rollout": "more requests per engine (rollout.max_concurrency, rollout.engine.max_total_tokens), "
+                               "rollout.partial.mode abort (the slowest groups wait for the next step), or separate "
+                               "engine GPUs (placement.colocate=false) so that generation can overlap training",
+                    "sync": "a faster transport between colocated ranks, or fewer, larger buckets"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,8 @@ from slimish.megatron_bridge.hf_config import architecture_from_hf, transformer_
 from tests.conftest import REPO
 from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B
 
-RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
+RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_8b_math_grpo_colocated": QWEN3_8B,
+           "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
            "llama31_405b_math_grpo": LLAMA31_405B}
 
 
@@ -47,7 +48,10 @@ def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
         assert kv % tp == 0 or tp % kv == 0, "SGLang splits or replicates KV heads"
 
     nodes, gpus_per_node = map(int, re.search(r"(\d+) nodes? of (\d+) GPUs", path.read_text()).groups())
-    assert par.num_trainer_ranks + engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
+    if cfg.placement.colocate:  # every GPU holds a trainer rank and an engine rank
+        assert par.num_trainer_ranks == engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
+    else:
+        assert par.num_trainer_ranks + engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
     assert engine.tensor_parallel <= gpus_per_node, "an engine runs on one node"
     assert f"sbatch -N {nodes} --gpus-per-node {gpus_per_node} launch/train.sbatch configs/recipes/{name}.yaml" in \
         path.read_text()

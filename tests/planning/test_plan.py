@@ -9,14 +9,15 @@ import json
 import pytest
 
 from slimish.config import load_config
-from slimish.planning.memory import engine_gpu, trainer_rank
+from slimish.planning.memory import colocated_gpu, engine_gpu, trainer_rank
 from slimish.planning.params import count_params
 from slimish.planning.walls import step_walls
 from tests.conftest import REPO
 from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B, trimmed
 from tests.megatron_bridge.test_real_shapes import megatron_meta_shapes
 
-RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
+RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_8b_math_grpo_colocated": QWEN3_8B,
+           "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
            "llama31_405b_math_grpo": LLAMA31_405B}
 
 
@@ -130,7 +131,9 @@ def test_plan_prints_memory_and_the_binding_wall(name, tmp_path, capsys):
     out = capsys.readouterr().out
     for text in ("trainer rank", "engine GPU", "seconds per step:", "binding wall: "):
         assert text in out
-    assert out.count(": fits") == 2
+    colocated = "colocated" in name
+    assert ("colocated GPU (trainer rank and engine rank in turns)" in out) == colocated
+    assert out.count(": fits") == 2 + colocated
 
 
 def test_a_model_without_config_json_is_one_line(tmp_path, capsys):
@@ -155,3 +158,7 @@ def test_every_recipe_fits_the_gpus_its_header_names(name, tmp_path):
     arch, params = architecture_from_hf(RECIPES[name]), count_params(RECIPES[name])
     assert trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens).total <= gpu_gb * 1e9
     assert engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens).total <= gpu_gb * 1e9
+    if cfg.placement.colocate:
+        trainer = trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
+        engine = engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
+        assert colocated_gpu(cfg, trainer, engine).peak <= gpu_gb * 1e9
