@@ -40,6 +40,19 @@ def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: st
             *sglang_cpu.server_args(device=device, dtype=dtype, colocated=colocated), *map(str, extra)]
 
 
+def visible_devices(own: str | None, *, sender: dict | None, node: str) -> str | None:
+    """A colocated engine's CUDA_VISIBLE_DEVICES: its own GPU (Ray's choice, `own`) first, so that SGLang runs on
+    device 0, then the GPU of the trainer rank that sends it weights by CUDA IPC (`sender`: that rank's node and
+    CUDA_VISIBLE_DEVICES), when that is on this node and not its own: the engine opens the sender's buffer on the
+    sender's device, which it must see (the handle names it by UUID; SGLang maps it to the index it sees it at).
+    Otherwise `own` unchanged."""
+    if not own or not sender or sender["node"] != node or not sender.get("cuda_visible_devices"):
+        return own
+    mine = own.split(",")
+    theirs = [gpu for gpu in sender["cuda_visible_devices"].split(",") if gpu not in mine]
+    return ",".join(mine + theirs)
+
+
 class EngineProcess:
     def __init__(self, *, index: int, rollout: RolloutConfig, model: ModelConfig, log_dir: str, seed: int,
                  api_key: str | None = None, colocated: bool = False):
@@ -51,13 +64,16 @@ class EngineProcess:
         self.proc: ManagedProcess | None = None
         self._store = None  # the SGLang server's rendezvous store (a fresh one per start)
         self._secret_file: str | None = None  # the key, for SGLang's --config, until the server is up
+        self.sender_gpus: dict | None = None  # colocated: the GPUs of the trainer rank that sends it weights
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> str:
-        """Start the server (without waiting for it); returns its URL."""
+    def start(self, sender_gpus: dict | None = None) -> str:
+        """Start the server (without waiting for it); returns its URL. `sender_gpus` (colocated: the node and
+        CUDA_VISIBLE_DEVICES of the trainer rank that sends weights by CUDA IPC) is kept for restarts."""
+        self.sender_gpus = sender_gpus or self.sender_gpus
         eng = self.rollout.engine
         argv = engine_argv(model_path=self.model.hf_path, host=self.host, port=self.port,
                            device=sglang_cpu.resolve_device(eng.device), dtype=self.model.dtype,
@@ -66,6 +82,9 @@ class EngineProcess:
         self._store, store_port = hosted_store(self.host)
         env = {**engine_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
                "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}
+        visible = visible_devices(env.get("CUDA_VISIBLE_DEVICES"), sender=self.sender_gpus, node=self.host)
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         self.proc = ManagedProcess(f"engine{self.index}", argv, env=env, log_path=self.log_path)
         self.proc.start()
         return self.url

@@ -66,8 +66,9 @@ class EngineServers:
         self.engines: list = []  # EngineProcess actors
         self.router: ManagedProcess | None = None
 
-    def start(self) -> float:
-        """Start everything and wait until healthy; returns the seconds it took."""
+    def start(self, sender_gpus: dict | None = None) -> float:
+        """Start everything and wait until healthy; returns the seconds it took. `sender_gpus`: see
+        `EngineProcess.start`."""
         t0 = time.monotonic()
         actor = ray.remote(EngineProcess)
         self.engines = [actor.options(**options).remote(index=i, rollout=self.rollout, model=self.model,
@@ -80,7 +81,7 @@ class EngineServers:
                 for url in self.engine_urls:
                     reset_attached(url, model_path=self.model.hf_path, api_key=self.api_key)
             else:
-                self.engine_urls = ray.get([engine.start.remote() for engine in self.engines])
+                self.engine_urls = ray.get([engine.start.remote(sender_gpus) for engine in self.engines])
                 ray.get([engine.wait_healthy.remote() for engine in self.engines])
             router = self.rollout.router
             self.router = ManagedProcess(

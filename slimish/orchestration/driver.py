@@ -89,7 +89,8 @@ class RLJob:
             info = self.trainer.setup()
             self.turns = ColocatedTurns(self.trainer, self.rollout_manager, on_phase=self.phase_begins)
             self.turns.first_offload()
-            info.update(ray.get(self.rollout_manager.start.remote()))
+            sender = info["gpus"] if self.cfg.weight_sync.transport == "tensor" else None
+            info.update(ray.get(self.rollout_manager.start.remote(sender_gpus=sender)))
         else:
             engines = self.rollout_manager.start.remote()  # engines boot while the trainer builds its model
             info = self.trainer.setup()

@@ -9,6 +9,7 @@ loss exist on the last stage only; every stage returns the last stage's metrics.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -94,7 +95,9 @@ class TrainerWorker:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.pad_id = 0
-        return {"num_params": sum(p.numel() for p in self.policy.module.parameters())}
+        return {"num_params": sum(p.numel() for p in self.policy.module.parameters()),
+                # where this rank's GPUs are (colocated engines must see the sender's: see engines.server)
+                "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
 
     def gpu_telemetry(self) -> dict[str, float]:
         """This rank's GPU memory and utilisation now (`slimish.telemetry`; {} without GPUs)."""
