@@ -66,7 +66,7 @@ class TensorTransport(Transport):
             # One pickle per receiving rank: under the file_system strategy each pickle takes a reference to the
             # shared segment and each unpickling drops one, so a pickle read by two ranks would drop the sender's
             # own reference too, and the segment's name would be gone when the next bucket reuses the buffer.
-            payloads = {c.url: [_serialize({"flattened_tensor": flat, "metadata": metadata})
+            payloads = {c.url: [_serialize({"flattened_tensor": _crossing(flat), "metadata": metadata})
                                 for _ in range(self.context.engine_tp)] for c in self.clients}
         self.wait_loaded()
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
@@ -86,9 +86,19 @@ def _same_host(engine_host: str | None, sender_host: str) -> bool:
 
 
 def _share_by_name(buffer: torch.Tensor) -> None:
-    if buffer.device.type == "cpu":
+    """Make a new buffer mappable by the engines: a CPU buffer (or the emulated GPU's CPU data) into shared memory;
+    a CUDA buffer already is (its IPC handle is made when it is pickled)."""
+    host = getattr(buffer, "cpu_data", buffer)
+    if host.device.type == "cpu":
         with _file_system_sharing():
-            buffer.share_memory_()
+            host.share_memory_()
+
+
+def _crossing(flat: torch.Tensor) -> torch.Tensor:
+    """What the handle is made of: the buffer, or on the emulated GPU (`slimish.compat.emulated_gpu`) its CPU data,
+    shared by name: the stand-in for CUDA IPC, the one boundary the emulated GPU cannot cross (the engine maps CPU
+    memory)."""
+    return getattr(flat, "cpu_data", flat)
 
 
 def flattened_metadata(bucket: Bucket) -> list[types.SimpleNamespace]:

@@ -1,0 +1,79 @@
+"""The one-GPU acceptance job: a colocated RL job (`placement.colocate`) with one trainer rank and one SGLang engine
+taking turns on one GPU, weights by the `tensor` transport (CUDA IPC), the engine releasing and resuming its memory
+every step: the quickstart's task and tiny model, 10 GRPO steps in bf16 and 3 in fp32.
+
+Shown: the reward rises over the bf16 job; the first step's ppo_kl is 0 (the logprob pass and the first train
+forward use the same micro-batches); engine-vs-trainer logprobs stay within the bounds below; the GPU memory in use
+at the end of each phase is printed. With `make test-gpu EMULATE=1` the same jobs run on this machine: the trainer
+on the emulated GPU, a CPU engine, and the CUDA IPC handle replaced by the emulated tensor's CPU data in shared
+memory (`slimish.weight_sync.tensor._crossing`); the GPU memory lines are then empty.
+
+Not yet what the issue asks of it: the model is the quickstart's (115k parameters), not one of 100M or more
+(`slimish make-tiny` builds no larger one yet), and it has not run on a GPU (the lent machine has no SGLang)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from tests.e2e.procs import become_subreaper, leftovers, train_command
+
+pytest.importorskip("sglang", reason="SGLang is not installed: the colocated job needs an engine")
+
+# (max, mean) of |engine - trainer| logprobs per step. Measured with EMULATE=1 (emulated trainer, CPU engine): bf16
+# max 0.036 / 0.090 / 0.107 over three runs of the 10 steps (its tail: tokens of low probability, rounded apart by two
+# bf16 kernels), fp32 max a few 1e-6. A wrong or stale weight puts whole tokens apart (differences of 1 and more).
+BOUNDS = {"bfloat16": (0.25, 0.01), "float32": (1e-4, 1e-5)}
+
+
+def _within_bounds(records: list[dict], dtype: str) -> None:
+    top, mean = BOUNDS[dtype]
+    diffs = [(r["logprob_abs_diff_max"], r["logprob_abs_diff_mean"]) for r in records]
+    assert all(m <= top and a <= mean for m, a in diffs), diffs
+
+
+def _colocated_job(task_assets, tmp_path, *, dtype: str, steps: int) -> list[dict]:
+    become_subreaper()
+    name = f"colocated-{dtype}"
+    # A GPU engine in fp32 needs an attention backend other than FlashInfer's (a CPU engine has its own).
+    fp32_backend = ["rollout.engine.extra_args=[--attention-backend, triton]"] if (
+        dtype == "float32" and torch.cuda.is_available()) else []
+    cmd = train_command(task_assets, tmp_path, f"run.name={name}", "placement.colocate=true",
+                        "weight_sync.transport=tensor", "rollout.engine.num_engines=1", f"model.dtype={dtype}",
+                        f"rl.num_steps={steps}", "weight_sync.bucket_mb=0.1", *fp32_backend)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert not leftovers(), "processes left running after the job"
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records
+
+
+def _report(records: list[dict], dtype: str, capsys) -> None:
+    with capsys.disabled():
+        worst = max(r["logprob_abs_diff_max"] for r in records)
+        mean = max(r["logprob_abs_diff_mean"] for r in records)
+        print(f"\ncolocated {dtype}: reward {[round(r['reward_mean'], 3) for r in records]}, logprob diff max "
+              f"{worst:.2e}, mean <= {mean:.2e}, offloaded {records[-1]['offload_bytes'] / 2**20:.2f} MiB per step")
+        for key, value in sorted(records[-1].items()):
+            if "_mem_gb@" in key:
+                print(f"  {key} {value:.2f} GB")
+
+
+def test_ten_colocated_bf16_steps_learn(task_assets, tmp_path, capsys):
+    records = _colocated_job(task_assets, tmp_path, dtype="bfloat16", steps=10)
+    _report(records, "bfloat16", capsys)
+    assert records[0]["ppo_kl"] == 0.0
+    _within_bounds(records, "bfloat16")
+    first, last = (sum(r["reward_mean"] for r in part) / 3 for part in (records[:3], records[-3:]))
+    assert last > first, [r["reward_mean"] for r in records]
+
+
+def test_three_colocated_fp32_steps_keep_parity(task_assets, tmp_path, capsys):
+    records = _colocated_job(task_assets, tmp_path, dtype="float32", steps=3)
+    _report(records, "float32", capsys)
+    assert records[0]["ppo_kl"] == 0.0
+    _within_bounds(records, "float32")
