@@ -332,7 +332,7 @@ class PlacementConfig:
                                 "parallel.num_trainer_ranks). They take turns: the engines release their memory "
                                 "while the trainer trains, the trainer offloads to host memory while they generate, "
                                 "and every step ends with a full weight sync (transport 'tensor' or 'disk'; needs "
-                                "rl.mode sync).")
+                                "rl.mode sync and rollout.partial.mode off or abort).")
 
 
 @dataclass(kw_only=True)

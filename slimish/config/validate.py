@@ -303,6 +303,10 @@ def _check_colocate(cfg: JobConfig) -> None:
         raise ConfigError("rl.mode", f"got {cfg.rl.mode!r}, but colocated engines must be idle while the trainer "
                                      "trains on their GPUs (they release their memory then): use rl.mode=sync, or "
                                      "placement.colocate=false")
+    if cfg.rollout.partial.mode == "retract":
+        raise ConfigError("rollout.partial.mode", "'retract' generates the next step's groups while the trainer "
+                                                  "trains, and colocated engines must be idle then (they release "
+                                                  "their memory): use 'abort' or 'off', or placement.colocate=false")
     if engine.attach:
         raise ConfigError("placement.colocate", "attached engines run outside the job, which cannot place them with "
                                                 "its trainer ranks: drop rollout.engine.attach or set "

@@ -178,6 +178,7 @@ COLOCATE_CASES = [
     # (overrides on top of a valid colocated layout, key named in the error, a fragment of the explanation)
     (["weight_sync.transport=broadcast"], "weight_sync.transport", "NCCL refuses a group with two ranks on one GPU"),
     (["rl.mode=one_step_off"], "rl.mode", "must be idle while the trainer trains"),
+    (["rollout.partial.mode=retract"], "rollout.partial.mode", "generates the next step's groups while the trainer"),
     (["rollout.engine.num_engines=2"], "rollout.engine.num_engines",
      "2 engine(s) of 1 GPU(s) for 1 trainer rank(s); colocated, every GPU holds one trainer rank and one engine rank: "
      "set rollout.engine.num_engines=1"),
