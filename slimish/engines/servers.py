@@ -66,8 +66,8 @@ class EngineServers:
         self.engines: list = []  # EngineProcess actors
         self.router: ManagedProcess | None = None
 
-    def start(self, sender_gpus: dict | None = None) -> float:
-        """Start everything and wait until healthy; returns the seconds it took. `sender_gpus`: see
+    def start(self, sender_gpus: list[dict] | None = None) -> float:
+        """Start everything and wait until healthy; returns the seconds it took. `sender_gpus[i]`: engine i's, see
         `EngineProcess.start`."""
         t0 = time.monotonic()
         actor = ray.remote(EngineProcess)
@@ -81,7 +81,8 @@ class EngineServers:
                 for url in self.engine_urls:
                     reset_attached(url, model_path=self.model.hf_path, api_key=self.api_key)
             else:
-                self.engine_urls = ray.get([engine.start.remote(sender_gpus) for engine in self.engines])
+                self.engine_urls = ray.get([engine.start.remote(sender_gpus[i] if sender_gpus else None)
+                                            for i, engine in enumerate(self.engines)])
                 ray.get([engine.wait_healthy.remote() for engine in self.engines])
             router = self.rollout.router
             self.router = ManagedProcess(

@@ -62,6 +62,7 @@ class RLJob:
         self.rollout_manager = None
         self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
         self.synced_engines: list[str] = []
+        self.engine_urls: list[str] = []  # engine i's URL, in engine order (from start())
         self.slots: dict[str, list[Slot]] = {}
         # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
         self.api_key = read_key(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach else new_job_key()
@@ -89,8 +90,10 @@ class RLJob:
             info = self.trainer.setup()
             self.turns = ColocatedTurns(self.trainer, self.rollout_manager, on_phase=self.phase_begins)
             self.turns.first_offload()
-            sender = info["gpus"] if self.cfg.weight_sync.transport == "tensor" else None
-            info.update(ray.get(self.rollout_manager.start.remote(sender_gpus=sender)))
+            # Engine i, on trainer rank i's GPU, must see the GPU of the rank that sends it weights by CUDA IPC.
+            senders = ([info["rank_gpus"][sender] for sender in info["weight_senders"]]
+                       if self.cfg.weight_sync.transport == "tensor" else None)
+            info.update(ray.get(self.rollout_manager.start.remote(sender_gpus=senders)))
         else:
             engines = self.rollout_manager.start.remote()  # engines boot while the trainer builds its model
             info = self.trainer.setup()
@@ -100,15 +103,18 @@ class RLJob:
         (self.run_dir / "placement.json").write_text(json.dumps(placement_record(self.slots, info["engines"]),
                                                                 indent=1))
         self.trainer_master_addr = info["trainer_master_addr"]
+        self.engine_urls = list(info["engine_urls"])  # engine i's URL (colocated: on trainer rank i's GPU)
         info.update(self.connect_engines(info["engine_urls"]))
         return info
 
     def connect_engines(self, urls: list[str]) -> dict:
         """(Re)build the weight-sync group between trainer rank 0 and the engines `urls`."""
         self.synced_engines = list(urls)
+        by_rank = [url if url in urls else None for url in self.engine_urls] if self.turns is not None else None
         return self.trainer.call("connect_engines", engine_urls=list(urls),
                                  engine_tp=self.cfg.rollout.engine.tensor_parallel,
-                                 master_addr=self.trainer_master_addr, api_key=self.api_key)
+                                 master_addr=self.trainer_master_addr, api_key=self.api_key,
+                                 engines_by_rank=by_rank)
 
     def _write_job_key(self) -> None:
         """The key, readable by the job's user only, for their own calls to the engines (curl -H "Authorization:

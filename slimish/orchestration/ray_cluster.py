@@ -61,9 +61,11 @@ class TrainerGroup:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def setup(self) -> dict:
+        """Every rank's `TrainerWorker.setup`: rank 0's answer, with every rank's GPUs and weight sender by rank."""
         master_addr, master_port = ray.get(self.actors[0].address.remote())
-        info = self.call("setup", master_addr=master_addr, master_port=master_port)
-        return {**info, "trainer_master_addr": master_addr}
+        ranks = self.call_all("setup", master_addr=master_addr, master_port=master_port)
+        return {**ranks[0], "trainer_master_addr": master_addr, "rank_gpus": [r["gpus"] for r in ranks],
+                "weight_senders": [r["weight_sender"] for r in ranks]}
 
     def kill(self) -> None:
         for actor in self.actors:

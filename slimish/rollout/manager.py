@@ -84,9 +84,9 @@ class RolloutManager:
         self.totals = Counter()
         self.released: set[str] = set()  # memory the engines have released (colocated: while the trainer trains)
 
-    def start(self, sender_gpus: dict | None = None) -> dict:
-        """Start the engines (`sender_gpus`: colocated, where the trainer rank that sends them weights by CUDA IPC
-        has its GPUs, see `EngineProcess.start`), the scheduler and the watchdog."""
+    def start(self, sender_gpus: list[dict] | None = None) -> dict:
+        """Start the engines (`sender_gpus[i]`: colocated, where the trainer rank that sends engine i weights by CUDA
+        IPC has its GPUs, see `EngineProcess.start`), the scheduler and the watchdog."""
         seconds = self.servers.start(sender_gpus)
         ro = self.cfg.rollout
         generation = GenerationClient(self.servers.router_url, request_timeout_s=ro.request_timeout_s,

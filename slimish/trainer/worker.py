@@ -42,7 +42,7 @@ class TrainerWorker:
         # RL logprobs are of the distribution the engines sampled from: softmax(logits / temperature).
         self.temperature = cfg.rollout.temperature
         self.rollout: RolloutBatch | None = None  # the step between compute_logprobs and train
-        self._sender = None        # rank 0: the engine protocol (slimish.weight_sync.sync.WeightSync)
+        self._sender = None        # rank 0 (or a replica's source): the engine protocol (weight_sync.sync.WeightSync)
         self._stage_sender = None  # a later pipeline stage's leader, with stage senders
         self._stage_links: list = []
         self._groups_made = 0
@@ -96,8 +96,10 @@ class TrainerWorker:
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.pad_id = 0
         return {"num_params": sum(p.numel() for p in self.policy.module.parameters()),
-                # where this rank's GPUs are (colocated engines must see the sender's: see engines.server)
-                "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
+                # where this rank's GPUs are, and the rank that sends its colocated engine the weights: that
+                # engine must see the sender's GPU (see engines.server.visible_devices)
+                "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+                "weight_sender": self.replica_ranks()[0] if self._replica_senders() else 0}
 
     def gpu_telemetry(self) -> dict[str, float]:
         """This rank's GPU memory and utilisation now (`slimish.telemetry`; {} without GPUs)."""
@@ -345,10 +347,12 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------------------------------ weight sync
     def connect_engines(self, *, engine_urls: list[str], engine_tp: int, master_addr: str,
-                        api_key: str | None = None) -> dict:
+                        api_key: str | None = None, engines_by_rank: list[str | None] | None = None) -> dict:
         """Rank 0 joins a process group with every engine in `engine_urls` (at `master_addr`; it calls them with
         `api_key`); with stage senders (`weight_sync.stage_senders`) so does every later pipeline stage's leader,
-        each with a group of its own.
+        each with a group of its own. Colocated with the tensor transport (`_replica_senders`), the source rank of
+        every data-parallel replica instead connects to the engines on its replica's GPUs: `engines_by_rank[r]` is
+        the engine on trainer rank r's GPU (None: not synced now).
         Other ranks only take part in the export's gathers. Every rank calls it. Called again when the engines
         change (one died, a restarted one joins): the old groups are torn down and new ones, under new names and
         on free ports, replace them."""
@@ -358,6 +362,12 @@ class TrainerWorker:
             if sender is not None:
                 sender.close()
         self._sender = self._stage_sender = None
+        if self._replica_senders() and engines_by_rank is not None:
+            replica = self.replica_ranks()
+            own = [engines_by_rank[r] for r in replica if r < len(engines_by_rank) and engines_by_rank[r]]
+            if self.layout.rank != replica[0] or not own:
+                return {}
+            return self._connect_rank0(own, engine_tp, node_ip(), stages=[])
         if not self._stage_senders():
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.layout.rank == 0 else {}
         import torch.distributed as dist
@@ -385,6 +395,24 @@ class TrainerWorker:
                 self._stage_sender.connect()
             dist.barrier()
         return metrics
+
+    def _replica_senders(self) -> bool:
+        """Colocated with the tensor transport (and no expert parallelism, whose export spans replicas): every
+        data-parallel replica exports the model, and its source rank sends it to the engines on the replica's
+        GPUs, from its own GPU by CUDA IPC; else rank 0 sends to every engine."""
+        cfg = self.cfg
+        return (cfg.placement.colocate and cfg.weight_sync.transport == "tensor"
+                and self.layout.expert_parallel == 1)
+
+    def replica_ranks(self) -> list[int]:
+        """The global ranks of this rank's data-parallel replica (its model-parallel group: tensor x pipeline),
+        in order; the first holds tensor- and pipeline-parallel rank 0, where the replica's export ends."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return [self.layout.rank]
+        return sorted(dist.get_process_group_ranks(ps.get_model_parallel_group()))
 
     def _stage_senders(self) -> bool:
         ws = self.cfg.weight_sync
@@ -436,8 +464,9 @@ class TrainerWorker:
         """Send the current weights to every engine as weight version `version`. Rank 0 sends the whole model
         (`export_full_hf_tensors`: the later stages' layers reach it over the pipeline group), or with stage senders
         its own stage while every later stage's leader sends its own (`export_stage_hf_tensors`); the TP / EP
-        gathers involve every rank of the replica. Other data-parallel replicas hold the same weights and sit out."""
-        if not in_source_replica():
+        gathers involve every rank of the replica. Other data-parallel replicas hold the same weights and sit out,
+        unless every replica sends to its own engines (`_replica_senders`)."""
+        if not (in_source_replica() or self._replica_senders()):
             return {}
         if not self._stage_senders():
             tensors = export_full_hf_tensors(self.policy.module, self.arch)
@@ -445,7 +474,8 @@ class TrainerWorker:
             tensors = export_stage_hf_tensors(self.policy.module, self.arch)
         try:
             if self._sender is not None:
-                return self._sender.send(tensors, version=str(version), stages=self._stage_links)
+                metrics = self._sender.send(tensors, version=str(version), stages=self._stage_links)
+                return {**metrics, "sync_engines": len(self._sender.clients)}
             if self._stage_sender is not None:
                 self._stage_sender.send(tensors)
             return {}

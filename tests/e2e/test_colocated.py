@@ -5,8 +5,9 @@ device to move (the moves themselves: the emulated-GPU tier and tests/gpu).
 
 Shown: the driver's phases in the colocated order at the warm-up, at every step and around every checkpoint; each
 logged; logprob parity after every full sync (verified by checksums, as every sync); the colocated metrics; the
-placement; and a second job resuming from the checkpoint of step 2, taken while the trainer was offloaded, through
-the same turns."""
+placement; and a second job resuming from the checkpoint of step 3, taken while the trainer was offloaded, through
+the same turns, at another layout: two trainer ranks (two data-parallel replicas) and two engines, where each
+replica's rank sends the weights to the engine on its own GPU only (verified there by checksums)."""
 
 from __future__ import annotations
 
@@ -54,13 +55,15 @@ def test_a_colocated_job_takes_turns_every_step_and_resumes(task_assets, tmp_pat
         assert all(record[key] >= 0 for key in ("time_release_s", "time_onload_s", "time_offload_s",
                                                 "time_resume_s", "time_colocated_sync_s"))
         assert record["engine_deaths"] == 0 and record["samples_failed"] == 0
+        assert record["sync_engines"] == 1
     assert records[0]["ppo_kl"] == 0.0
     placement = json.loads((run_dir / "placement.json").read_text())
     assert [t["gpus"] for t in placement["trainer"]] == [0.0] and len(placement["engines"]) == 1
     assert not leftovers(), "processes left running after the job"
 
     (run_dir / "phases.jsonl").unlink()
-    second = subprocess.run(train_command(task_assets, tmp_path, *common, "rl.num_steps=4"), capture_output=True,
+    wider = ["parallel.num_trainer_ranks=2", "rollout.engine.num_engines=2", "rl.num_steps=4"]
+    second = subprocess.run(train_command(task_assets, tmp_path, *common, *wider), capture_output=True,
                             text=True, timeout=1200, cwd=tmp_path, env=hook_env(run_dir))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     assert "resumed from" in second.stdout and "step   4/4" in second.stdout
@@ -70,4 +73,7 @@ def test_a_colocated_job_takes_turns_every_step_and_resumes(task_assets, tmp_pat
                                         + [(p, 4) for p in STEP + SAVE])
     resumed = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert resumed["step"] == 4 and resumed["logprob_abs_diff_max"] <= 1e-4
+    assert resumed["sync_engines"] == 1, "rank 0 sent to the engine on its GPU; rank 1 to the other"
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert [t["rank"] for t in placement["trainer"]] == [0, 1] and len(placement["engines"]) == 2
     assert not leftovers(), "processes left running after the job"
