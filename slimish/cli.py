@@ -133,12 +133,13 @@ def cmd_report(args) -> int:
 def cmd_make_tiny(args) -> int:
     import importlib
 
-    from slimish.tasks.tiny_model import build_tiny_model
+    from slimish.tasks.tiny_model import SIZES, build_tiny_model
 
     _output_dir(args.out, "--out")
     task = importlib.import_module(f"slimish.tasks.{args.task}")
     out = Path(args.out)
-    model_dir = build_tiny_model(out / "model", corpus=task.corpus(), family=args.family, seed=args.seed)
+    model_dir = build_tiny_model(out / "model", corpus=task.corpus(), family=args.family, seed=args.seed,
+                                 **SIZES[args.size])
     paths = task.write_datasets(out, seed=args.seed)
     print(f"model: {model_dir}\ntrain prompts: {paths['train']}\nsft data: {paths['sft']}\n"
           f"held-out prompts: {paths['eval']}")
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task", default="echo_digit", choices=["echo_digit", "calculator"],
                    help="the task's tokenizer corpus and data: the quickstart's, or the tool-use one")
+    p.add_argument("--size", default="tiny", choices=["tiny", "100m"],
+                   help="tiny: 115k parameters (CPU jobs); 100m: a 105M-parameter Qwen3-shaped model (dense families)")
     p.set_defaults(fn=cmd_make_tiny)
     p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron-Core (torch_dist)")
     directions = p.add_subparsers(dest="direction", required=True)

@@ -154,3 +154,16 @@ def test_user_errors_are_found_behind_other_errors():
     except RuntimeError as exc:
         assert str(find_user_error(exc)) == "the real reason"
     assert find_user_error(RuntimeError("a bug")) is None
+
+
+def test_make_tiny_100m_is_a_model_of_at_least_100m_parameters():
+    """`slimish make-tiny --size 100m` (the one-GPU acceptance job's model), counted as Megatron builds it, without
+    building it (`slimish.planning.params`)."""
+    from transformers import AutoConfig
+
+    from slimish.planning.params import count_params
+    from slimish.tasks.tiny_model import SIZES, TINY_SHAPES
+
+    config = AutoConfig.for_model("qwen3", vocab_size=320, tie_word_embeddings=False,
+                                  **{**TINY_SHAPES, **SIZES["100m"]}).to_dict()
+    assert 100e6 <= count_params(config).total <= 110e6

@@ -17,6 +17,10 @@ EOS = "<|endoftext|>"
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+# Larger dense shapes (`slimish make-tiny --size`): "100m" is a Qwen3 of 105M parameters, the smallest model a
+# one-GPU acceptance job should move (its weight sync and offload are then real traffic, not noise).
+SIZES = {"tiny": {}, "100m": dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=14,
+                                  num_attention_heads=12, num_key_value_heads=4, head_dim=64)}
 # Extra fields per family: a few small experts, one dense layer before the sparse ones where the family has that.
 FAMILY_SHAPES = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
