@@ -2,14 +2,14 @@
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
 # Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make lint | make docs | make bench | make bench-partial | make bench-sync |
-#   make bench-flatten | make bench-long | make bench-estimators | make bench-async | make bench-rollout
+#   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-estimators | make bench-async | make bench-rollout
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu quickstart test test-fast test-gpu lint docs bench bench-partial bench-sync bench-flatten bench-long bench-estimators bench-async bench-rollout clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,10 @@ bench-sync: venv
 
 bench-flatten: venv
 	$(BIN)/python bench/flatten.py
+
+# DEVICE=cuda on a GPU machine: the tensor transport's fresh buffer per bucket against reused ones, over CUDA IPC
+bench-tensor-buckets: venv
+	$(BIN)/python bench/tensor_buckets.py --device $(or $(DEVICE),cpu)
 
 bench-long: venv
 	$(BIN)/python bench/long_sequences.py
