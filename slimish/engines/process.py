@@ -45,6 +45,13 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def stopped(self) -> list[int]:
+        """The processes of its group that are stopped (state T in /proc/<pid>/stat: SIGSTOP, or a terminal's stop
+        signal): they run nothing until continued, however long the server's own timeouts are."""
+        if self.proc is None:
+            return []
+        return [pid for pid, state in _group_states(self.proc.pid).items() if state == "T"]
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -91,6 +98,12 @@ class ManagedProcess:
 
 def _group_alive(pgid: int) -> bool:
     """True while any non-zombie process of group `pgid` exists."""
+    return any(state != "Z" for state in _group_states(pgid).values())
+
+
+def _group_states(pgid: int) -> dict[int, str]:
+    """{pid: state letter of /proc/<pid>/stat} of every process in group `pgid` now."""
+    states = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -99,7 +112,6 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            return True
-    return False
+        if int(fields[2]) == pgid:
+            states[int(entry)] = fields[0]
+    return states

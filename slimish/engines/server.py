@@ -112,6 +112,10 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
 
+    def stopped(self) -> list[int]:
+        """The server's processes that are stopped (`ManagedProcess.stopped`): a frozen engine."""
+        return self.proc.stopped() if self.proc is not None else []
+
     def exit_code(self) -> int | None:
         return self.proc.proc.returncode if self.proc is not None and self.proc.proc is not None else None
 

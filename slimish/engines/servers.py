@@ -108,6 +108,16 @@ class EngineServers:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
+    def engine_stopped(self, i: int) -> list[int]:
+        """PIDs of engine i's processes that are stopped (frozen: they run nothing until continued); [] when none
+        are, or its actor does not answer (`engine_alive` tells that apart)."""
+        if self.attached:
+            return []
+        try:
+            return ray.get(self.engines[i].stopped.remote(), timeout=timeouts.ACTOR_CALL_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return []
+
     def engine_exit_code(self, i: int) -> int | None:
         try:
             return ray.get(self.engines[i].exit_code.remote(), timeout=timeouts.ACTOR_CALL_S)

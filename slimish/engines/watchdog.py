@@ -1,9 +1,10 @@
 """Engine fault tolerance: notice a dead SGLang engine, take it out of the router, restart it, and let it back in
 only once it holds the trained weights. An engine that is alive but hung is killed first, and then handled as a dead
-one. Hung means: its `/health_generate` does not answer within `hang_timeout_s`; while the job pauses the engines
-(a weight sync: a paused engine generates nothing, so that probe would fail), its `/model_info` does not answer
-within `hang_timeout_s` (the HTTP process serves it without the scheduler, so a paused engine or one loading a
-bucket answers at once, and a frozen one does not).
+one. Hung means: a process of the engine is stopped (state T in /proc, SIGSTOP) in two checks in a row, which needs
+no request to the engine and so holds as well while it is busy loading weights; or its `/health_generate` does not
+answer within `hang_timeout_s`; while the job pauses the engines (a weight sync: a paused engine generates nothing,
+so that probe would fail), its `/model_info` does not answer within `hang_timeout_s` (the HTTP process serves it
+without the scheduler, so a paused engine or one loading a bucket answers at once, and a frozen one does not).
 
 The states it moves each engine through (live -> restarting -> joining -> live again after the next weight sync,
 which rebuilds the weight-sync group with it; failed if a restart fails) are kept in the job's `EngineSet`
@@ -52,6 +53,7 @@ class EngineWatchdog:
         self._generating = 0
         self._probes_done = threading.Condition(self._lock)
         self._killing: set[str] = set()  # hung engines being killed: each is killed (and counted) once
+        self._stopped: dict[str, float] = {}  # engine -> when a check first found a process of it stopped
 
     def start(self) -> None:
         self._thread.start()
@@ -116,11 +118,15 @@ class EngineWatchdog:
 
     # ----------------------------------------------------------------------------------------- the thread
     def check(self) -> None:
-        """Take every live or joining engine whose process has died out of service and start its restart. Called
-        by the watchdog thread every `interval_s`, by `for_sync` and after a failed sync; each death is handled once
-        (claimed under the lock)."""
+        """Take every live or joining engine whose process has died out of service and start its restart; kill one
+        whose processes were stopped at this check and the last (`_kill_stopped`). Called by the watchdog thread
+        every `interval_s`, by `for_sync` and after a failed sync; each death is handled once (claimed under the
+        lock)."""
         for i, url in enumerate(self.servers.engine_urls):
-            if not self.engines.in_service(url) or self.servers.engine_alive(i):
+            if not self.engines.in_service(url):
+                continue
+            if self.servers.engine_alive(i):
+                self._kill_stopped(i, url)
                 continue
             with self._lock:
                 if not self.engines.claim(url, RESTARTING, count="deaths"):  # the other caller claimed it meanwhile
@@ -130,6 +136,25 @@ class EngineWatchdog:
                 self._on_death(i, url)
             except Exception:
                 self._fail(url)
+
+    def _kill_stopped(self, i: int, url: str) -> None:
+        """Kill engine i if some of its processes are stopped now and were at an earlier check at least
+        `interval_s` ago, with none of them running between (a stop seen once may be a moment's; a frozen engine
+        stays stopped): a hang, found without asking the engine anything."""
+        stopped, now = self.servers.engine_stopped(i), time.monotonic()
+        with self._lock:
+            if not stopped:
+                self._stopped.pop(url, None)
+                return
+            first = self._stopped.setdefault(url, now)
+            if first == now or now - first < self.interval_s or url in self._killing:
+                return
+            self._killing.add(url)
+            del self._stopped[url]
+            self.engines.counts["hangs"] += 1
+        logger.warning("engine %s is frozen: its process(es) %s are stopped; killing it", url,
+                       ", ".join(map(str, stopped)))
+        self.servers.kill_engine(i)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -73,12 +73,16 @@ class StandInServers:
         self.killed: list[int] = []
         self.exited: set[int] = set()  # processes that died on their own (or by a signal from outside)
         self.respawned: list[int] = []
+        self.stopped: dict[int, list[int]] = {}  # engine -> PIDs of its processes in state T (SIGSTOP)
 
     def engine_alive(self, i):
         return i not in self.killed and i not in self.exited
 
     def engine_exit_code(self, i):
         return -9
+
+    def engine_stopped(self, i):
+        return [] if i in self.killed else self.stopped.get(i, [])
 
     def kill_engine(self, i):
         self.killed.append(i)
@@ -93,9 +97,9 @@ class StandInServers:
         raise RuntimeError("not restarted in this test")
 
 
-def watchdog_of(servers, hang_timeout_s: float = BOUND_S) -> EngineWatchdog:
-    return EngineWatchdog(servers, EngineSet(servers.engine_urls), interval_s=3600, on_live_change=lambda urls: None,
-                          hang_timeout_s=hang_timeout_s)
+def watchdog_of(servers, hang_timeout_s: float = BOUND_S, interval_s: float = 3600) -> EngineWatchdog:
+    return EngineWatchdog(servers, EngineSet(servers.engine_urls), interval_s=interval_s,
+                          on_live_change=lambda urls: None, hang_timeout_s=hang_timeout_s)
 
 
 @pytest.fixture
@@ -225,3 +229,33 @@ def test_a_pause_until_idle_waits_for_the_generate_probe_on_its_way(engines):
     assert not pausing.is_alive()
     engines[0].release.clear()
     assert watchdog.probe() == [], "paused, the probe is /model_info, which the engine answers at once"
+
+
+def test_an_engine_whose_processes_stay_stopped_is_killed_without_a_probe(engines, caplog):
+    """A frozen engine (SIGSTOP: state T in /proc) is found by the process state, which needs no answer from it and
+    so also holds while it is busy loading weights: stopped at two checks, it is killed and counted as a hang, and
+    the next check handles its death. No probe is sent (its HTTP server answers everything here)."""
+    engines += [StandInEngine(), StandInEngine()]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers, interval_s=0)
+    servers.stopped[1] = [4242]
+    watchdog.check()
+    assert servers.killed == [], "a stop seen once may be a moment's"
+    watchdog.check()
+    assert servers.killed == [1] and f"engine {engines[1].url} is frozen" in caplog.text
+    watchdog.check()
+    assert watchdog.metrics()["engine_hangs"] == 1 and watchdog.metrics()["engine_deaths"] == 1
+    assert servers.respawned == [1] and watchdog.live() == [engines[0].url]
+
+
+def test_an_engine_stopped_for_one_check_only_is_left_alone(engines):
+    engines += [StandInEngine()]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers, interval_s=0)
+    servers.stopped[0] = [4242]
+    watchdog.check()
+    servers.stopped[0] = []  # continued
+    watchdog.check()
+    servers.stopped[0] = [4242]  # stopped again: a new first sighting
+    watchdog.check()
+    assert servers.killed == [] and watchdog.metrics()["engine_hangs"] == 0

@@ -1,0 +1,36 @@
+"""`ManagedProcess.stopped`: the processes of a server's group that are stopped (state T in /proc), as the watchdog
+reads them to find a frozen engine, on a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from slimish.engines.process import ManagedProcess
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    """The kernel stops and continues a process asynchronously: wait for the state, not for a time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_stopped_process_is_reported_until_it_is_continued(tmp_path):
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], env=dict(os.environ),
+                          log_path=tmp_path / "sleeper.log")
+    proc.start()
+    try:
+        assert proc.stopped() == []
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert wait_until(lambda: proc.stopped() == [proc.pid])
+        os.kill(proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: proc.stopped() == [])
+    finally:
+        proc.stop(grace_s=2)
+    assert not proc.alive()
