@@ -39,11 +39,13 @@ GENERATION = ["kv_cache", "cuda_graph"]  # what the engines need beyond their we
 
 class ColocatedTurns:
     """The turns of `trainer` and the engines of `rollout_manager` (a Ray actor handle) on their shared GPUs; see the
-    module docstring. `on_phase(phase, step)` is called as each phase begins (the job's run.phase_hook)."""
+    module docstring. `on_phase(phase, step)` is called as each phase begins (the job's run.phase_hook); `gpus`: the
+    trainer ranks hold GPUs, whose memory is sampled at the end of each phase (without, there is none to sample)."""
 
-    def __init__(self, trainer: TrainerGroup, rollout_manager, on_phase: Callable[[str, int], None] | None = None):
+    def __init__(self, trainer: TrainerGroup, rollout_manager, on_phase: Callable[[str, int], None] | None = None,
+                 *, gpus: bool = False):
         self.trainer, self.rollout_manager = trainer, rollout_manager
-        self.on_phase = on_phase
+        self.on_phase, self.gpus = on_phase, gpus
         self.metrics: dict[str, float] = {}
 
     def pop_metrics(self) -> dict[str, float]:
@@ -61,7 +63,7 @@ class ColocatedTurns:
         yield extra
         seconds = time.monotonic() - t0
         self.metrics[metric] = self.metrics.get(metric, 0.0) + seconds
-        memory = {f"{key}@{name}": value for rank in self.trainer.call_all("gpu_telemetry")
+        memory = {f"{key}@{name}": value for rank in (self.trainer.call_all("gpu_telemetry") if self.gpus else [])
                   for key, value in rank.items() if key.endswith("_mem_gb")}
         self.metrics.update(memory)
         shown = "".join(f", {key} {value:.2f} GB" for key, value in memory.items())

@@ -16,6 +16,7 @@ last periodic one (checkpoint.save_every), so a kill during a save costs at most
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -88,7 +89,8 @@ class RLJob:
         self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
         if self.cfg.placement.colocate:  # the engines boot on GPUs the trainer has built its model on and left
             info = self.trainer.setup()
-            self.turns = ColocatedTurns(self.trainer, self.rollout_manager, on_phase=self.phase_begins)
+            self.turns = ColocatedTurns(self.trainer, self.rollout_manager, on_phase=self.phase_begins,
+                                        gpus=any(slot.gpus for slot in self.slots["trainer"]))
             self.turns.first_offload()
             # Engine i, on trainer rank i's GPU, must see the GPU of the rank that sends it weights by CUDA IPC.
             senders = ([info["rank_gpus"][sender] for sender in info["weight_senders"]]
@@ -162,10 +164,7 @@ class RLJob:
         resume."""
         t0 = time.monotonic()
         staging = checkpoints.begin(self.run_dir, step)
-        if self.turns is not None:
-            with self.turns.saving(step):
-                self.trainer.call("save_checkpoint", str(staging / run_layout.TRAINER_DIR))
-        else:
+        with self.turns.saving(step) if self.turns is not None else contextlib.nullcontext():
             self.trainer.call("save_checkpoint", str(staging / run_layout.TRAINER_DIR))
         rollout = ray.get(self.rollout_manager.state.remote())
         checkpoints.write_rollout_buffer(staging, groups_of(upcoming) + rollout["scheduler"].pop("groups"))

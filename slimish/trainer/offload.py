@@ -76,15 +76,15 @@ def role_tensors(modules: list[torch.nn.Module], optimizer=None) -> dict[str, li
     """{"params": the model's kept tensors, "state": the optimizer's kept tensors, "grads": the gradients}: one
     tensor per storage that is on the trainer's device and not offloaded, each storage in one list only (the first
     of those that holds it: an fp32 optimizer's parameters are the model's)."""
-    found: dict[str, dict[int, torch.Tensor]] = {"params": {}, "state": {}, "grads": {}}
-    seen: set[int] = set()
+    found: dict[str, list[torch.Tensor]] = {"params": [], "state": [], "grads": []}
+    seen: set[int] = set()  # storages found already
 
     def add(part: str, tensor) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
             storage = _storage(tensor)
             if storage.nbytes() > 0 and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
-                found[part][storage.data_ptr()] = tensor
+                found[part].append(tensor)
 
     for module in modules:
         for param in module.parameters():
@@ -107,7 +107,7 @@ def role_tensors(modules: list[torch.nn.Module], optimizer=None) -> dict[str, li
         for group in inner.param_groups:
             for param in group["params"]:
                 add("grads", param.grad)
-    return {part: list(tensors.values()) for part, tensors in found.items()}
+    return found
 
 
 def device_bytes(modules: list[torch.nn.Module], optimizer=None) -> int:

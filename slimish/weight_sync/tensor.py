@@ -56,13 +56,13 @@ class TensorTransport(Transport):
                               f"'tensor' needs every engine on the sending trainer rank's node "
                               f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
         super().connect(clients)
-        self.buffers = FlatBuffers(share=_share_by_name)
-        self.fresh = FlatBuffers(share=_share_by_name, reuse=False)
+        self.buffers: FlatBuffers | None = None  # made at the first bucket, whose device decides reuse
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
-            buffers = self.buffers if bucket.tensors[0].device.type == "cpu" else self.fresh
-            flat, metadata = buffers.flatten(bucket), flattened_metadata(bucket)
+            if self.buffers is None:  # reused on the CPU, fresh per bucket on a device (see the module docstring)
+                self.buffers = FlatBuffers(share=_share_by_name, reuse=bucket.tensors[0].device.type == "cpu")
+            flat, metadata = self.buffers.flatten(bucket), flattened_metadata(bucket)
             # One pickle per receiving rank: under the file_system strategy each pickle takes a reference to the
             # shared segment and each unpickling drops one, so a pickle read by two ranks would drop the sender's
             # own reference too, and the segment's name would be gone when the next bucket reuses the buffer.
