@@ -3,6 +3,7 @@
 # stack and no package index: a lent machine, or a bare node before the container is built.
 #   bash tools/test_gpu_bare.sh prepare   # here, with the venv: megatron-core and transformers wheels at the lock's
 #                                         # versions into .whl/, SGLang's GPU tensor-hash module alone into .gpu/
+#                                         # (and its device-UUID reductions, for bench/tensor_buckets.py)
 #   bash tools/test_gpu_bare.sh run       # there, in a copy of the repo with .whl/ and .gpu/; logs in $OUT
 # Importing `sglang` pulls in its whole CUDA stack; the trainer's GPU checksums need one Triton kernel of it, so that
 # module travels by itself (its imports are torch and triton). Last run: see docs/gpu.md "Checked on a GPU".
@@ -18,6 +19,13 @@ prepare)
   mkdir -p .gpu/sglang_hash/sglang/kernels/ops/memory
   for d in sglang sglang/kernels sglang/kernels/ops sglang/kernels/ops/memory; do : > ".gpu/sglang_hash/$d/__init__.py"; done
   cp "$hash" .gpu/sglang_hash/sglang/kernels/ops/memory/
+  # bench/tensor_buckets.py --device cuda: SGLang's device-UUID reductions (patch_torch.py, verbatim) and, in place of
+  # its sglang.srt.utils.common (which imports the whole stack), the three names patch_torch takes from it.
+  mkdir -p .gpu/sglang_hash/sglang/srt/utils
+  for d in sglang/srt sglang/srt/utils; do : > ".gpu/sglang_hash/$d/__init__.py"; done
+  cp "$(dirname "$(dirname "$hash")")/../../srt/utils/patch_torch.py" .gpu/sglang_hash/sglang/srt/utils/
+  printf '%s\n' "import torch" "from packaging.version import parse" "torch_release = parse(torch.__version__).release" \
+    "def is_npu(): return False" "def is_musa(): return False" > .gpu/sglang_hash/sglang/srt/utils/common.py
   echo "prepared: $(ls .whl | tr '\n' ' ')and SGLang's gpu_tensor_hash.py" ;;
 run)
   export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/slimish-gpu}
@@ -32,6 +40,8 @@ run)
     python3 -c "import sys; from slimish.cli import main; sys.exit(main(['check-gpu']))"
   } 2>&1 | grep -v -e "warnings.warn" -e "UserWarning" | tee "$OUT/env.txt"
   timeout "${T1:-400}" python3 -m pytest tests/gpu -p no:cacheprovider -v --basetemp=/tmp/slimish-gpu-pytest 2>&1 | tee "$OUT/test_gpu.log"
-  exit "${PIPESTATUS[0]}" ;;
+  rc=${PIPESTATUS[0]}
+  timeout "${T2:-120}" python3 bench/tensor_buckets.py --device cuda 2>&1 | tee "$OUT/bench_tensor_buckets.log"
+  exit "$rc" ;;
 *) echo "usage: bash tools/test_gpu_bare.sh prepare|run" >&2; exit 2 ;;
 esac
