@@ -47,12 +47,13 @@ def _check_on_group_device(op: str, tensor: torch.Tensor, group) -> None:
                          f"works on {expected}: make it there")
 
 
-def broadcast(tensor: torch.Tensor, *, src: int, group) -> None:
-    """torch.distributed.broadcast of `tensor` (in place), which must be on its group's device."""
+def broadcast(tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
+    """torch.distributed.broadcast of `tensor` (in place), which must be on its group's device; with `async_op`, the
+    collective's Work (wait on it), else None."""
     import torch.distributed as dist
 
     _check_on_group_device("broadcast", tensor, group)
-    dist.broadcast(tensor, src=src, group=group)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, *, dst: int, group) -> None:

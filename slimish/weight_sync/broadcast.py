@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import wait as wait_futures
+
+import torch
 
 from slimish import collectives
 from slimish.engines.client import EngineClient, EngineError
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
-from slimish.weight_sync.transport import Transport, tensor_meta
+from slimish.weight_sync.transport import LET_GO_S, Transport, keep_until_done, tensor_meta
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +49,21 @@ class BroadcastTransport(Transport):
         self.wait_loaded()
         meta = dict(**tensor_meta(bucket), group_name=self.context.group_name, weight_version=version,
                     flush_cache=version is not None)
-        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**meta)))
-        with self.phase("wire"):
-            collectives.broadcast(flat, src=0, group=self.group)
+        deadline = self.deadline(flat.numel())
+        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**meta)), deadline=deadline)
+        self.wire(flat, deadline=deadline)
         if version is not None:
             self.wait_loaded()
         return flat.numel()
+
+    def wire(self, flat, *, deadline: float) -> None:
+        """Broadcast `flat` to the engines (phase 'wire'), issued asynchronously and waited for until `deadline` or a
+        `release`: a gloo send to an engine frozen, or killed while the send was blocked on it, never completes
+        (reproduced: the sender sat out the group's 10-minute timeout), and waiting on the Work with a bound is what
+        lets the sender go."""
+        with self.phase("wire"):
+            work = collectives.broadcast(flat, src=0, group=self.group, async_op=True)
+            self.wait_work(work, deadline=deadline, what="the broadcast of a bucket")
 
     def push_remote(self, meta: dict, *, group_name: str, go: Callable[[], None]) -> None:
         """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
@@ -59,16 +71,41 @@ class BroadcastTransport(Transport):
         overlapped like `push`: the engines' answers are awaited before the next bucket is asked for."""
         self.wait_loaded()
         request = dict(**meta, group_name=group_name, weight_version=None, flush_cache=False)
-        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**request)))
+        nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                     for shape, dtype in zip(meta["shapes"], meta["dtypes"]))
+        self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**request)),
+                     deadline=self.deadline(nbytes))
         go()
 
     def abort(self) -> None:
         # Closing the sender's side of the group makes an engine blocked receiving a bucket fail that receive (its
-        # /update_weights_from_distributed answers success=false) instead of waiting out the group's timeout.
+        # /update_weights_from_distributed answers success=false) instead of waiting out the group's timeout. On
+        # gloo it returns at once even with a broadcast still pending (`wire` gave up on it); the group is not used
+        # again: the next sync builds a new one with the engines that are left.
         if self.group is not None:
-            destroy_group(self.group)
+            if self.context.backend == "nccl" and self.given_up is not None:
+                self._abort_nccl()
+            else:
+                destroy_group(self.group)
+            if self.given_up is not None:  # the group must outlive the send it could not finish
+                keep_until_done(self.given_up, self.group)
             self.group = None
         self.let_go()
+
+    def _abort_nccl(self) -> None:
+        """NCCL, a broadcast given up (UNVERIFIED: written for GPUs, not yet run on them; see docs/weight-sync.md).
+        There the sender's host call returned long ago and the hang is a kernel on its stream, waiting for a peer;
+        so is every survivor's (an NCCL broadcast is a ring: all ranks wait for the frozen one), behind the answer
+        each already gave. The sender aborts its communicator (ncclCommAbort), which ends its kernel; each engine is
+        asked to destroy its side of the group (SGLang's /destroy_weights_update_group), within `LET_GO_S`; those
+        that do not answer are named in `hung`, and the job kills and restarts them like any hung engine."""
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(self.group)
+        calls = self.on_all(lambda c: c.destroy_weights_update_group(self.context.group_name))
+        wait_futures(calls, timeout=LET_GO_S)
+        self.hung = [c.url for c, call in zip(self.clients, calls) if not call.done()]
+        self._joined = False
 
     def close(self) -> None:
         if self._joined:

@@ -38,20 +38,26 @@ class DiskTransport(Transport):
                       str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
             try:
-                with self.phase("engine_load"):
-                    path = str(self._dir)
-                    for call in self.on_all(lambda c: c.update_weights_from_disk(model_path=path,
-                                                                                 weight_version=version)):
-                        call.result()
+                path = str(self._dir)
+                # In flight: every engine reads every shard, the whole model, within one call.
+                total = sum(f.stat().st_size for f in self._dir.iterdir())
+                self.loading(self.on_all(lambda c: c.update_weights_from_disk(model_path=path,
+                                                                              weight_version=version)),
+                             deadline=self.deadline(total))
+                self.wait_loaded()
             finally:
-                self.abort()  # loaded or not, this sync's shards are done with
+                self._remove_shards()  # loaded or not, this sync's shards are done with
         return bucket.nbytes
 
-    def abort(self) -> None:
+    def _remove_shards(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir, self._shards = None, 0
 
+    def abort(self) -> None:
+        self.let_go()
+        self._remove_shards()
+
     def close(self) -> None:
-        self.abort()
+        self._remove_shards()
         super().close()

@@ -18,12 +18,12 @@ Messages over the pipeline group, between rank 0 and a later stage's leader:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from slimish import collectives
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
@@ -89,6 +89,13 @@ class StageSender:
         self.expected_checksums = expected_checksums
         self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
         self.transport = BroadcastTransport(context)
+        self.sending = False
+        self.stalled_s = 0.0
+
+    def release(self, reason: str) -> None:
+        """As `WeightSync.release`: give up the broadcast this stage is in (it then reports the failure to rank 0)."""
+        if self.sending:
+            self.transport.release(reason)
 
     def connect(self) -> None:
         self.transport.connect(self.clients)
@@ -97,6 +104,8 @@ class StageSender:
         """Send this stage's tensors (`named_tensors`, consumed lazily, may be left part-consumed), bucket by bucket
         as rank 0 allows. A failure is reported to rank 0, not raised: rank 0 fails the sync."""
         reply_owed = False
+        self.sending = True
+        self.transport.start_sync()
         try:
             expected = self.expected_checksums() if self.expected_checksums else None
             tensors = named_tensors if expected is None else self.transport.hashing(named_tensors, expected)
@@ -110,12 +119,12 @@ class StageSender:
                 go, reply_owed = _recv(source=self.coordinator, group=self.group), False
                 if not go:
                     return  # rank 0 failed: it releases the engines
-                with self.transport.phase("wire"):
-                    collectives.broadcast(flat, src=0, group=self.transport.group)
+                self.transport.wire(flat, deadline=self.transport.deadline(flat.numel()))
                 current = upcoming
             checksums = expected.result() if expected is not None else None
             _send({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator, group=self.group)
         except Exception as exc:
+            self.stalled_s = time.monotonic() - self.transport.progress_at
             if reply_owed:  # rank 0 answers the bucket this stage announced; if it asked the engines for it,
                 _recv(source=self.coordinator, group=self.group)  # closing the group below releases them
             # Engines blocked receiving one of this stage's buckets fail that receive once the group is gone.
@@ -123,6 +132,8 @@ class StageSender:
             self.transport.pop_phases()
             _send({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
                   group=self.group)
+        finally:
+            self.sending = False
 
     def _flattened(self, buckets):
         for bucket in buckets:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slimish.engines import timeouts
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import plan_buckets
@@ -24,7 +25,7 @@ from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
 from slimish.weight_sync.stages import StageLink
 from slimish.weight_sync.tensor import TensorTransport
-from slimish.weight_sync.transport import Transport, TransportContext, settle
+from slimish.weight_sync.transport import LET_GO_S, SyncReleased, Transport, TransportContext, settle
 
 TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "tensor": TensorTransport,
                                           "disk": DiskTransport}
@@ -38,20 +39,34 @@ class WeightSync:
     """`verify`: check the engines after every sync. `expected_checksums`: makes the object that computes, from the
     tensors sent, every engine parameter's checksum (None when the engines' layout is not known to
     `slimish.weight_sync.checksums`: the engines are then checked against each other). `after_bucket(version,
-    index, engine_urls)` is called after each bucket but the last is on its way (the weight_sync.after_bucket_hook)."""
+    index, engine_urls)` is called after each bucket but the last is on its way (the weight_sync.after_bucket_hook);
+    `in_flight(version, index, engine_urls)` once the engines have been asked for a bucket of this rank's and before
+    it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model)."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
-                 after_bucket: Callable[[str, int, list[str]], None] | None = None):
+                 after_bucket: Callable[[str, int, list[str]], None] | None = None,
+                 in_flight: Callable[[str, int, list[str]], None] | None = None):
         self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
-        self.after_bucket = after_bucket
+        self.after_bucket, self.in_flight = after_bucket, in_flight
         self.broken = False
+        self.sending = False
+        self.stalled_s = 0.0  # of the failed send: how long it had made no progress when it failed
+        self.hung: list[str] = []  # of the failed send: engines that had not answered by a bucket's deadline
 
-    def _on_all(self, fn) -> list:
-        return [future.result() for future in self.transport.on_all(fn)]
+    def _on_all(self, fn, what: str) -> list:
+        """`fn(client)` on every engine at once; their results, waited for until `release` or WEIGHT_UPDATE_S."""
+        return self.transport.results(self.transport.on_all(fn), what=what,
+                                      deadline=time.monotonic() + timeouts.WEIGHT_UPDATE_S)
+
+    def release(self, reason: str) -> None:
+        """From any thread, while `send` runs: give the sync up wherever it waits (an engine of it died or froze);
+        `send` then raises `SyncReleased`. Ignored when no sync runs (one that ended meanwhile stands)."""
+        if self.sending:
+            self.transport.release(reason)
 
     def connect(self) -> None:
         self.transport.connect(self.clients)
@@ -62,33 +77,46 @@ class WeightSync:
         with `stages` (broadcast transport only) the buckets each later pipeline stage's sender broadcasts itself,
         taking turns with this rank's (`slimish.weight_sync.stages`).
 
-        If an engine fails during it (it died), the engines still waiting for a bucket are released, every engine's
-        update session is ended, and the error is raised: this object is then only good for `close`, and the caller
-        syncs again with a new one to the engines that are left. `named_tensors` may be left part-consumed."""
+        If an engine fails during it (it died), or `release` is called (from another thread: an engine of the sync
+        died or froze) or a bucket outlives its deadline (`SyncReleased`), the engines still waiting for a bucket
+        are released, every engine's update session is ended, and the error is raised (`stalled_s`: how long the
+        sync had made no progress then): this object is then only good for `close`, and the caller syncs again with
+        a new one to the engines that are left. `named_tensors` may be left part-consumed."""
         if self.broken:
             raise RuntimeError("this WeightSync failed during an earlier sync: connect a new one")
         for link in stages:
             link.start()
+        self.transport.start_sync()
+        if self.in_flight is not None:
+            urls = [c.url for c in self.clients]
+            self.transport.in_flight = lambda index: self.in_flight(version, index, urls)
+        self.sending = True
         try:
             return self._send(named_tensors, version=version, stages=list(stages))
         except WeightSyncError:
             raise  # the engines answered, with the wrong weights: nothing to release
         except BaseException as exc:
+            self.stalled_s = time.monotonic() - self.transport.progress_at
+            self.hung = exc.unanswered if isinstance(exc, SyncReleased) and exc.by_deadline else []
             self.broken = True
             self.transport.abort()
+            self.hung += [url for url in self.transport.hung if url not in self.hung]
             stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
-                settle(self.transport.on_all(lambda c: c.end_weight_update()))
-            if stage_failures:  # the cause, rather than the engines' failed receive it led to
-                raise RuntimeError("; ".join(stage_failures)) from exc
+                settle(self.transport.on_all(lambda c: c.end_weight_update()),
+                       LET_GO_S if self.transport.released else 60.0)
+            if stage_failures and not isinstance(exc, SyncReleased):  # the cause, rather than the engines' failed
+                raise RuntimeError("; ".join(stage_failures)) from exc  # receive it led to
             raise
+        finally:
+            self.sending = False
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str,
               stages: list[StageLink]) -> dict:
         t0 = time.monotonic()
         if self.transport.bracketed:
             with self.transport.phase("control"):
-                self._on_all(lambda c: c.begin_weight_update())
+                self._on_all(lambda c: c.begin_weight_update(), "/begin_weight_update")
         sent = {"buckets": 0, "bytes": 0}
 
         def count(nbytes: int, *, last: bool = False) -> None:
@@ -130,7 +158,7 @@ class WeightSync:
             count(self.transport.push(pending, version=version), last=True)
         if self.transport.bracketed:
             with self.transport.phase("control"):
-                self._on_all(lambda c: c.end_weight_update())
+                self._on_all(lambda c: c.end_weight_update(), "/end_weight_update")
         t1 = time.monotonic()
         if self.verify:
             checksums = None
@@ -148,11 +176,11 @@ class WeightSync:
     def _verify(self, version: str, expected: dict[str, str] | None) -> None:
         """Raise WeightSyncError unless every engine reports `version` and holds `expected` (or, when None, what the
         first engine holds)."""
-        versions = self._on_all(lambda c: c.weight_version())
+        versions = self._on_all(lambda c: c.weight_version(), "the engines' weight versions")
         wrong = {c.url: v for c, v in zip(self.clients, versions) if v != version}
         if wrong:
             raise WeightSyncError(f"weight sync to version {version}: engines report {wrong}")
-        held = self._on_all(lambda c: c.weight_checksums())
+        held = self._on_all(lambda c: c.weight_checksums(), "the engines' checksums")
         against = "the trainer sent" if expected is not None else "engine 0 holds"
         for client, ranks in zip(self.clients, held):
             for tp_rank, checksums in enumerate(ranks):

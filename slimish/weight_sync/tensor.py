@@ -72,7 +72,9 @@ class TensorTransport(Transport):
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=payloads[c.url], load_format="flattened_bucket", weight_version=version,
             flush_cache=version is not None))
-        self.loading(calls, keep=flat)  # the buffer lives until the engines have read it
+        # The buffer lives until the engines have read it. In flight from here: each engine maps and copies it
+        # while its call is open.
+        self.loading(calls, keep=flat, deadline=self.deadline(flat.numel()))
         if version is not None:
             self.wait_loaded()
         return flat.numel()

@@ -3,15 +3,25 @@
 The engine protocol around the buckets (begin -> buckets -> the last one flips the version -> end -> verify) is
 written once, in `slimish.weight_sync.sync`; a transport only connects, pushes buckets and closes. Transports are
 chosen by name (`weight_sync.transport`) from `TRANSPORTS`.
+
+No wait of a transport is unbounded (issue "a weight sync that cannot hang"): every wait on the engines' answers or
+on a collective is cut into slices, and ends early with `SyncReleased` when
+- `release(reason)` was called, from any thread: the job's engine set saw an engine of this sync die or freeze
+  (the driver's watch, `slimish.orchestration.driver`), or
+- the bucket outlived its deadline: `bucket_timeout_s` plus its bytes at `min_bandwidth_mib_s` (the context's), a
+  backstop for a stall nothing else notices.
+The sync is then given up (`abort`) and done again, whole, to the engines that are left.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,6 +39,32 @@ class TransportContext:
     engine_tp: int        # tensor-parallel ranks per engine
     disk_dir: str         # a directory the engines can read (the disk transport)
     api_key: str | None = None  # the job's key, which the engines' control endpoints require
+    bucket_timeout_s: float = 60.0      # a bucket's deadline: this ...
+    min_bandwidth_mib_s: float = 32.0   # ... plus its size at this rate (weight_sync.* of the same names)
+
+
+WAIT_SLICE_S = 0.25   # how often a waiting sender looks at `release` and its deadline
+LET_GO_S = 10.0       # after a release: how long the survivors' calls are given to end
+
+
+# (work, its group) of the collectives senders gave up on, kept until the work ends: the last reference to a gloo
+# group runs its destructor, which joins the group's thread, blocked in the given-up send until the group's timeout
+# (measured here: a sender stuck 10 minutes in `self.group = None` after a release).
+GIVEN_UP: list = []
+
+
+def keep_until_done(work, group) -> None:
+    GIVEN_UP[:] = [(w, g) for w, g in GIVEN_UP if not w.is_completed()] + [(work, group)]
+
+
+class SyncReleased(RuntimeError):
+    """A wait of the sync was given up: `release` was called, or a bucket outlived its deadline. `stalled_s`: how
+    long the sync had made no progress when it was released (metric time_sync_stalled_s)."""
+
+    def __init__(self, message: str, *, stalled_s: float, by_deadline: bool):
+        super().__init__(message)
+        self.stalled_s, self.by_deadline = stalled_s, by_deadline
+        self.unanswered: list[str] = []  # engines whose answer was awaited then (see `Transport.results`)
 
 
 class Transport(ABC):
@@ -38,7 +74,94 @@ class Transport(ABC):
     def __init__(self, context: TransportContext):
         self.context = context
         self._phases: Counter = Counter()
+        self._released = threading.Event()
+        self._release_reason = ""
+        self.progress_at = time.monotonic()  # the last time a wait of this sync ended
+        # Called with a bucket's index (in this sync) once the engines have been asked for it and before it is sent:
+        # the bucket is in flight (weight_sync.in_flight_hook, set by the sync).
+        self.in_flight: Callable[[int], None] | None = None
+        self._loading: list[Future] = []  # the engines' answers to the bucket they are loading
+        self._loading_keep: object = None  # what must stay alive until they have answered (a shared buffer)
+        self._loading_deadline = float("inf")
+        self._buckets_asked = 0  # buckets the engines have been asked for (in_flight's index)
+        self.given_up = None  # the collective `wait_work` gave up on, if any
+        self.hung: list[str] = []  # engines `abort` found unable to let go (the job kills and restarts them)
 
+    def start_sync(self) -> None:
+        """Before each sync's first bucket: the stall clock and the bucket count start over."""
+        self.progress_at = time.monotonic()
+        self._buckets_asked = 0
+
+    # ------------------------------------------------------------------------------ bounded waits
+    def release(self, reason: str) -> None:
+        """From any thread: make the wait the sender is in (and every later one) raise `SyncReleased`."""
+        self._release_reason = reason
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def deadline(self, nbytes: int) -> float:
+        """The monotonic time by which a bucket of `nbytes` started now must be on the engines."""
+        ctx = self.context
+        return time.monotonic() + ctx.bucket_timeout_s + nbytes / (ctx.min_bandwidth_mib_s * 2**20)
+
+    def wait_until(self, done: Callable[[float], bool], *, deadline: float, what: str) -> None:
+        """Call `done(timeout_s)` (True once what is awaited has happened; it may block up to `timeout_s`) until it
+        is True; `SyncReleased` if `release` is called or `deadline` passes first. The caller moves `progress_at`
+        once what it awaited has succeeded."""
+        while not self._released.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stalled = time.monotonic() - self.progress_at
+                raise SyncReleased(f"weight sync: {what} not done by its deadline (no progress for {stalled:.1f} s; "
+                                   f"weight_sync.bucket_timeout_s, weight_sync.min_bandwidth_mib_s)",
+                                   stalled_s=stalled, by_deadline=True)
+            if done(min(left, WAIT_SLICE_S)):
+                return
+        stalled = time.monotonic() - self.progress_at
+        raise SyncReleased(f"weight sync released while waiting for {what} (no progress for {stalled:.1f} s): "
+                           f"{self._release_reason}", stalled_s=stalled, by_deadline=False)
+
+    def results(self, calls: list[Future], *, deadline: float, what: str) -> list:
+        """The results of `calls` (one per engine, in engine order, as `on_all` makes them; raising the first
+        failure), waited for with `wait_until`. Given up, the `SyncReleased` names the engines that had not
+        answered (`unanswered`): past a deadline, those are hung, whatever else they answer."""
+        try:
+            self.wait_until(lambda timeout: not wait_futures(calls, timeout=timeout).not_done, deadline=deadline,
+                            what=what)
+        except SyncReleased as exc:
+            exc.unanswered = [client.url for client, call in zip(self.clients, calls) if not call.done()]
+            raise
+        results = [call.result() for call in calls]
+        self.progress_at = time.monotonic()  # only once every engine has answered well
+        return results
+
+    def wait_work(self, work, *, deadline: float, what: str) -> None:
+        """Wait for a torch.distributed Work (an async collective) with `wait_until`, then raise its failure if it
+        failed. A work given up stays pending (a gloo send to a frozen receiver, or to one killed while the send was
+        blocked on it, never ends before its group's timeout); its group is not used again, and must outlive it
+        (see `BroadcastTransport.abort`)."""
+        def finished(timeout: float) -> bool:
+            end = time.monotonic() + timeout
+            while not work.is_completed():
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.002)
+            return True
+
+        try:
+            self.wait_until(finished, deadline=deadline, what=what)
+        except SyncReleased as exc:
+            self.given_up = work
+            # Which peer holds a collective up cannot be told; the engines yet to answer the bucket can.
+            exc.unanswered = [client.url for client, call in zip(self.clients, self._loading) if not call.done()]
+            raise
+        work.wait()
+        self.progress_at = time.monotonic()
+
+    # ------------------------------------------------------------------------------ phases, engines
     @contextmanager
     def phase(self, name: str):
         """Add the time spent in the block to phase `name` (reported by `pop_phases` as time_<name>_s)."""
@@ -64,31 +187,32 @@ class Transport(ABC):
         """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
         self.clients = clients
         self._pool = ThreadPoolExecutor(max(1, len(clients)))
-        self._loading: list[Future] = []  # the engines' answers to the bucket they are loading
-        self._loading_keep: object = None  # what must stay alive until they have answered (a shared buffer)
 
     def on_all(self, fn: Callable[[EngineClient], object]) -> list[Future]:
         """Start `fn(client)` for every engine at once; the futures in engine order."""
         return [self._pool.submit(fn, client) for client in self.clients]
 
-    def loading(self, calls: list[Future], *, keep: object = None) -> None:
-        """The engines are loading a bucket (`calls`: their answers to come; `keep`: held until then). Overlapping
-        transports call it after starting a bucket and `wait_loaded` before starting the next."""
-        self._loading, self._loading_keep = calls, keep
+    def loading(self, calls: list[Future], *, deadline: float, keep: object = None) -> None:
+        """The engines are loading a bucket (`calls`: their answers to come, due by `deadline`; `keep`: held until
+        then). Overlapping transports call it after starting a bucket and `wait_loaded` before starting the next.
+        Then `in_flight` (the test hook) runs: the engines have been asked for the bucket, which is not sent yet."""
+        self._loading, self._loading_keep, self._loading_deadline = calls, keep, deadline
+        if self.in_flight is not None:
+            self.in_flight(self._buckets_asked)
+        self._buckets_asked += 1
 
     def wait_loaded(self) -> None:
         """Wait for the engines to answer the bucket they are loading (phase 'engine_load')."""
         with self.phase("engine_load"):
-            calls, self._loading = self._loading, []
-            for call in calls:
-                call.result()
-            self._loading_keep = None
+            self.results(self._loading, deadline=self._loading_deadline, what="the engines' answers to a bucket")
+            self._loading, self._loading_keep = [], None
 
     def let_go(self, timeout_s: float = 60.0) -> None:
         """After a failure: wait up to `timeout_s` for each engine to finish or give up the bucket it was loading,
-        whatever it answers (the sync has failed already)."""
+        whatever it answers (the sync has failed already); `LET_GO_S` after a release (the engine that caused it
+        may never answer)."""
         calls, self._loading = self._loading, []
-        settle(calls, timeout_s)
+        settle(calls, min(timeout_s, LET_GO_S) if self.released else timeout_s)
         self._loading_keep = None
 
     @abstractmethod
@@ -107,13 +231,9 @@ class Transport(ABC):
 
 
 def settle(calls: list[Future], timeout_s: float = 60.0) -> None:
-    """Wait up to `timeout_s` for each of `calls` to end, whatever it answers: after a failure, when only the end
-    of the engines' part is awaited, not its outcome."""
-    for call in calls:
-        try:
-            call.result(timeout=timeout_s)
-        except Exception:  # its failure is not news
-            pass
+    """Wait up to `timeout_s` in all for `calls` to end, whatever they answer: after a failure, when only the end of
+    the engines' part is awaited, not its outcome."""
+    wait_futures(calls, timeout=timeout_s)
 
 
 def tensor_meta(bucket: Bucket) -> dict:
