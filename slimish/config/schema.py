@@ -279,6 +279,16 @@ class WeightSyncConfig:
     after_bucket_hook: str = doc("", "Dotted path of fn(version: str, bucket: int, engine_urls: list[str]) -> None, "
                                      "called on trainer rank 0 after each bucket (any stage's) but the last is on "
                                      "its way (tracing; fault-injection tests); '' = none.")
+    in_flight_hook: str = doc("", "Dotted path of fn(version: str, bucket: int, engine_urls: list[str]) -> None, "
+                                  "called on trainer rank 0 once the engines have been asked for one of its buckets "
+                                  "and before the bucket is sent (the disk transport: before the engines load the "
+                                  "model, bucket 0) (fault-injection tests); '' = none.")
+    bucket_timeout_s: float = doc(60.0, "A bucket's deadline, with its size at weight_sync.min_bandwidth_mib_s: a "
+                                        "bucket not on every engine by then fails the sync, which is done again to "
+                                        "the engines that answer (a backstop: a dead or frozen engine releases the "
+                                        "sync as soon as the watchdog sees it).")
+    min_bandwidth_mib_s: float = doc(32.0, "The slowest rate, in MiB/s, a bucket may travel and load at before its "
+                                           "deadline passes (see weight_sync.bucket_timeout_s; docs/weight-sync.md).")
 
 
 @dataclass(kw_only=True)

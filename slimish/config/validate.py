@@ -80,6 +80,8 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         ("parallel.expert_parallel", par.expert_parallel),
         ("parallel.num_trainer_ranks", par.num_trainer_ranks),
         ("weight_sync.bucket_mb", cfg.weight_sync.bucket_mb),
+        ("weight_sync.bucket_timeout_s", cfg.weight_sync.bucket_timeout_s),
+        ("weight_sync.min_bandwidth_mib_s", cfg.weight_sync.min_bandwidth_mib_s),
         ("rl.num_steps", cfg.rl.num_steps),
         ("run.log_every", cfg.run.log_every),
         ("rollout.temperature", ro.temperature),
@@ -180,8 +182,9 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _positive("eval.max_prompts", cfg.eval.max_prompts, allow_zero=True)
     if cfg.run.phase_hook:
         _check_hook("run.phase_hook", cfg.run.phase_hook)
-    if cfg.weight_sync.after_bucket_hook:
-        _check_hook("weight_sync.after_bucket_hook", cfg.weight_sync.after_bucket_hook)
+    for key in ("after_bucket_hook", "in_flight_hook"):
+        if getattr(cfg.weight_sync, key):
+            _check_hook(f"weight_sync.{key}", getattr(cfg.weight_sync, key))
     if cfg.rollout.generate_fn:
         _check_hook("rollout.generate_fn", cfg.rollout.generate_fn)
         from slimish.hooks import load_function

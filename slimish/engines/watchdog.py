@@ -95,6 +95,23 @@ class EngineWatchdog:
             time.sleep(0.2)
             self.check()
 
+    def kill_hung(self, urls: list[str]) -> list[str]:
+        """Kill those of `urls` still in service as hung, once each (a weight sync found them hung: see
+        `RolloutManager.kill_hung`), then handle them as dead (`check`); returns those of `urls` out of service."""
+        for i, url in enumerate(self.servers.engine_urls):
+            if url not in urls:
+                continue
+            with self._lock:
+                if not self.engines.in_service(url) or url in self._killing:
+                    continue
+                self._killing.add(url)
+                self.engines.counts["hangs"] += 1
+            logger.warning("engine %s is hung: it did not answer a weight-sync bucket by its deadline; killing it",
+                           url)
+            self.servers.kill_engine(i)
+        self.check()
+        return self.lost(urls)
+
     def admit(self, urls: list[str]) -> None:
         """`urls` now hold the trained weights: route requests to them again."""
         for url in urls:

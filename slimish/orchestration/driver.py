@@ -41,6 +41,7 @@ from slimish.sample import Sample, Status
 logger = logging.getLogger(__name__)
 
 ROLLOUT_SHUTDOWN_S = 15.0  # the rollout manager's stop of engines and router, within Slurm's KillWait (30 s)
+SYNC_WATCH_S = 0.5  # during a weight sync: how often the driver asks whether an engine of it died or froze
 
 
 class RLJob:
@@ -253,7 +254,10 @@ class RLJob:
         restarted one is ready, the weight-sync group is rebuilt first; a restarted engine is routed to again only
         once it holds these weights. An engine that dies during the sync is restarted like any dead engine, and the
         sync starts over, whole, to the others (`weight_sync_retries`); so does one that hangs (it is killed: see
-        `EngineWatchdog.lost_after_failure`); a sync that fails with every engine alive and answering fails the job."""
+        `EngineWatchdog.lost_after_failure`), and one that did not answer a bucket by its deadline, though it answers
+        other calls (`TrainerWorker.hung_engines`; it is killed too). While the sync runs the engine set is watched,
+        and the sync is released as soon as an engine of it is lost (`_watched_sync`). A sync that fails with every
+        engine alive and answering fails the job."""
         ray.get(self.rollout_manager.pause.remote())
         retries = 0
         while True:
@@ -261,10 +265,13 @@ class RLJob:
             if engines["urls"] != self.synced_engines:
                 self.connect_engines(engines["urls"])
             try:
-                metrics = self.trainer.call("sync_weights", version)
+                metrics = self._watched_sync(version, engines["urls"])
                 break
             except Exception as exc:
                 lost = ray.get(self.rollout_manager.engines_lost.remote(engines["urls"]))
+                hung = [] if lost else self.trainer.call("hung_engines")
+                if hung:  # alive and answering other calls, but not a bucket by its deadline
+                    lost = ray.get(self.rollout_manager.kill_hung.remote(hung))
                 if not lost:
                     raise
                 retries += 1
@@ -276,6 +283,21 @@ class RLJob:
         ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
         self.engine_version = version
         return {**metrics, "weight_sync_retries": retries}
+
+    def _watched_sync(self, version: int, urls: list[str]) -> dict:
+        """Every trainer rank's `sync_weights` to `urls`, with the engine set watched meanwhile: once an engine of
+        them is out of service (it died, or froze and the watchdog killed it), every rank is told to release the
+        sync (`TrainerGroup.release_sync`), which then fails at once wherever it waits instead of sitting out a
+        transfer that cannot end; the caller syncs again to the engines that are left. Told again at every look
+        until the ranks return: a rank that had not begun sending yet takes it at the next one."""
+        refs = self.trainer.submit("sync_weights", version)
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=SYNC_WATCH_S)
+            if len(done) == len(refs):
+                return ray.get(refs)[0]
+            lost = ray.get(self.rollout_manager.engines_out.remote(urls))
+            if lost:
+                self.trainer.release_sync(f"engine(s) {', '.join(lost)} died or froze during the sync")
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:

@@ -38,12 +38,16 @@ def init_ray(cfg: JobConfig) -> None:
 
 class TrainerGroup:
     """All trainer ranks, rank r in placement slot r; every method call is sent to every rank (SPMD) and rank 0's
-    result is returned."""
+    result is returned.
+
+    The ranks run their calls one at a time, in order, except `release_sync`, which runs on a thread of its own
+    (Ray's concurrency group "control") while the rank is inside `sync_weights`: that is what lets a sync blocked on
+    an engine go."""
 
     def __init__(self, cfg: JobConfig, slots: list[Slot]):
         from slimish.trainer.worker import TrainerWorker
 
-        actor_cls = ray.remote(TrainerWorker)
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         world = cfg.parallel.num_trainer_ranks
         self.actors = [actor_cls.options(**slot.actor_options()).remote(cfg, rank=rank, world_size=world)
                        for rank, slot in enumerate(slots)]
@@ -52,13 +56,21 @@ class TrainerGroup:
         return self.call_all(method, *args, **kwargs)[0]
 
     def call_all(self, method: str, *args, **kwargs) -> list:
-        """Every rank's result, in rank order. With several ranks the arguments go to Ray's object store once and
-        every rank reads them there: passed as they are, a step's samples would be pickled once per rank (112 times
-        a call for the 405B recipe's layout)."""
+        """Every rank's result, in rank order."""
+        return ray.get(self.submit(method, *args, **kwargs))
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Start `method` on every rank; their results to come (Ray object refs), in rank order. With several ranks
+        the arguments go to Ray's object store once and every rank reads them there: passed as they are, a step's
+        samples would be pickled once per rank (112 times a call for the 405B recipe's layout)."""
         if len(self.actors) > 1:
             args = tuple(ray.put(arg) for arg in args)
             kwargs = {key: ray.put(value) for key, value in kwargs.items()}
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def release_sync(self, reason: str) -> None:
+        """`TrainerWorker.release_sync` on every rank, beside the `sync_weights` they are in."""
+        ray.get([a.release_sync.options(concurrency_group="control").remote(reason) for a in self.actors])
 
     def setup(self) -> dict:
         """Every rank's `TrainerWorker.setup`: rank 0's answer, with every rank's GPUs and weight sender by rank."""

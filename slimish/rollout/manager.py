@@ -216,6 +216,22 @@ class RolloutManager:
             self.watchdog.check()
         return self.engines.for_sync()
 
+    def engines_out(self, urls: list[str]) -> list[str]:
+        """While a weight sync to `urls` runs: those of them out of service now (died, or frozen and killed), after
+        the watchdog has looked (`EngineWatchdog.check`: exits, and processes stopped at two checks)."""
+        if self.watchdog is None:
+            return []
+        self.watchdog.check()
+        return self.engines.lost(urls)
+
+    def kill_hung(self, urls: list[str]) -> list[str]:
+        """Kill `urls` as hung (they did not answer a weight-sync bucket by its deadline, though they may answer
+        other calls: an engine whose GPU stream is stuck in a collective still serves /model_info); the watchdog
+        restarts them. Returns those now out of service."""
+        if self.watchdog is None:
+            return []
+        return self.watchdog.kill_hung(urls)
+
     def engines_lost(self, urls: list[str], wait_s: float = 10.0) -> list[str]:
         """After a weight sync to `urls` failed: those of them that died, or hung and were killed (their restart has
         begun); [] means the sync failed for another reason. See `EngineWatchdog.lost_after_failure`."""

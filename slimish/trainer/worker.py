@@ -44,6 +44,8 @@ class TrainerWorker:
         self.rollout: RolloutBatch | None = None  # the step between compute_logprobs and train
         self._sender = None        # rank 0 (or a replica's source): the engine protocol (weight_sync.sync.WeightSync)
         self._stage_sender = None  # a later pipeline stage's leader, with stage senders
+        self._stalled_s = 0.0  # failed sends since the last whole one: how long each had made no progress
+        self._hung: list[str] = []  # the last failed send: engines that had not answered by a bucket's deadline
         self._stage_links: list = []
         self._groups_made = 0
         self._api_key: str | None = None  # the job's key, for the engines' control endpoints (connect_engines)
@@ -425,9 +427,11 @@ class TrainerWorker:
     def _transport_context(self, engine_tp: int, master_addr: str, master_port: int, group_name: str):
         from slimish.weight_sync.transport import TransportContext
 
+        ws = self.cfg.weight_sync
         return TransportContext(master_addr=master_addr, master_port=master_port,
                                 backend=resolve_backend(self.cfg.parallel.backend), group_name=group_name,
-                                engine_tp=engine_tp, disk_dir=self.weight_sync_dir(), api_key=self._api_key)
+                                engine_tp=engine_tp, disk_dir=self.weight_sync_dir(), api_key=self._api_key,
+                                bucket_timeout_s=ws.bucket_timeout_s, min_bandwidth_mib_s=ws.min_bandwidth_mib_s)
 
     def _expected_checksums(self, engine_tp: int):
         """What makes the expected engine checksums of the tensors a sender sends (None: layout not predicted)."""
@@ -448,7 +452,8 @@ class TrainerWorker:
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
                                   bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
                                   expected_checksums=self._expected_checksums(engine_tp),
-                                  after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None)
+                                  after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
+                                  in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None)
         t0 = time.monotonic()
         self._sender.connect()
         return {"time_connect_s": time.monotonic() - t0}
@@ -474,8 +479,14 @@ class TrainerWorker:
             tensors = export_stage_hf_tensors(self.policy.module, self.arch)
         try:
             if self._sender is not None:
-                metrics = self._sender.send(tensors, version=str(version), stages=self._stage_links)
-                return {**metrics, "sync_engines": len(self._sender.clients)}
+                try:
+                    metrics = self._sender.send(tensors, version=str(version), stages=self._stage_links)
+                except Exception:
+                    self._stalled_s += self._sender.stalled_s
+                    self._hung = list(self._sender.hung)
+                    raise
+                stalled, self._stalled_s = self._stalled_s, 0.0
+                return {**metrics, "sync_engines": len(self._sender.clients), "time_sync_stalled_s": stalled}
             if self._stage_sender is not None:
                 self._stage_sender.send(tensors)
             return {}
@@ -484,6 +495,19 @@ class TrainerWorker:
             # too, so no rank is left inside a collective. (After a whole send there is nothing left.)
             for _ in tensors:
                 pass
+
+    def hung_engines(self) -> list[str]:
+        """After a failed `sync_weights`: the engines that had not answered by a bucket's deadline (rank 0's
+        sender; [] on other ranks and when the sync failed otherwise)."""
+        return self._hung
+
+    def release_sync(self, reason: str) -> None:
+        """Give up the weight sync this rank is sending, wherever it waits (`WeightSync.release`): the driver calls
+        it, concurrently with `sync_weights` (the actor's control concurrency group, see
+        `slimish.orchestration.ray_cluster`), when an engine of the sync died or froze. A no-op between syncs."""
+        for sender in (self._sender, self._stage_sender):
+            if sender is not None:
+                sender.release(reason)
 
     # ---------------------------------------------------------------------------------------- offload
     def _role_memory(self) -> list[tuple[list, object]]:

@@ -23,7 +23,10 @@ def job_key(run_dir: Path) -> str:
 
 
 def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str) -> None:
-    (run_dir / TRIGGER).write_text(json.dumps({"engine": engine, "signal": signal_name}))
+    # Whole or not at all (written aside, then renamed): the hook may read it at any moment.
+    armed = (run_dir / TRIGGER).with_suffix(".tmp")
+    armed.write_text(json.dumps({"engine": engine, "signal": signal_name}))
+    armed.rename(run_dir / TRIGGER)
 
 
 def faults_made(run_dir: Path) -> list[dict]:

@@ -48,13 +48,21 @@ class SharedEngines:
     def check_engines(self) -> None:
         """Every engine runs, answers a generation, and is not paused (a paused engine's /health_generate waits)."""
         for url, process in zip(self.urls, self.processes):
-            assert process.alive(), f"shared engine {url} died:\n{process.log_tail()}"
+            assert process.alive(), (f"shared engine {url} died (exit code {process.proc.returncode}):\n"
+                                     f"{process.log_tail()}")
             client = self.client(url)
             try:
                 problem = client.probe("/health_generate", timeout_s=60)
             finally:
                 client.close()
             assert problem is None, f"shared engine {url} {problem} after the test"
+
+    def restart(self, index: int) -> None:
+        """Start engine `index` again (a test killed it), with its port, key and seed; healthy on return."""
+        process = self.processes[index]
+        process.stop()  # reaps what is left of it
+        process.start()
+        process.wait_http_ok(f"{self.urls[index]}/health_generate", timeout_s=600)
 
     def stop(self) -> None:
         for process in self.processes:

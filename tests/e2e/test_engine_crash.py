@@ -12,7 +12,9 @@ again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py sends
 after bucket 1 of a sync is on its way: SIGKILL to engine 0, later SIGSTOP to engine 1 (restarted by then): alive
 but hung, with the sync waiting on it, until the watchdog finds its processes stopped (state T in /proc) at two
 checks and kills it, seconds later, without asking it anything (the hang probe's 60 s bound is not waited out); the
-sync then starts over to engine 0 and engine 1 is restarted like the others.
+sync then starts over to engine 0 and engine 1 is restarted like the others. The driver, watching the engine set
+while the sync runs, releases the senders as soon as the engine is lost; each faulted sync's time_sync_stalled_s
+(how long the fault held it) is printed.
 
 The trainer runs at pipeline-parallel 2, so every sync has two senders taking turns (`slimish.weight_sync.stages`):
 the sync interrupted between two buckets is released on both of them, and rebuilt with new groups for both."""
@@ -126,8 +128,12 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     faults = hooks.faults_made(run_dir)
     assert [(f["engine"], f["signal"]) for f in faults] == [(0, "SIGKILL"), (1, "SIGSTOP")]
     by_step = {r["step"]: r for r in records}
+    stalls = {fault["signal"]: by_step[fault["version"]]["time_sync_stalled_s"] for fault in faults}
+    print(f"\ntime_sync_stalled_s of the faulted syncs: {stalls}")
     for fault in faults:
         assert by_step[fault["version"]]["weight_sync_retries"] == 1, fault
+        # Held no longer than the bucket's deadline (weight_sync.bucket_timeout_s, 60 s, plus 0.1 MiB at 32 MiB/s)
+        assert 0 <= by_step[fault["version"]]["time_sync_stalled_s"] < 61, fault
         assert by_step[fault["version"] + 1]["engines_live"] == 1, "the next rollout ran on the other engine alone"
     assert sum(r["weight_sync_retries"] for r in records) == 2
     first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 3)

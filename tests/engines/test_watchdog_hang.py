@@ -259,3 +259,15 @@ def test_an_engine_stopped_for_one_check_only_is_left_alone(engines):
     servers.stopped[0] = [4242]  # stopped again: a new first sighting
     watchdog.check()
     assert servers.killed == [] and watchdog.metrics()["engine_hangs"] == 0
+
+
+def test_an_engine_that_missed_a_bucket_deadline_is_killed_though_it_answers(engines):
+    """A weight sync found it hung (no answer to a bucket by the bucket's deadline) while it answers /model_info, as
+    an engine whose GPU stream is stuck in a collective would: killed, counted as a hang, restarted."""
+    engines += [StandInEngine(), StandInEngine()]
+    servers = StandInServers(engines)
+    watchdog = watchdog_of(servers)
+    assert watchdog.kill_hung([engines[1].url]) == [engines[1].url]
+    assert servers.killed == [1] and servers.respawned == [1]
+    assert watchdog.metrics()["engine_hangs"] == 1 and watchdog.metrics()["engine_deaths"] == 1
+    assert watchdog.kill_hung([engines[1].url]) == [engines[1].url] and servers.killed == [1], "killed once"
