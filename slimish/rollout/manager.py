@@ -217,11 +217,9 @@ class RolloutManager:
         return self.engines.for_sync()
 
     def engines_out(self, urls: list[str]) -> list[str]:
-        """While a weight sync to `urls` runs: those of them out of service now (died, or frozen and killed), after
-        the watchdog has looked (`EngineWatchdog.check`: exits, and processes stopped at two checks)."""
-        if self.watchdog is None:
-            return []
-        self.watchdog.check()
+        """While a weight sync to `urls` runs: those of them the watchdog has taken out of service (died, or frozen
+        and killed: its thread checks every rollout.engine.watch_interval_s). Only reads the engine set: the driver
+        asks every 0.5 s."""
         return self.engines.lost(urls)
 
     def kill_hung(self, urls: list[str]) -> list[str]:

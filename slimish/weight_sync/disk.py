@@ -37,16 +37,13 @@ class DiskTransport(Transport):
                        for name, t in zip(bucket.names, bucket.tensors)},
                       str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
-            try:
-                path = str(self._dir)
-                # In flight: every engine reads every shard, the whole model, within one call.
-                total = sum(f.stat().st_size for f in self._dir.iterdir())
-                self.loading(self.on_all(lambda c: c.update_weights_from_disk(model_path=path,
-                                                                              weight_version=version)),
-                             deadline=self.deadline(total))
-                self.wait_loaded()
-            finally:
-                self._remove_shards()  # loaded or not, this sync's shards are done with
+            path = str(self._dir)
+            # In flight: every engine reads every shard, the whole model, within one call.
+            total = sum(f.stat().st_size for f in self._dir.iterdir())
+            self.loading(self.on_all(lambda c: c.update_weights_from_disk(model_path=path, weight_version=version)),
+                         deadline=self.deadline(total))
+            self.wait_loaded()
+            self._remove_shards()  # loaded: this sync's shards are done with
         return bucket.nbytes
 
     def _remove_shards(self) -> None:
@@ -55,8 +52,10 @@ class DiskTransport(Transport):
             self._dir, self._shards = None, 0
 
     def abort(self) -> None:
+        # The shards stay until `close`: an engine still loading them when the sync was given up (a slow one, or a
+        # frozen one continued) must find them. SGLang 0.5.23 takes a missing directory for a Hugging Face repo id,
+        # and its scheduler dies of the error (seen here).
         self.let_go()
-        self._remove_shards()
 
     def close(self) -> None:
         self._remove_shards()

@@ -11,10 +11,13 @@ checkpoint, as `export_full_hf_tensors` gives them (tested against it in tests/m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
 
+from slimish.network import auth_headers
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
@@ -25,11 +28,17 @@ pytestmark = pytest.mark.e2e
 FAMILIES = ["qwen3", "glm4_moe"]
 
 
+KEYS: dict[str, str | None] = {}  # engine URL -> the key it requires (the shared engines have one)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, tmp_path_factory):
-    """(family, engine URL, HF-named tensors of the checkpoint it loaded): one engine per family."""
+    """(family, engine URL, HF-named tensors of the checkpoint it loaded, a directory whose `model` is that
+    checkpoint, its architecture): for qwen3 the first of the e2e tier's shared engines (tests/e2e/shared_engines.py,
+    reset to its checkpoint: an engine start saved), for glm4_moe one of its own."""
     from slimish.engines.process import ManagedProcess
     from slimish.engines.server import engine_argv, engine_env
+    from slimish.engines.servers import reset_attached
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.tasks import echo_digit
@@ -37,24 +46,37 @@ def engine(request, tmp_path_factory):
 
     family = request.param
     root = tmp_path_factory.mktemp(f"engine_{family}")
-    model = build_tiny_model(root / "model", corpus=echo_digit.corpus(), family=family)
-    port = free_port()
-    argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
-                       max_total_tokens=1024, seed=0, extra=[])
-    proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(), log_path=root / "engine.log")
-    proc.start()
-    url = f"http://127.0.0.1:{port}"
+    proc = None
+    if family == "qwen3":
+        shared = request.getfixturevalue("engine_pool")
+        url, model = shared.urls[0], Path(shared.model)
+        (root / "model").symlink_to(model)
+        KEYS[url] = shared.key
+        reset_attached(url, model_path=str(model), api_key=shared.key)
+    else:
+        model = build_tiny_model(root / "model", corpus=echo_digit.corpus(), family=family)
+        port = free_port()
+        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
+                           max_total_tokens=1024, seed=0, extra=[])
+        proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(), log_path=root / "engine.log")
+        proc.start()
+        url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait_http_ok(f"{url}/health_generate", timeout_s=600)
+        if proc is not None:
+            proc.wait_http_ok(f"{url}/health_generate", timeout_s=600)
         ckpt = HFCheckpoint(model)
         arch = architecture_from_hf(read_hf_config(model))
         yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root, arch
     finally:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
+        else:  # back to its checkpoint, as the next job attached to it would make it
+            reset_attached(url, model_path=str(model), api_key=KEYS[url])
 
 
 def weights_checker(url: str, action: str) -> dict:
-    resp = httpx.post(f"{url}/weights_checker", json={"action": action}, timeout=300)
+    resp = httpx.post(f"{url}/weights_checker", json={"action": action}, timeout=300,
+                      headers=auth_headers(KEYS.get(url)))
     assert resp.status_code == 200, resp.text[:2000]
     return resp.json()
 
@@ -79,7 +101,8 @@ def sync(url: str, tensors, *, transport: str, workdir, version: str, arch=None,
     from slimish.weight_sync.transport import TransportContext
 
     context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                               group_name=f"test_{transport}_{version}", engine_tp=1, disk_dir=str(workdir / "disk"))
+                               group_name=f"test_{transport}_{version}", engine_tp=1, disk_dir=str(workdir / "disk"),
+                               api_key=KEYS.get(url))
     # Small buckets: the model spans several, so the flip on the last one and the overlap are exercised.
     expected = functools.partial(ExpectedChecksums, arch, torch.float32) if arch else None
     weight_sync = WeightSync(transport=transport, context=context, engine_urls=[url], bucket_bytes=64 << 10,
@@ -136,7 +159,8 @@ def test_a_bucket_corrupted_on_its_way_fails_the_sync_naming_the_tensor(engine):
     sync(url, tensors, transport="broadcast", workdir=workdir, version="restored", arch=arch)  # as loaded again
 
 
-def _stage_sender_process(rank: int, port: int, model: str, url: str, rounds: list[str], results) -> None:
+def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: str | None, rounds: list[str],
+                          results) -> None:
     """One of two pipeline-stage leaders (rank 0: stage 0 and the engine protocol; rank 1: stage 1's StageSender),
     syncing `model`'s checkpoint split in two stages once per entry of `rounds`: 'ok', 'stage0_fails' (rank 0's
     own tensors run out with an error after its first bucket) or 'stage1_fails' (the same on stage 1). Each round
@@ -171,7 +195,7 @@ def _stage_sender_process(rank: int, port: int, model: str, url: str, rounds: li
 
     for round_, outcome in enumerate(rounds):
         context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                                   group_name=f"stages_{round_}_{rank}", engine_tp=1, disk_dir="")
+                                   group_name=f"stages_{round_}_{rank}", engine_tp=1, disk_dir="", api_key=api_key)
         if rank == 0:
             sender = WeightSync(transport="broadcast", context=context, engine_urls=[url], bucket_bytes=16 << 10,
                                 expected_checksums=expected)
@@ -211,7 +235,8 @@ def test_stage_senders_write_every_engine_parameter_and_survive_a_failing_stage(
     results = ctx.Queue()
     rounds = ["ok", "stage1_fails", "stage0_fails", "ok"]
     port = free_port()
-    procs = [ctx.Process(target=_stage_sender_process, args=(rank, port, str(workdir / "model"), url, rounds, results))
+    procs = [ctx.Process(target=_stage_sender_process,
+                         args=(rank, port, str(workdir / "model"), url, KEYS.get(url), rounds, results))
              for rank in range(2)]
     for proc in procs:
         proc.start()
