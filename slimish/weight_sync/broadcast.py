@@ -59,8 +59,8 @@ class BroadcastTransport(Transport):
     def wire(self, flat, *, deadline: float) -> None:
         """Broadcast `flat` to the engines (phase 'wire'), issued asynchronously and waited for until `deadline` or a
         `release`: a gloo send to an engine frozen, or killed while the send was blocked on it, never completes
-        (reproduced: the sender sat out the group's 10-minute timeout), and waiting on the Work with a bound is what
-        lets the sender go."""
+        (reproduced with three processes; in a job the sender sat out the group's 10-minute timeout), and waiting
+        on the Work with a bound is what lets the sender go."""
         with self.phase("wire"):
             work = collectives.broadcast(flat, src=0, group=self.group, async_op=True)
             self.wait_work(work, deadline=deadline, what="the broadcast of a bucket")

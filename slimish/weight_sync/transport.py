@@ -49,7 +49,7 @@ LET_GO_S = 10.0       # after a release: how long the survivors' calls are given
 
 # (work, its group) of the collectives senders gave up on, kept until the work ends: the last reference to a gloo
 # group runs its destructor, which joins the group's thread, blocked in the given-up send until the group's timeout
-# (measured here: a sender stuck 10 minutes in `self.group = None` after a release).
+# (seen here: a sender blocked in `self.group = None` after a release, gdb showing ~ProcessGroupGloo joining it).
 GIVEN_UP: list = []
 
 
