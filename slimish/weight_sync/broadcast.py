@@ -14,8 +14,6 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
 
-import torch
-
 from slimish import collectives
 from slimish.engines.client import EngineClient, EngineError
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
@@ -65,14 +63,12 @@ class BroadcastTransport(Transport):
             work = collectives.broadcast(flat, src=0, group=self.group, async_op=True)
             self.wait_work(work, deadline=deadline, what="the broadcast of a bucket")
 
-    def push_remote(self, meta: dict, *, group_name: str, go: Callable[[], None]) -> None:
+    def push_remote(self, meta: dict, *, nbytes: int, group_name: str, go: Callable[[], None]) -> None:
         """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
         stage's sender, `slimish.weight_sync.stages`), then `go()` tells that rank to send it. Ordered and
         overlapped like `push`: the engines' answers are awaited before the next bucket is asked for."""
         self.wait_loaded()
         request = dict(**meta, group_name=group_name, weight_version=None, flush_cache=False)
-        nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                     for shape, dtype in zip(meta["shapes"], meta["dtypes"]))
         self.loading(self.on_all(lambda c: c.update_weights_from_distributed(**request)),
                      deadline=self.deadline(nbytes))
         go()
@@ -104,7 +100,7 @@ class BroadcastTransport(Transport):
         _abort_process_group(self.group)
         calls = self.on_all(lambda c: c.destroy_weights_update_group(self.context.group_name))
         wait_futures(calls, timeout=LET_GO_S)
-        self.hung = [c.url for c, call in zip(self.clients, calls) if not call.done()]
+        self.hung = self.unanswered(calls)
         self._joined = False
 
     def close(self) -> None:

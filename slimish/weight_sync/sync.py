@@ -25,7 +25,7 @@ from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
 from slimish.weight_sync.stages import StageLink
 from slimish.weight_sync.tensor import TensorTransport
-from slimish.weight_sync.transport import LET_GO_S, SyncReleased, Transport, TransportContext, settle
+from slimish.weight_sync.transport import SyncReleased, Transport, TransportContext
 
 TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "tensor": TensorTransport,
                                           "disk": DiskTransport}
@@ -103,8 +103,7 @@ class WeightSync:
             self.hung += [url for url in self.transport.hung if url not in self.hung]
             stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
-                settle(self.transport.on_all(lambda c: c.end_weight_update()),
-                       LET_GO_S if self.transport.released else 60.0)
+                self.transport.settle(self.transport.on_all(lambda c: c.end_weight_update()))
             if stage_failures and not isinstance(exc, SyncReleased):  # the cause, rather than the engines' failed
                 raise RuntimeError("; ".join(stage_failures)) from exc  # receive it led to
             raise
@@ -145,7 +144,7 @@ class WeightSync:
             for link in list(remote):
                 message = link.next()
                 if "bucket" in message:
-                    self.transport.push_remote(message["bucket"], group_name=link.group_name,
+                    self.transport.push_remote(message["bucket"], nbytes=message["nbytes"], group_name=link.group_name,
                                                go=lambda link=link: link.reply(True))
                     count(message["nbytes"])
                 elif "done" in message:

@@ -132,11 +132,15 @@ class Transport(ABC):
             self.wait_until(lambda timeout: not wait_futures(calls, timeout=timeout).not_done, deadline=deadline,
                             what=what)
         except SyncReleased as exc:
-            exc.unanswered = [client.url for client, call in zip(self.clients, calls) if not call.done()]
+            exc.unanswered = self.unanswered(calls)
             raise
         results = [call.result() for call in calls]
         self.progress_at = time.monotonic()  # only once every engine has answered well
         return results
+
+    def unanswered(self, calls: list[Future]) -> list[str]:
+        """The engines whose call of `calls` (one per engine, in engine order) has not ended."""
+        return [client.url for client, call in zip(self.clients, calls) if not call.done()]
 
     def wait_work(self, work, *, deadline: float, what: str) -> None:
         """Wait for a torch.distributed Work (an async collective) with `wait_until`, then raise its failure if it
@@ -156,7 +160,7 @@ class Transport(ABC):
         except SyncReleased as exc:
             self.given_up = work
             # Which peer holds a collective up cannot be told; the engines yet to answer the bucket can.
-            exc.unanswered = [client.url for client, call in zip(self.clients, self._loading) if not call.done()]
+            exc.unanswered = self.unanswered(self._loading)
             raise
         work.wait()
         self.progress_at = time.monotonic()
@@ -212,8 +216,13 @@ class Transport(ABC):
         whatever it answers (the sync has failed already); `LET_GO_S` after a release (the engine that caused it
         may never answer)."""
         calls, self._loading = self._loading, []
-        settle(calls, min(timeout_s, LET_GO_S) if self.released else timeout_s)
+        self.settle(calls, timeout_s)
         self._loading_keep = None
+
+    def settle(self, calls: list[Future], timeout_s: float = 60.0) -> None:
+        """`settle(calls, timeout_s)`, or within `LET_GO_S` after a release (the engine that caused it may never
+        answer)."""
+        settle(calls, min(timeout_s, LET_GO_S) if self.released else timeout_s)
 
     @abstractmethod
     def push(self, bucket: Bucket, *, version: str | None) -> int:
