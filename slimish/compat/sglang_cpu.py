@@ -7,6 +7,14 @@ Why each piece (measured on a 2-core CPU box with sglang 0.5.23, see README "CPU
 - --attention-backend torch_native, --sampling-backend pytorch: the only CPU-capable backends.
 - --sleep-on-idle: an idle scheduler otherwise spins a whole core, halving a 2-core machine.
 - --skip-server-warmup, --grammar-backend none: faster start, no xgrammar compile.
+Tensor-parallel engines (--tp-size > 1) on the CPU also need (a TP2 engine then serves the TP1 engine's ids and
+logprobs, ../shared/reference/GPU-FACTS.md):
+- SGLANG_CPU_OMP_THREADS_BIND, one '|'-separated core group per rank: without it SGLang asserts one NUMA node per
+  rank (utils/numa_utils.py). Without AMX the groups are checked, not applied: OMP_NUM_THREADS keeps the ranks from
+  oversubscribing the cores.
+- SGLANG_NCCL_SO_PATH pointing at no file: with a CUDA build of torch, SGLang builds a PyNccl communicator on the CPU
+  group and dies (`Expected a cuda device, but got: cpu`); PyNccl disables itself when its library fails to load.
+- --disable-custom-all-reduce: the CUDA all-reduce otherwise only warns that it cannot start.
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def server_env(base: dict | None = None) -> dict:
-    """Environment for an SGLang server process on this machine."""
+def server_env(base: dict | None = None, *, tp: int = 1) -> dict:
+    """Environment for an SGLang server process of `tp` tensor-parallel ranks on this machine."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
     if not cuda_available():
@@ -35,17 +43,36 @@ def server_env(base: dict | None = None) -> dict:
         env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if not real_driver_present():
             env["LD_PRELOAD"] = ":".join(p for p in [str(stub_path()), env.get("LD_PRELOAD", "")] if p)
+        if tp > 1:
+            groups = core_groups(sorted(os.sched_getaffinity(0)), tp)
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
+            env.setdefault("OMP_NUM_THREADS", str(min(len(g) for g in groups)))
+            env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return env
 
 
-def server_args(*, device: str, dtype: str, colocated: bool = False) -> list[str]:
+def core_groups(cores: list[int], ranks: int) -> list[list[int]]:
+    """`cores` dealt into `ranks` groups of consecutive cores, as evenly as they go; with fewer cores than ranks,
+    ranks share them (one core each)."""
+    if len(cores) < ranks:
+        return [[cores[r % len(cores)]] for r in range(ranks)]
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        end = start + size + (r < extra)
+        groups.append(cores[start:end])
+        start = end
+    return groups
+
+
+def server_args(*, device: str, dtype: str, tp: int = 1, colocated: bool = False) -> list[str]:
     """Device-specific sglang.launch_server arguments. `colocated`: the engine shares its GPUs with trainer ranks and
     releases its memory while they train, which frees GPU memory only with SGLang's memory saver
     (torch_memory_saver, CUDA-only); on the CPU the release frees nothing, and the flag is left out."""
     if device == "cpu":
         return ["--device", "cpu", "--dtype", dtype, "--attention-backend", "torch_native",
                 "--sampling-backend", "pytorch", "--sleep-on-idle", "--skip-server-warmup",
-                "--grammar-backend", "none"]
+                "--grammar-backend", "none", *(["--disable-custom-all-reduce"] if tp > 1 else [])]
     return ["--device", device, "--dtype", dtype, *(["--enable-memory-saver"] if colocated else [])]
 
 

@@ -24,10 +24,11 @@ from slimish.network import hosted_store, node_ip
 ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
 
 
-def engine_env() -> dict[str, str]:
-    """The environment of an SGLang server process: `sglang_cpu.server_env()` (what a CPU-only machine needs), with
-    `engine_path` first on PYTHONPATH, which hides Megatron-Core from the engine (see engine_path/megatron)."""
-    env = sglang_cpu.server_env()
+def engine_env(tp: int = 1) -> dict[str, str]:
+    """The environment of an SGLang server process of `tp` tensor-parallel ranks: `sglang_cpu.server_env()` (what a
+    CPU-only machine needs), with `engine_path` first on PYTHONPATH, which hides Megatron-Core from the engine (see
+    engine_path/megatron)."""
+    env = sglang_cpu.server_env(tp=tp)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ENGINE_PATH), env.get("PYTHONPATH")]))
     return env
 
@@ -37,7 +38,7 @@ def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: st
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(tp), "--max-total-tokens", str(max_total_tokens),
             "--random-seed", str(seed), "--log-level", "warning",
-            *sglang_cpu.server_args(device=device, dtype=dtype, colocated=colocated), *map(str, extra)]
+            *sglang_cpu.server_args(device=device, dtype=dtype, tp=tp, colocated=colocated), *map(str, extra)]
 
 
 def visible_devices(own: str | None, *, sender: dict | None, node: str) -> str | None:
@@ -80,7 +81,7 @@ class EngineProcess:
                            tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=self.seed + self.index,
                            extra=[*self._secret_args(), *eng.extra_args], colocated=self.colocated)
         self._store, store_port = hosted_store(self.host)
-        env = {**engine_env(), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
+        env = {**engine_env(eng.tensor_parallel), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
                "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}
         visible = visible_devices(env.get("CUDA_VISIBLE_DEVICES"), sender=self.sender_gpus, node=self.host)
         if visible:

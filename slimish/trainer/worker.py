@@ -393,7 +393,7 @@ class TrainerWorker:
                 self._stage_sender = StageSender(
                     stage=stage, context=context, engine_urls=engine_urls,
                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20), coordinator=stage_leader_rank(0),
-                    group=pp_group, expected_checksums=self._expected_checksums(engine_tp))
+                    group=pp_group, expected_checksums=self._expected_checksums(engine_urls, engine_tp))
                 self._stage_sender.connect()
             dist.barrier()
         return metrics
@@ -433,13 +433,24 @@ class TrainerWorker:
                                 engine_tp=engine_tp, disk_dir=self.weight_sync_dir(), api_key=self._api_key,
                                 bucket_timeout_s=ws.bucket_timeout_s, min_bandwidth_mib_s=ws.min_bandwidth_mib_s)
 
-    def _expected_checksums(self, engine_tp: int):
-        """What makes the expected engine checksums of the tensors a sender sends (None: layout not predicted)."""
-        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
+    def _expected_checksums(self, engine_urls: list[str], engine_tp: int):
+        """What makes the expected engine checksums of the tensors a sender sends (None: not verifying, or layout not
+        predicted), for engines sharded as the first of `engine_urls` says it is (its /server_info); raises if that
+        engine's tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
+        from slimish.engines.client import EngineClient
+        from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums, layout_supported
 
-        if not (self.cfg.weight_sync.verify and layout_supported(self.arch, engine_tp)):
+        client = EngineClient(engine_urls[0], api_key=self._api_key)
+        try:
+            sharding = EngineSharding.of_server(client.server_info())
+        finally:
+            client.close()
+        if sharding.tp != engine_tp:
+            raise ValueError(f"rollout.engine.tensor_parallel: got {engine_tp}, but engine {engine_urls[0]} runs "
+                             f"--tp-size {sharding.tp}; set rollout.engine.tensor_parallel={sharding.tp}")
+        if not (self.cfg.weight_sync.verify and layout_supported(self.arch, sharding)):
             return None
-        return functools.partial(ExpectedChecksums, self.arch, getattr(torch, self.cfg.model.dtype))
+        return functools.partial(ExpectedChecksums, self.arch, getattr(torch, self.cfg.model.dtype), sharding)
 
     def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
         from slimish.hooks import load_function
@@ -451,7 +462,7 @@ class TrainerWorker:
         self._stage_links = stages
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
                                   bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
-                                  expected_checksums=self._expected_checksums(engine_tp),
+                                  expected_checksums=self._expected_checksums(engine_urls, engine_tp),
                                   after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
                                   in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None)
         t0 = time.monotonic()

@@ -1,21 +1,33 @@
-"""What each engine parameter's checksum must be after a sync, computed on the sender from the HF tensors it sends.
+"""What each engine parameter's checksum must be after a sync, on every tensor-parallel rank of an engine, computed
+on the sender from the HF tensors it sends.
 
 SGLang's `/weights_checker` (action "checksum") reports, per tensor-parallel rank of an engine, a checksum of every
-parameter it holds under its own names. Several HF tensors land in one engine parameter: q/k/v in `qkv_proj`,
-gate/up in `gate_up_proj`, and every expert's gate/up and down projections in `experts.w13_weight` /
-`experts.w2_weight` (expert-major); the vocabulary is padded to a multiple of 64 rows of zeros. An engine
-parameter's bytes are therefore its parts' bytes in a fixed order, and `ExpectedChecksums` hashes them in that
-order as the tensors stream past, without building the fused tensor.
+parameter that rank holds under SGLang's own names. Several HF tensors land in one engine parameter: q/k/v in
+`qkv_proj`, gate/up in `gate_up_proj`, and every expert's gate/up and down projections in `experts.w13_weight` /
+`experts.w2_weight` (expert-major). On an engine of tensor-parallel size t, SGLang pads a tensor with zeros along
+the dimension it splits and gives rank r the r-th of t equal slices of it (`EngineSharding` says how, per tensor):
+- column-parallel (q/k/v, gate/up, their biases): rows; a rank's fused parameter is its slice of each part, in
+  part order;
+- row-parallel (o_proj, down_proj): columns;
+- the vocabulary (embed_tokens, lm_head): rows, padded to a multiple of 64 (of 64 x t when that does not divide);
+- key/value heads when t exceeds their number: each head is held whole by t / num_kv_heads ranks;
+- experts: with expert-parallel size e, rank r holds the experts of block r // (t / e), each split t / e ways;
+- on a CPU engine, SGLang pads every MLP's intermediate size to a multiple of 32 x t;
+- the rest (norms, the router) whole on every rank.
+An engine parameter's bytes on a rank are therefore its parts' slices in a fixed order, and `ExpectedChecksums`
+hashes them in that order as the tensors stream past, without building the fused tensor.
 
 The hash is SGLang's own (`sglang.srt.managers.mm_utils.tensor_hash`): on CPU the first 8 bytes of the SHA-256 of
 the tensor's bytes, which is reproduced here (tests compare it with SGLang's function). On CUDA SGLang hashes with a
 Triton kernel; `ExpectedChecksums` then builds each fused tensor and calls that kernel, the only difference being
 the device.
 
-Covered: the layouts of the dense and MoE families (llama, qwen2, qwen3, qwen3_moe, glm4_moe) on engines of
-tensor-parallel size 1. Not covered (`layout_supported` is False): MLA (DeepSeek-V3: SGLang derives `w_kc` / `w_vc`
-from `kv_b_proj` after loading) and tensor-parallel engines (each rank holds a shard); for those the sync checks that
-every engine reports the same checksums as the first one, and the new weight version.
+Covered (`layout_supported`): the dense and MoE families (llama, qwen2, qwen3, qwen3_moe, glm4_moe) on engines of
+any tensor- and expert-parallel size SGLang accepts, except CPU engines whose size does not divide the attention
+heads (SGLang then pads heads, not predicted here). Not covered: MLA (DeepSeek-V3: SGLang derives `w_kc` / `w_vc`
+from `kv_b_proj` after loading); for those the sync checks that every engine reports the same checksums as the
+first one, and the new weight version. tests/weight_sync/test_engine_sharding.py pins these rules against SGLang's
+own loaders.
 """
 
 from __future__ import annotations
@@ -30,12 +42,35 @@ import torch
 from slimish.megatron_bridge.hf_config import Architecture
 
 VOCAB_PADDING = 64  # sglang.srt.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+CPU_INTERMEDIATE_PADDING = 32  # sglang.srt.configs.update_config.DEFAULT_MOE_PADDING_SIZE, times the TP size
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def layout_supported(arch: Architecture, engine_tp: int) -> bool:
-    """Whether `ExpectedChecksums` knows the engine parameters of this model on engines of `engine_tp` ranks."""
-    return arch.mla is None and engine_tp == 1
+@dataclass(frozen=True)
+class EngineSharding:
+    """How SGLang splits an engine's parameters over its ranks: `tp` its --tp-size, `ep` its --ep-size (experts),
+    `cpu` whether it runs on the CPU (SGLang then pads intermediate sizes)."""
+    tp: int = 1
+    ep: int = 1
+    cpu: bool = False
+
+    @classmethod
+    def of_server(cls, info: dict) -> EngineSharding:
+        """From an engine's `/server_info`."""
+        return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1), cpu=info.get("device") == "cpu")
+
+
+def layout_supported(arch: Architecture, sharding: EngineSharding) -> bool:
+    """Whether `ExpectedChecksums` knows the engine parameters of this model on engines sharded as `sharding`."""
+    if arch.mla is not None:
+        return False
+    tp = sharding.tp
+    if tp == 1:
+        return True
+    heads, kv_heads = arch.num_attention_heads, arch.num_query_groups
+    if sharding.cpu:  # SGLang pads heads (and key/value heads) that tp does not divide, on the CPU only
+        return heads % tp == 0 and kv_heads % tp == 0
+    return heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -74,7 +109,7 @@ class _Sha:
 
 @dataclass
 class _Fused:
-    """An engine parameter made of `num_parts` HF tensors, hashed in part order as they arrive."""
+    """An engine parameter on one rank made of `num_parts` slices, hashed in part order as they arrive."""
     num_parts: int
     hasher: _Sha
     next_part: int = 0
@@ -82,33 +117,64 @@ class _Fused:
     parts: list[torch.Tensor] = field(default_factory=list)  # on a GPU: the fused tensor is built
 
 
+@dataclass(frozen=True)
+class _Split:
+    """How one HF tensor is cut for the ranks: padded with zeros to `padded` along `dim`, then in `blocks` equal
+    slices, rank r holding slice `block(r)` (None: the tensor is not on rank r). dim None: whole on every rank."""
+    dim: int | None = None
+    padded: int = 0
+    blocks: int = 1
+    rank_block: tuple[int | None, ...] = ()
+
+    def piece(self, tensor: torch.Tensor, rank: int) -> torch.Tensor | None:
+        if self.dim is None:
+            return tensor
+        block = self.rank_block[rank]
+        if block is None:
+            return None
+        extra = self.padded - tensor.shape[self.dim]
+        if extra:
+            tensor = torch.cat([tensor, tensor.new_zeros((*tensor.shape[:self.dim], extra,
+                                                          *tensor.shape[self.dim + 1:]))], dim=self.dim)
+        size = self.padded // self.blocks
+        return tensor.narrow(self.dim, block * size, size)
+
+
 class ExpectedChecksums:
-    """Feed every HF tensor of a sync (`add`); `result()` is then {engine parameter name: checksum} for an engine
-    of tensor-parallel size 1 holding `dtype` weights.
+    """Feed every HF tensor of a sync (`add`); `result()` is then, per tensor-parallel rank of an engine sharded as
+    `sharding` and holding `dtype` weights, {engine parameter name: checksum}.
 
     CPU tensors are hashed on a thread of their own (SHA-256 releases the GIL), in the order they were added, so
     hashing overlaps the transfer instead of lengthening it; a tensor is held until it is hashed. Tensors on a GPU
     are hashed where they are added."""
 
-    def __init__(self, arch: Architecture, dtype: torch.dtype):
-        if arch.mla is not None:
-            raise ValueError("ExpectedChecksums does not know SGLang's MLA parameters (layout_supported)")
-        self.arch, self.dtype = arch, dtype
+    def __init__(self, arch: Architecture, dtype: torch.dtype, sharding: EngineSharding = EngineSharding()):
+        if not layout_supported(arch, sharding):
+            raise ValueError(f"ExpectedChecksums does not know SGLang's parameters of this model on engines sharded "
+                             f"as {sharding} (layout_supported)")
+        self.arch, self.dtype, self.sharding = arch, dtype, sharding
         self.num_experts = arch.moe.num_experts if arch.moe else 0
-        self._fused: dict[str, _Fused] = {}
-        self._done: dict[str, str | Future] = {}
+        self._fused: dict[tuple[int, str], _Fused] = {}
+        self._done: list[dict[str, str | Future]] = [{} for _ in range(sharding.tp)]
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checksums")  # one thread: hashes in order
 
     def add(self, hf_name: str, tensor: torch.Tensor) -> None:
-        engine_name, part, num_parts = self.engine_slot(hf_name)
-        if hf_name in VOCAB_TENSORS:
-            tensor = _pad_rows(tensor, VOCAB_PADDING)
+        engine_name, part, num_parts, split = self.engine_slot(hf_name, tensor.shape)
+        for rank in range(self.sharding.tp):
+            piece = split.piece(tensor, rank)
+            if piece is None:
+                continue
+            local_part, local_parts = self._local_part(hf_name, part, num_parts, rank)
+            self._add_piece(rank, engine_name, local_part, local_parts, piece)
+
+    def _add_piece(self, rank: int, engine_name: str, part: int, num_parts: int, piece: torch.Tensor) -> None:
+        done = self._done[rank]
         if num_parts == 1:
-            self._done[engine_name] = (_checksum_as(tensor, self.dtype) if _on_device(tensor) else
-                                       self._hasher.submit(_checksum_as, tensor, self.dtype))
+            done[engine_name] = (_checksum_as(piece, self.dtype) if _on_device(piece) else
+                                 self._hasher.submit(_checksum_as, piece, self.dtype))
             return
-        fused = self._fused.setdefault(engine_name, _Fused(num_parts, _Sha(self.dtype)))
-        fused.waiting[part] = tensor
+        fused = self._fused.setdefault((rank, engine_name), _Fused(num_parts, _Sha(self.dtype)))
+        fused.waiting[part] = piece
         while fused.next_part in fused.waiting:  # hash in part order; later parts wait for earlier ones
             piece = fused.waiting.pop(fused.next_part)
             if _on_device(piece):
@@ -117,37 +183,95 @@ class ExpectedChecksums:
                 self._hasher.submit(fused.hasher.update, piece)
             fused.next_part += 1
         if fused.next_part == fused.num_parts:
-            del self._fused[engine_name]
-            self._done[engine_name] = (tensor_checksum(torch.cat([p.reshape(-1) for p in fused.parts]))
-                                       if fused.parts else self._hasher.submit(fused.hasher.hexdigest))
+            del self._fused[(rank, engine_name)]
+            done[engine_name] = (tensor_checksum(torch.cat([p.reshape(-1) for p in fused.parts]))
+                                 if fused.parts else self._hasher.submit(fused.hasher.hexdigest))
 
-    def result(self) -> dict[str, str]:
-        """The checksums; raises if an engine parameter got only some of its parts (the export missed a tensor)."""
+    def result(self) -> list[dict[str, str]]:
+        """The checksums, per tensor-parallel rank; raises if an engine parameter got only some of its parts (the
+        export missed a tensor)."""
         self._hasher.shutdown(wait=True)
         if self._fused:
-            missing = {name: f"{f.next_part + len(f.waiting)}/{f.num_parts} parts" for name, f in self._fused.items()}
+            missing = {(f"{name} (rank {rank})" if self.sharding.tp > 1 else name):
+                       f"{f.next_part + len(f.waiting)}/{f.num_parts} parts"
+                       for (rank, name), f in self._fused.items()}
             raise RuntimeError(f"the sync sent only some parts of these engine parameters: {missing}")
-        return {name: value.result() if isinstance(value, Future) else value for name, value in self._done.items()}
+        return [{name: value.result() if isinstance(value, Future) else value for name, value in done.items()}
+                for done in self._done]
 
-    def engine_slot(self, hf_name: str) -> tuple[str, int, int]:
-        """(engine parameter, index of this tensor among its parts, number of parts) of HF tensor `hf_name`."""
+    def engine_slot(self, hf_name: str, shape: tuple[int, ...] | torch.Size) -> tuple[str, int, int, _Split]:
+        """(engine parameter, index of this tensor among its parts, number of parts, how it is split over the
+        ranks) of HF tensor `hf_name` of `shape`."""
         if m := re.fullmatch(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", hf_name):
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            split = self._expert_split(expert, shape, dim=1 if proj == "down" else 0)
             if proj == "down":
-                return f"{prefix}.w2_weight", expert, self.num_experts
-            return f"{prefix}.w13_weight", 2 * expert + (proj == "up"), 2 * self.num_experts
+                return f"{prefix}.w2_weight", expert, self.num_experts, split
+            return f"{prefix}.w13_weight", 2 * expert + (proj == "up"), 2 * self.num_experts, split
         if m := re.fullmatch(r"(.+\.self_attn)\.([qkv])_proj\.(weight|bias)", hf_name):
-            return f"{m.group(1)}.qkv_proj.{m.group(3)}", "qkv".index(m.group(2)), 3
+            return (f"{m.group(1)}.qkv_proj.{m.group(3)}", "qkv".index(m.group(2)), 3,
+                    self._head_split(m.group(2), shape))
         if m := re.fullmatch(r"(.+)\.(gate|up)_proj\.weight", hf_name):
-            return f"{m.group(1)}.gate_up_proj.weight", int(m.group(2) == "up"), 2
-        return hf_name, 0, 1
+            return (f"{m.group(1)}.gate_up_proj.weight", int(m.group(2) == "up"), 2,
+                    self._split(0, self._intermediate(shape[0])))
+        if re.fullmatch(r".+\.down_proj\.weight", hf_name):
+            return hf_name, 0, 1, self._split(1, self._intermediate(shape[1]))
+        if re.fullmatch(r".+\.self_attn\.o_proj\.weight", hf_name):
+            return hf_name, 0, 1, self._split(1, shape[1])
+        if hf_name in VOCAB_TENSORS:
+            return hf_name, 0, 1, self._vocab_split(shape[0])
+        return hf_name, 0, 1, _Split()
+
+    def _local_part(self, hf_name: str, part: int, num_parts: int, rank: int) -> tuple[int, int]:
+        """(part, parts) among the parameter's parts on `rank`: experts count from the rank's first one."""
+        if ".mlp.experts." not in hf_name or self.sharding.ep == 1:
+            return part, num_parts
+        per_rank = self.num_experts // self.sharding.ep
+        if num_parts == self.num_experts:  # w2: one part per expert
+            return part % per_rank, per_rank
+        return part % (2 * per_rank), 2 * per_rank  # w13: gate and up per expert
+
+    def _split(self, dim: int, length: int, blocks: int | None = None, rank_block=None) -> _Split:
+        tp = self.sharding.tp
+        blocks = blocks or tp
+        return _Split(dim=dim, padded=length, blocks=blocks,
+                      rank_block=tuple(rank_block or (r * blocks // tp for r in range(tp))))
+
+    def _intermediate(self, length: int) -> int:
+        """An MLP's intermediate size on the engine: padded to a multiple of 32 x tp on the CPU."""
+        if not self.sharding.cpu:
+            return length
+        return _round_up(length, CPU_INTERMEDIATE_PADDING * self.sharding.tp)
+
+    def _vocab_split(self, rows: int) -> _Split:
+        padding = VOCAB_PADDING
+        if _round_up(rows, padding) % self.sharding.tp:
+            padding *= self.sharding.tp
+        return _Split(dim=0, padded=_round_up(rows, padding), blocks=self.sharding.tp,
+                      rank_block=tuple(range(self.sharding.tp)))
+
+    def _head_split(self, which: str, shape) -> _Split:
+        """q rows split over the ranks; key/value rows too, or, with fewer key/value heads than ranks, each head
+        whole on tp / num_kv_heads consecutive ranks."""
+        tp = self.sharding.tp
+        if tp == 1:
+            return _Split()
+        kv_heads = self.arch.num_query_groups
+        if which == "q" or kv_heads >= tp:
+            return self._split(0, shape[0])
+        return self._split(0, shape[0], blocks=kv_heads, rank_block=[r // (tp // kv_heads) for r in range(tp)])
+
+    def _expert_split(self, expert: int, shape, dim: int) -> _Split:
+        """An expert's tensor: on the ranks of its expert-parallel block, split over the tp / ep ranks in it."""
+        tp, ep = self.sharding.tp, self.sharding.ep
+        moe_tp = tp // ep
+        on = expert // (self.num_experts // ep)
+        blocks = [(r % moe_tp) if r // moe_tp == on else None for r in range(tp)]
+        return _Split(dim=dim, padded=self._intermediate(shape[dim]), blocks=moe_tp, rank_block=tuple(blocks))
 
 
-def _pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = -tensor.shape[0] % multiple
-    if not extra:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _checksum_as(tensor: torch.Tensor, dtype: torch.dtype) -> str:

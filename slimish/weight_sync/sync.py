@@ -163,18 +163,20 @@ class WeightSync:
             checksums = None
             if expected is not None:
                 checksums = expected.result()
-                for part in stage_checksums:
-                    checksums.update(part)
+                for stage in stage_checksums:  # each stage's per-rank checksums of its own layers
+                    for rank, part in zip(checksums, stage):
+                        rank.update(part)
             self._verify(version, checksums)
         stage_metrics = {f"{key.removesuffix('_s')}_stage{stage}_s": seconds
                          for stage, phases in stage_phases for key, seconds in phases.items()}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
+                "sync_checksums_predicted": int(expected is not None),
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}
 
-    def _verify(self, version: str, expected: dict[str, str] | None) -> None:
-        """Raise WeightSyncError unless every engine reports `version` and holds `expected` (or, when None, what the
-        first engine holds)."""
+    def _verify(self, version: str, expected: list[dict[str, str]] | None) -> None:
+        """Raise WeightSyncError unless every engine reports `version` and each of its tensor-parallel ranks holds
+        `expected[rank]` (or, when None, what the first engine's rank holds)."""
         versions = self._on_all(lambda c: c.weight_version(), "the engines' weight versions")
         wrong = {c.url: v for c, v in zip(self.clients, versions) if v != version}
         if wrong:
@@ -183,7 +185,7 @@ class WeightSync:
         against = "the trainer sent" if expected is not None else "engine 0 holds"
         for client, ranks in zip(self.clients, held):
             for tp_rank, checksums in enumerate(ranks):
-                bad = differing(expected if expected is not None else held[0][tp_rank], checksums)
+                bad = differing(expected[tp_rank] if expected is not None else held[0][tp_rank], checksums)
                 if bad:
                     shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
                     raise WeightSyncError(

@@ -53,3 +53,32 @@ def test_a_colocated_gpu_engine_asks_for_sglangs_memory_saver():
     assert not parser.parse_args(["--model-path", "m", *sglang_cpu.server_args(device="cuda", dtype="bfloat16")]
                                  ).enable_memory_saver
     assert "--enable-memory-saver" not in sglang_cpu.server_args(device="cpu", dtype="float32", colocated=True)
+
+
+@pytest.mark.skipif(sglang_cpu.cuda_available(), reason="a CUDA machine: tensor-parallel engines need none of it")
+def test_a_tensor_parallel_cpu_engine_gets_what_sglang_needs_to_start():
+    """One core group per rank (SGLang otherwise asserts a NUMA node per rank), PyNccl pointed at no library (it
+    would build a CUDA communicator on the CPU group), threads per rank no more than its cores, and no custom
+    all-reduce, as SGLang's own parser reads the flags; none of it for one rank, and a user's own choice stands."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    env = sglang_cpu.server_env({}, tp=2)
+    groups = env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")
+    assert len(groups) == 2 and all(groups)
+    assert env["SGLANG_NCCL_SO_PATH"].startswith("/nonexistent/") and int(env["OMP_NUM_THREADS"]) >= 1
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in sglang_cpu.server_env({}, tp=1)
+    assert sglang_cpu.server_env({"SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"}, tp=2)["SGLANG_CPU_OMP_THREADS_BIND"] \
+        == "0-3|4-7"
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", *sglang_cpu.server_args(device="cpu", dtype="float32", tp=2)])
+    assert args.disable_custom_all_reduce
+    assert "--disable-custom-all-reduce" not in sglang_cpu.server_args(device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(("cores", "ranks", "groups"), [
+    ([0, 1], 2, [[0], [1]]), ([0, 1, 2, 3, 4], 2, [[0, 1, 2], [3, 4]]), ([0, 1], 4, [[0], [1], [0], [1]])])
+def test_cores_are_dealt_to_the_ranks_in_consecutive_groups(cores, ranks, groups):
+    assert sglang_cpu.core_groups(cores, ranks) == groups

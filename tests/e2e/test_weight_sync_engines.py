@@ -1,6 +1,7 @@
-"""A weight sync writes every parameter of a real SGLang engine, for a dense and an MoE family, with every
-transport; the checksums the sender predicts are the engine's; and a bucket corrupted on its way is caught by the
-sync's own verification, naming the tensor.
+"""A weight sync writes every parameter of a real SGLang engine, for a dense family on an engine of one rank and an
+MoE family on an engine of two tensor-parallel ranks, with every transport; the checksums the sender predicts are
+the engine's, on every rank; and a bucket corrupted on its way is caught by the sync's own verification, naming the
+tensor.
 
 With SGLang's `/weights_checker`: per-parameter checksums of the engine as it loaded the model from disk ->
 `reset_tensors` (every parameter random) -> sync the same checkpoint's tensors through `slimish.weight_sync` -> every
@@ -25,7 +26,10 @@ pytestmark = pytest.mark.e2e
 # Dense and MoE. MLA (DeepSeek-V3) is not here: SGLang 0.5.23 cannot serve the tiny MLA model on CPU (its
 # torch_native attention fails in MLA prefill: "Expected size for first two dimensions of batch2 tensor to be:
 # [4, 24] but got: [4, 32]"; its CPU rotary path also needs rope scaling and config.json fields transformers drops).
+# glm4_moe runs on an engine of tensor-parallel size 2: each rank holds its shard of the fused q/k/v (with biases),
+# gate/up, experts and shared experts, of the padded vocabulary (the sync's checksums are predicted per rank).
 FAMILIES = ["qwen3", "glm4_moe"]
+ENGINE_TP = {"qwen3": 1, "glm4_moe": 2}
 
 
 KEYS: dict[str, str | None] = {}  # engine URL -> the key it requires (the shared engines have one)
@@ -35,7 +39,7 @@ KEYS: dict[str, str | None] = {}  # engine URL -> the key it requires (the share
 def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded, a directory whose `model` is that
     checkpoint, its architecture): for qwen3 the first of the e2e tier's shared engines (tests/e2e/shared_engines.py,
-    reset to its checkpoint: an engine start saved), for glm4_moe one of its own."""
+    reset to its checkpoint: an engine start saved), for glm4_moe one of its own, of two tensor-parallel ranks."""
     from slimish.engines.process import ManagedProcess
     from slimish.engines.server import engine_argv, engine_env
     from slimish.engines.servers import reset_attached
@@ -56,9 +60,10 @@ def engine(request, tmp_path_factory):
     else:
         model = build_tiny_model(root / "model", corpus=echo_digit.corpus(), family=family)
         port = free_port()
-        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
+        tp = ENGINE_TP[family]
+        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=tp,
                            max_total_tokens=1024, seed=0, extra=[])
-        proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(), log_path=root / "engine.log")
+        proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(tp), log_path=root / "engine.log")
         proc.start()
         url = f"http://127.0.0.1:{port}"
     try:
@@ -81,31 +86,45 @@ def weights_checker(url: str, action: str) -> dict:
     return resp.json()
 
 
-def checksums(url: str) -> dict[str, str]:
-    """Engine parameter name -> checksum of its values (tensor-parallel rank 0)."""
-    return weights_checker(url, "checksum")["ranks"][0]["checksums"]
+def checksums(url: str) -> list[dict[str, str]]:
+    """Per tensor-parallel rank, engine parameter name -> checksum of its values on that rank."""
+    ranks = weights_checker(url, "checksum")["ranks"]
+    assert [r["parallelism_info"][0]["tp_rank"] for r in ranks] == list(range(len(ranks)))
+    return [rank["checksums"] for rank in ranks]
 
 
-def differ(a: dict[str, str], b: dict[str, str]) -> list[str]:
-    assert a.keys() == b.keys()
-    return sorted(name for name in a if a[name] != b[name])
+def differ(a: list[dict[str, str]], b: list[dict[str, str]]) -> list[str]:
+    """'rank r: name' of every parameter whose checksum differs."""
+    assert len(a) == len(b) and all(x.keys() == y.keys() for x, y in zip(a, b))
+    return sorted(f"rank {r}: {name}" for r, (x, y) in enumerate(zip(a, b)) for name in x if x[name] != y[name])
 
 
-def sync(url: str, tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None) -> dict:
-    """Send `tensors` to the engine; with `arch`, verified against the checksums predicted from them. `in_transit`
-    may alter each bucket after the sender hashed it."""
+def sharding(url: str):
+    """How the engine at `url` splits its parameters (its /server_info)."""
+    from slimish.weight_sync.checksums import EngineSharding
+
+    resp = httpx.get(f"{url}/server_info", timeout=60, headers=auth_headers(KEYS.get(url)))
+    resp.raise_for_status()
+    return EngineSharding.of_server(resp.json())
+
+
+def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None) -> dict:
+    """Send `tensors` to the engine (or engines); with `arch`, verified against the checksums predicted from them,
+    else each engine against the first. `in_transit` may alter each bucket after the sender hashed it."""
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
     from slimish.weight_sync.sync import WeightSync
     from slimish.weight_sync.transport import TransportContext
 
+    urls = [url] if isinstance(url, str) else url
+    layout = sharding(urls[0])
     context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                               group_name=f"test_{transport}_{version}", engine_tp=1, disk_dir=str(workdir / "disk"),
-                               api_key=KEYS.get(url))
+                               group_name=f"test_{transport}_{version}", engine_tp=layout.tp,
+                               disk_dir=str(workdir / "disk"), api_key=KEYS.get(urls[0]))
     # Small buckets: the model spans several, so the flip on the last one and the overlap are exercised.
-    expected = functools.partial(ExpectedChecksums, arch, torch.float32) if arch else None
-    weight_sync = WeightSync(transport=transport, context=context, engine_urls=[url], bucket_bytes=64 << 10,
+    expected = functools.partial(ExpectedChecksums, arch, torch.float32, layout) if arch else None
+    weight_sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=64 << 10,
                              expected_checksums=expected)
     if in_transit is not None:
         push = weight_sync.transport.push
@@ -118,15 +137,18 @@ def sync(url: str, tensors, *, transport: str, workdir, version: str, arch=None,
 
 
 def test_the_sender_predicts_every_engine_checksum(engine):
-    """The checksums computed from the HF tensors (fused q/k/v, gate/up, experts) are the engine's own, for every
-    parameter, as it loaded them from the checkpoint."""
+    """The checksums computed from the HF tensors (fused q/k/v, gate/up, experts; on each rank its shard) are the
+    engine's own, for every parameter on every rank, as it loaded them from the checkpoint."""
     from slimish.weight_sync.checksums import ExpectedChecksums, differing
 
     family, url, tensors, _, arch = engine
-    expected = ExpectedChecksums(arch, torch.float32)
+    expected = ExpectedChecksums(arch, torch.float32, sharding(url))
     for name, tensor in tensors:
         expected.add(name, tensor)
-    assert differing(expected.result(), checksums(url)) == []
+    predicted, held = expected.result(), checksums(url)
+    assert len(predicted) == len(held) == ENGINE_TP[family]
+    for rank, (mine, theirs) in enumerate(zip(predicted, held)):
+        assert differing(mine, theirs) == [], f"tensor-parallel rank {rank}"
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk"])
@@ -134,7 +156,7 @@ def test_a_sync_writes_every_engine_parameter(engine, transport):
     family, url, tensors, workdir, arch = engine
     loaded = checksums(url)
     weights_checker(url, "reset_tensors")
-    assert len(differ(loaded, checksums(url))) == len(loaded), "reset_tensors changed every parameter"
+    assert len(differ(loaded, checksums(url))) == sum(map(len, loaded)), "reset_tensors changed every parameter"
     metrics = sync(url, tensors, transport=transport, workdir=workdir, version=f"{transport}-1", arch=arch)
     assert metrics["sync_buckets"] > 1 and metrics["time_verify_s"] > 0
     assert differ(loaded, checksums(url)) == [], f"{family}/{transport}: parameters the sync did not write"
@@ -157,6 +179,40 @@ def test_a_bucket_corrupted_on_its_way_fails_the_sync_naming_the_tensor(engine):
     with pytest.raises(WeightSyncError, match=r"1 parameter\(s\): model\.layers\.1\.post_attention_layernorm\.weight$"):
         sync(url, tensors, transport="broadcast", workdir=workdir, version="corrupted", arch=arch, in_transit=corrupt)
     sync(url, tensors, transport="broadcast", workdir=workdir, version="restored", arch=arch)  # as loaded again
+
+
+def test_the_same_wrong_bytes_on_every_engine_are_caught(attached, tmp_path):
+    """Both shared engines sent the same corrupted bucket hold identical wrong values: checking the engines against
+    each other (all a sync could do before it predicted the checksums) passes, while the checksums the sender
+    predicts from what it sent catch it on each engine."""
+    from slimish.engines.servers import reset_attached
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+    from slimish.weight_sync.buckets import Bucket
+    from slimish.weight_sync.sync import WeightSyncError
+
+    model = Path(attached.model)
+    for url in attached.urls:
+        KEYS[url] = attached.key
+    ckpt = HFCheckpoint(model)
+    tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
+    victim = "model.layers.0.mlp.down_proj.weight"
+
+    def corrupt(bucket):  # the same bytes for every engine: one bucket, broadcast to all
+        return Bucket(names=bucket.names, tensors=[t.flip(0) if n == victim else t
+                                                   for n, t in zip(bucket.names, bucket.tensors)],
+                      nbytes=bucket.nbytes)
+
+    try:
+        sync(attached.urls, tensors, transport="broadcast", workdir=tmp_path, version="same-1", in_transit=corrupt)
+        with pytest.raises(WeightSyncError, match=rf"engine {attached.urls[0]} .* 1 parameter\(s\): {victim}$"):
+            sync(attached.urls, tensors, transport="broadcast", workdir=tmp_path, version="same-2",
+                 arch=architecture_from_hf(read_hf_config(model)), in_transit=corrupt)
+        held = [checksums(url) for url in attached.urls]
+        assert held[0] == held[1], "both engines hold the same (wrong) values"
+    finally:
+        for url in attached.urls:
+            reset_attached(url, model_path=str(model), api_key=attached.key)
 
 
 def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: str | None, rounds: list[str],
@@ -185,7 +241,9 @@ def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: s
                                                                                        "model.embed")))]
     if rank == 0:
         mine = [n for n in names if n not in mine]
-    expected = functools.partial(ExpectedChecksums, arch, torch.float32)
+    KEYS[url] = api_key
+    layout = sharding(url)
+    expected = functools.partial(ExpectedChecksums, arch, torch.float32, layout)
 
     def tensors(fail: bool):
         for index, name in enumerate(mine):
@@ -195,7 +253,8 @@ def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: s
 
     for round_, outcome in enumerate(rounds):
         context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                                   group_name=f"stages_{round_}_{rank}", engine_tp=1, disk_dir="", api_key=api_key)
+                                   group_name=f"stages_{round_}_{rank}", engine_tp=layout.tp, disk_dir="",
+                                   api_key=api_key)
         if rank == 0:
             sender = WeightSync(transport="broadcast", context=context, engine_urls=[url], bucket_bytes=16 << 10,
                                 expected_checksums=expected)

@@ -1,7 +1,8 @@
 """The sender's prediction of SGLang's per-parameter checksums, without an engine (the e2e test in
-tests/e2e/test_weight_sync_engines.py compares it with real engines): fused parameters hash as the concatenation of
-their parts whatever order the parts arrive in, the vocabulary is padded with zero rows, and a missing part is an
-error rather than a silently unchecked parameter."""
+tests/e2e/test_weight_sync_engines.py compares it with real engines, of one and of two ranks): fused parameters hash
+as the concatenation of their parts whatever order the parts arrive in, the vocabulary is padded with zero rows, and
+a missing part is an error rather than a silently unchecked parameter. On engines of several ranks: each rank's
+slices, by the rules SGLang applies (written out by hand here, from SGLang's loaders)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slimish.weight_sync.checksums import ExpectedChecksums, differing, tensor_checksum
+from slimish.weight_sync.checksums import (
+    EngineSharding,
+    ExpectedChecksums,
+    differing,
+    layout_supported,
+    tensor_checksum,
+)
 
 
-def arch(num_experts: int = 0):
-    return SimpleNamespace(mla=None, moe=SimpleNamespace(num_experts=num_experts) if num_experts else None)
+def arch(num_experts: int = 0, heads: int = 4, kv_heads: int = 2):
+    return SimpleNamespace(mla=None, moe=SimpleNamespace(num_experts=num_experts) if num_experts else None,
+                           num_attention_heads=heads, num_query_groups=kv_heads)
 
 
 def moe_layer(num_experts: int) -> dict[str, torch.Tensor]:
@@ -56,14 +64,14 @@ def test_fused_parameters_hash_as_their_concatenation_in_any_arrival_order(shuff
     for name, tensor in items:
         expected.add(name, tensor)
     truth = {name: tensor_checksum(t) for name, t in engine_params(tensors, 3).items()}
-    assert expected.result() == truth
+    assert expected.result() == [truth]
 
 
 def test_checksums_are_of_the_engine_dtype():
     t = torch.randn(5, 3)
     expected = ExpectedChecksums(arch(), torch.bfloat16)
     expected.add("model.norm.weight", t)
-    assert expected.result() == {"model.norm.weight": tensor_checksum(t.to(torch.bfloat16))}
+    assert expected.result() == [{"model.norm.weight": tensor_checksum(t.to(torch.bfloat16))}]
 
 
 def test_the_vocabulary_is_padded_with_zero_rows_to_a_multiple_of_64():
@@ -71,7 +79,7 @@ def test_the_vocabulary_is_padded_with_zero_rows_to_a_multiple_of_64():
     expected = ExpectedChecksums(arch(), torch.float32)
     expected.add("model.embed_tokens.weight", embed)
     padded = torch.cat([embed, torch.zeros(58, 4)])
-    assert expected.result() == {"model.embed_tokens.weight": tensor_checksum(padded)}
+    assert expected.result() == [{"model.embed_tokens.weight": tensor_checksum(padded)}]
 
 
 def test_a_fused_parameter_missing_a_part_is_an_error():
@@ -92,3 +100,100 @@ def test_the_cpu_checksum_is_sglangs():
     tensor_hash = pytest.importorskip("sglang.srt.managers.mm_utils").tensor_hash
     t = torch.randn(3, 5).to(torch.bfloat16)
     assert tensor_checksum(t) == f"{tensor_hash(t):016x}"
+
+
+# ------------------------------------------------------------------ engines of several tensor-parallel ranks
+def sharded(t: dict[str, torch.Tensor], sharding, num_experts=0, heads=4, kv_heads=2) -> list[dict[str, str]]:
+    expected = ExpectedChecksums(arch(num_experts, heads=heads, kv_heads=kv_heads), torch.float32, sharding)
+    for name, tensor in t.items():
+        expected.add(name, tensor)
+    return expected.result()
+
+
+def checksums_of(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: tensor_checksum(p.contiguous()) for name, p in params.items()}
+
+
+def test_tensor_parallel_ranks_hold_row_and_column_slices_of_every_part():
+    """TP2 on a GPU: q/k/v and gate/up rows are split per part and each rank's fused parameter is its slices in
+    part order; o_proj and down_proj columns are split; norms are whole on every rank."""
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0"
+    t = {f"{p}.self_attn.q_proj.weight": torch.randn(8, 6, generator=g),  # 4 heads of 2
+         f"{p}.self_attn.k_proj.weight": torch.randn(4, 6, generator=g),  # 2 key/value heads
+         f"{p}.self_attn.v_proj.weight": torch.randn(4, 6, generator=g),
+         f"{p}.self_attn.o_proj.weight": torch.randn(6, 8, generator=g),
+         f"{p}.mlp.gate_proj.weight": torch.randn(10, 6, generator=g),
+         f"{p}.mlp.up_proj.weight": torch.randn(10, 6, generator=g),
+         f"{p}.mlp.down_proj.weight": torch.randn(6, 10, generator=g),
+         f"{p}.input_layernorm.weight": torch.randn(6, generator=g)}
+    truth = [checksums_of({
+        f"{p}.self_attn.qkv_proj.weight": torch.cat([t[f"{p}.self_attn.{x}_proj.weight"].chunk(2)[r] for x in "qkv"]),
+        f"{p}.self_attn.o_proj.weight": t[f"{p}.self_attn.o_proj.weight"][:, 4 * r:4 * r + 4],
+        f"{p}.mlp.gate_up_proj.weight": torch.cat([t[f"{p}.mlp.{x}_proj.weight"].chunk(2)[r] for x in ("gate", "up")]),
+        f"{p}.mlp.down_proj.weight": t[f"{p}.mlp.down_proj.weight"][:, 5 * r:5 * r + 5],
+        f"{p}.input_layernorm.weight": t[f"{p}.input_layernorm.weight"]}) for r in range(2)]
+    assert sharded(t, EngineSharding(tp=2)) == truth
+
+
+def test_more_ranks_than_key_value_heads_replicate_each_head():
+    """TP4 over 2 key/value heads (GPU): ranks 0-1 hold head 0 whole, ranks 2-3 head 1; q is split 4 ways."""
+    q, k, v = torch.randn(8, 3), torch.randn(4, 3), torch.randn(4, 3)
+    p = "model.layers.0.self_attn"
+    got = sharded({f"{p}.q_proj.weight": q, f"{p}.k_proj.weight": k, f"{p}.v_proj.weight": v}, EngineSharding(tp=4))
+    assert got == [{f"{p}.qkv_proj.weight": tensor_checksum(torch.cat([q.chunk(4)[r], k.chunk(2)[r // 2],
+                                                                       v.chunk(2)[r // 2]]))} for r in range(4)]
+
+
+def test_expert_parallel_ranks_hold_whole_experts_of_their_block():
+    """TP2 with EP2 and 4 experts: rank 0 holds experts 0-1 whole, rank 1 experts 2-3."""
+    t = moe_layer(num_experts=4)
+    experts = {n: x for n, x in t.items() if ".experts." in n}
+    got = sharded(experts, EngineSharding(tp=2, ep=2), num_experts=4)
+    p = "model.layers.0.mlp.experts"
+    for rank in range(2):
+        mine = range(2 * rank, 2 * rank + 2)
+        w13 = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]]) for e in mine])
+        w2 = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in mine])
+        assert got[rank] == {f"{p}.w13_weight": tensor_checksum(w13), f"{p}.w2_weight": tensor_checksum(w2)}
+
+
+def test_a_cpu_engine_pads_the_intermediate_size_to_32_per_rank_with_zeros():
+    """CPU TP2, intermediate 40 -> 64: rank 0 holds rows 0-31, rank 1 rows 32-39 and 24 zero rows (and down_proj
+    the same columns)."""
+    gate, up, down = torch.randn(40, 3), torch.randn(40, 3), torch.randn(3, 40)
+    p = "model.layers.0.mlp"
+    got = sharded({f"{p}.gate_proj.weight": gate, f"{p}.up_proj.weight": up, f"{p}.down_proj.weight": down},
+                  EngineSharding(tp=2, cpu=True))
+
+    def pad(x, dim):
+        return torch.cat([x, x.new_zeros((24, 3) if dim == 0 else (3, 24))], dim=dim)
+
+    for rank in range(2):
+        assert got[rank] == checksums_of({
+            f"{p}.gate_up_proj.weight": torch.cat([pad(gate, 0).chunk(2)[rank], pad(up, 0).chunk(2)[rank]]),
+            f"{p}.down_proj.weight": pad(down, 1).chunk(2, dim=1)[rank]})
+
+
+@pytest.mark.parametrize(("tp", "rows", "padded"), [(2, 70, 128), (3, 100, 192)])
+def test_the_vocabulary_is_padded_then_split_over_the_ranks(tp, rows, padded):
+    """Padded to 64 rows, or to 64 x tp when tp does not divide that; then split."""
+    embed = torch.randn(rows, 2)
+    got = sharded({"model.embed_tokens.weight": embed}, EngineSharding(tp=tp), heads=tp * 2, kv_heads=tp)
+    full = torch.cat([embed, torch.zeros(padded - rows, 2)])
+    assert got == [{"model.embed_tokens.weight": tensor_checksum(full.chunk(tp)[r])} for r in range(tp)]
+
+
+def test_layouts_not_predicted():
+    assert not layout_supported(SimpleNamespace(mla=object()), EngineSharding())
+    assert not layout_supported(arch(heads=4, kv_heads=2), EngineSharding(tp=4, cpu=True)), \
+        "SGLang pads key/value heads on the CPU"
+    assert layout_supported(arch(heads=4, kv_heads=2), EngineSharding(tp=4))
+    assert not layout_supported(arch(heads=6, kv_heads=2), EngineSharding(tp=4))
+    with pytest.raises(ValueError, match="layout_supported"):
+        ExpectedChecksums(arch(heads=4, kv_heads=2), torch.float32, EngineSharding(tp=4, cpu=True))
+
+
+def test_sharding_of_an_engines_server_info():
+    assert EngineSharding.of_server({"tp_size": 2, "ep_size": 1, "device": "cpu"}) == EngineSharding(tp=2, cpu=True)
+    assert EngineSharding.of_server({"tp_size": 8, "ep_size": 8, "device": "cuda"}) == EngineSharding(tp=8, ep=8)

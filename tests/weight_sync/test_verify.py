@@ -40,10 +40,20 @@ def test_tensor_parallel_ranks_are_compared_with_the_same_rank_of_engine_0(tmp_p
         weight_sync(tmp_path, odd)._verify("7", None)
 
 
+def test_each_tensor_parallel_rank_is_compared_with_the_senders_prediction_for_it(tmp_path):
+    expected = [{"a": "1"}, {"a": "2"}]
+    engines = [StandInEngine(f"http://e{i}", "7", [{"a": "1"}, {"a": "2"}]) for i in range(2)]
+    weight_sync(tmp_path, engines)._verify("7", expected)
+    engines[1].ranks[1]["a"] = "1"  # rank 1 holds rank 0's shard
+    with pytest.raises(WeightSyncError, match=r"engine http://e1 \(tensor-parallel rank 1\) holds other values than "
+                                              r"the trainer sent in 1 parameter\(s\): a$"):
+        weight_sync(tmp_path, engines)._verify("7", expected)
+
+
 def test_engines_are_compared_with_the_sender_and_the_version(tmp_path):
     engines = [StandInEngine("http://e0", "7", [{"a": "1"}]), StandInEngine("http://e1", "7", [{"a": "2"}])]
     with pytest.raises(WeightSyncError, match=r"http://e0 .* than the trainer sent in 1 parameter\(s\): a$"):
-        weight_sync(tmp_path, engines)._verify("7", {"a": "9"})
+        weight_sync(tmp_path, engines)._verify("7", [{"a": "9"}])
     engines[1].version = "6"
     with pytest.raises(WeightSyncError, match=r"engines report \{'http://e1': '6'\}"):
         weight_sync(tmp_path, engines)._verify("7", None)
