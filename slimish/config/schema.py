@@ -148,6 +148,21 @@ class SftConfig:
 class EngineConfig:
     num_engines: int = doc(2, "SGLang servers to launch (each one process group).")
     tensor_parallel: int = doc(1, "SGLang --tp-size of each engine.")
+    expert_parallel: int = doc(1, "SGLang --ep-size: how many of an engine's tensor-parallel ranks its experts are "
+                                  "split over (mixture-of-experts models; must divide tensor_parallel; each expert "
+                                  "is split tensor_parallel / expert_parallel ways).")
+    attention_data_parallel: int = doc(1, "SGLang --attn-dp-size (DP attention): data-parallel attention groups "
+                                          "inside an engine's tensor-parallel ranks, each with its own KV cache and "
+                                          "requests, the MLP and experts staying parallel over all ranks (for MLA "
+                                          "models such as DeepSeek-V3; must divide tensor_parallel).")
+    moe_a2a_backend: str = doc("none", "SGLang --moe-a2a-backend: the all-to-all of expert parallelism; 'none' "
+                                       "(all-reduce), or e.g. 'deepep' / 'mooncake', which SGLang runs with "
+                                       "expert_parallel == tensor_parallel.")
+    mem_fraction_static: float = doc(0.0, "SGLang --mem-fraction-static: the share of each GPU for weights and KV "
+                                          "cache (0 = SGLang's choice).")
+    cuda_graphs: bool = doc(True, "Decode with SGLang's CUDA graphs (false: --disable-cuda-graph).")
+    cuda_graph_max_bs: int = doc(0, "SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph "
+                                    "(0 = SGLang's choice).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
     base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")

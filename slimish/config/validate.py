@@ -176,6 +176,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
+    _check_serving(cfg)
     _check_reward(cfg.reward)
     _positive("eval.every", cfg.eval.every, allow_zero=True)
     _positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
@@ -260,6 +261,49 @@ def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
         raise ConfigError("parallel.expert_parallel",
                           f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
                           f"pipeline_parallel) = {data_parallel}, got {ep}")
+
+
+def _check_serving(cfg: JobConfig) -> None:
+    """The engines' serving options (`slimish.config.engine_flags`): sizes SGLang accepts, and no two settings that
+    contradict each other (SGLang would override one, or fail at start or at its first forward)."""
+    from slimish.config.engine_flags import A2A_BACKENDS, flags_set_twice
+
+    engine = cfg.rollout.engine
+    tp, ep, attn_dp = engine.tensor_parallel, engine.expert_parallel, engine.attention_data_parallel
+    _positive("rollout.engine.expert_parallel", ep)
+    _positive("rollout.engine.attention_data_parallel", attn_dp)
+    _positive("rollout.engine.cuda_graph_max_bs", engine.cuda_graph_max_bs, allow_zero=True)
+    for key, size in (("expert_parallel", ep), ("attention_data_parallel", attn_dp)):
+        if tp % size:
+            raise ConfigError(f"rollout.engine.{key}", f"must divide rollout.engine.tensor_parallel ({tp}), got {size}")
+    if engine.moe_a2a_backend not in A2A_BACKENDS:
+        raise ConfigError("rollout.engine.moe_a2a_backend",
+                          f"got {engine.moe_a2a_backend!r}; SGLang's are {', '.join(A2A_BACKENDS)}")
+    if engine.moe_a2a_backend != "none" and ep != tp:
+        raise ConfigError("rollout.engine.expert_parallel",
+                          f"got {ep}, but the all-to-all backend {engine.moe_a2a_backend!r} spans every rank of an "
+                          f"engine (SGLang would set --ep-size to {tp}): set rollout.engine.expert_parallel={tp}")
+    if not 0 <= engine.mem_fraction_static < 1:
+        raise ConfigError("rollout.engine.mem_fraction_static",
+                          f"must be in (0, 1) (0: SGLang's choice), got {engine.mem_fraction_static}")
+    if (ep > 1 or engine.moe_a2a_backend != "none") and engine.device == "cpu":
+        raise ConfigError("rollout.engine.expert_parallel",
+                          f"got {ep} on rollout.engine.device 'cpu': SGLang 0.5.23's CPU MoE fails at its first "
+                          "forward with expert parallelism; use 1 (and moe_a2a_backend 'none') on the CPU")
+    for key, flag in flags_set_twice(engine):
+        raise ConfigError("rollout.engine.extra_args",
+                          f"sets {flag}, which rollout.engine.{key} sets: drop it from extra_args and set the key")
+    if ep > 1 or engine.moe_a2a_backend != "none":
+        from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+
+        moe = architecture_from_hf(read_hf_config(cfg.model.hf_path)).moe
+        key = "expert_parallel" if ep > 1 else "moe_a2a_backend"
+        if moe is None:
+            raise ConfigError(f"rollout.engine.{key}", f"needs a mixture-of-experts model; {cfg.model.hf_path!r} is "
+                                                       "dense: leave it at its default")
+        if moe.num_experts % ep:
+            raise ConfigError("rollout.engine.expert_parallel",
+                              f"must divide the model's {moe.num_experts} experts, got {ep}")
 
 
 def _check_reward(reward) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from slimish.compat import sglang_cpu
+from slimish.config.engine_flags import serving_args
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
 from slimish.network import hosted_store, node_ip
@@ -79,7 +80,8 @@ class EngineProcess:
         argv = engine_argv(model_path=self.model.hf_path, host=self.host, port=self.port,
                            device=sglang_cpu.resolve_device(eng.device), dtype=self.model.dtype,
                            tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=self.seed + self.index,
-                           extra=[*self._secret_args(), *eng.extra_args], colocated=self.colocated)
+                           extra=[*serving_args(eng), *self._secret_args(), *eng.extra_args],
+                           colocated=self.colocated)
         self._store, store_port = hosted_store(self.host)
         env = {**engine_env(eng.tensor_parallel), "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "env://",
                "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host, "MASTER_PORT": str(store_port)}

@@ -25,9 +25,9 @@ the device.
 Covered (`layout_supported`): the dense and MoE families (llama, qwen2, qwen3, qwen3_moe, glm4_moe) on engines of
 any tensor- and expert-parallel size SGLang accepts, except CPU engines whose size does not divide the attention
 heads (SGLang then pads heads, not predicted here). Not covered: MLA (DeepSeek-V3: SGLang derives `w_kc` / `w_vc`
-from `kv_b_proj` after loading); for those the sync checks that every engine reports the same checksums as the
-first one, and the new weight version. tests/weight_sync/test_engine_sharding.py pins these rules against SGLang's
-own loaders.
+from `kv_b_proj` after loading) and engines with DP attention (`rollout.engine.attention_data_parallel`); for those
+the sync checks that every engine reports the same checksums as the first one, and the new weight version.
+tests/weight_sync/test_engine_sharding.py pins these rules against SGLang's own loaders.
 """
 
 from __future__ import annotations
@@ -49,20 +49,24 @@ VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 @dataclass(frozen=True)
 class EngineSharding:
     """How SGLang splits an engine's parameters over its ranks: `tp` its --tp-size, `ep` its --ep-size (experts),
-    `cpu` whether it runs on the CPU (SGLang then pads intermediate sizes)."""
+    `attn_dp` its --attn-dp-size (DP attention: attention split over tp / attn_dp ranks, repeated per group), `cpu`
+    whether it runs on the CPU (SGLang then pads intermediate sizes)."""
     tp: int = 1
     ep: int = 1
+    attn_dp: int = 1
     cpu: bool = False
 
     @classmethod
     def of_server(cls, info: dict) -> EngineSharding:
         """From an engine's `/server_info`."""
-        return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1), cpu=info.get("device") == "cpu")
+        attn_dp = info.get("attn_dp_size") or (info.get("dp_size") if info.get("enable_dp_attention") else 1) or 1
+        return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1), attn_dp=int(attn_dp),
+                   cpu=info.get("device") == "cpu")
 
 
 def layout_supported(arch: Architecture, sharding: EngineSharding) -> bool:
     """Whether `ExpectedChecksums` knows the engine parameters of this model on engines sharded as `sharding`."""
-    if arch.mla is not None:
+    if arch.mla is not None or sharding.attn_dp > 1:  # DP attention: not predicted (nor pinned) yet
         return False
     tp = sharding.tp
     if tp == 1:

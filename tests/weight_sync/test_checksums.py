@@ -197,3 +197,6 @@ def test_layouts_not_predicted():
 def test_sharding_of_an_engines_server_info():
     assert EngineSharding.of_server({"tp_size": 2, "ep_size": 1, "device": "cpu"}) == EngineSharding(tp=2, cpu=True)
     assert EngineSharding.of_server({"tp_size": 8, "ep_size": 8, "device": "cuda"}) == EngineSharding(tp=8, ep=8)
+    with_dp_attention = EngineSharding.of_server({"tp_size": 8, "ep_size": 8, "attn_dp_size": 8, "device": "cuda"})
+    assert with_dp_attention.attn_dp == 8
+    assert not layout_supported(arch(heads=8, kv_heads=8), with_dp_attention), "DP attention: not predicted"

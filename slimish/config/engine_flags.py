@@ -1,0 +1,51 @@
+"""The SGLang serving options a job sets by config key (`rollout.engine.*`), as `sglang.launch_server` arguments.
+
+One table maps each key to its flags, so that the argv, the check that `extra_args` does not set a flag a key owns,
+and the test that passes every recipe's argv through SGLang's own parser (tests/config/test_engine_flags.py) read
+the same thing. A key at its default adds nothing: SGLang's own default then stands. (Here, in the config layer,
+because validation reads the table too; `slimish.engines.server` puts `serving_args` on the command line.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from slimish.config.schema import EngineConfig
+
+# key -> the flags it sets (SGLang 0.5.23's spelling); a bool key sets each of its flags to "disabled" when false.
+FLAGS: dict[str, tuple[str, ...]] = {
+    "expert_parallel": ("--ep-size",),
+    "attention_data_parallel": ("--attn-dp-size",),
+    "moe_a2a_backend": ("--moe-a2a-backend",),
+    "mem_fraction_static": ("--mem-fraction-static",),
+    "cuda_graphs": ("--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"),
+    "cuda_graph_max_bs": ("--cuda-graph-max-bs-decode",),
+}
+# Other flags of SGLang 0.5.23 for the same options (an `extra_args` entry may use any).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "expert_parallel": ("--expert-parallel-size", "--ep"),
+    "attention_data_parallel": ("--attention-data-parallel-size", "--enable-dp-attention"),
+    "cuda_graphs": ("--disable-cuda-graph", "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph"),
+}
+# --moe-a2a-backend's choices in SGLang 0.5.23 (pinned against its parser in tests/config/test_engine_flags.py).
+A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe", "deepep_v2",
+                "pplx", "ascend_tp", "flashinfer_megamoe")
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in FLAGS}
+
+
+def serving_args(engine: EngineConfig) -> list[str]:
+    """The flags of the keys not at their defaults, in FLAGS order."""
+    argv: list[str] = []
+    for key, flags in FLAGS.items():
+        value = getattr(engine, key)
+        if value == _DEFAULTS[key]:
+            continue
+        for flag in flags:
+            argv += [flag, "disabled" if value is False else str(value)]
+    return argv
+
+
+def flags_set_twice(engine: EngineConfig) -> list[tuple[str, str]]:
+    """(key, flag) for every flag in `extra_args` that a key owns (whatever the key's value)."""
+    given = {str(arg).split("=", 1)[0] for arg in engine.extra_args if str(arg).startswith("-")}
+    return [(key, flag) for key, flags in FLAGS.items() for flag in (*flags, *ALIASES.get(key, ())) if flag in given]
