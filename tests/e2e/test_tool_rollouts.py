@@ -8,9 +8,6 @@ calculator's answer right but calls it in only ~30% of transcripts, so it starts
 logprob 0, every other token loss_mask 1); and that every trained token id and logprob came from the engine: the
 trainer recomputes the logprob of every trained token under the weights the engine sampled with, and they match the
 engine's to 1e-4 at every step (an inserted or re-tokenised token would not).
-
-Both jobs attach to the module's two engines on the calculator's model (tests/e2e/shared_engines.py), started once
-with the settings of configs/calculator_cpu.yaml (its seed, its token budget): each job resets them at its start.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e import shared_engines
 from tests.e2e.procs import become_subreaper, leftovers
 
 pytestmark = pytest.mark.e2e
@@ -40,29 +36,13 @@ def calculator_assets(tmp_path_factory) -> dict[str, str]:
     return {"model": str(model), **calculator.write_datasets(root)}
 
 
-@pytest.fixture(scope="module")
-def calculator_engines(calculator_assets, tmp_path_factory):
-    engines = shared_engines.start(calculator_assets["model"], tmp_path_factory.mktemp("calc_engines"))
-    yield engines
-    engines.stop()
-
-
-@pytest.fixture
-def engines(calculator_engines):
-    """The module's engines, checked healthy and generating before and after each job."""
-    calculator_engines.check_engines()
-    yield calculator_engines
-    calculator_engines.check_engines()
-
-
-def test_the_calculator_is_learned_and_its_tokens_never_train(calculator_assets, engines, tmp_path):
+def test_the_calculator_is_learned_and_its_tokens_never_train(calculator_assets, tmp_path):
     become_subreaper()
     a = calculator_assets
     cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/calculator_cpu.yaml"),
            f"model.hf_path={a['model']}", f"data.path={a['train']}", f"sft.data_path={a['sft']}",
            f"eval.data_path={a['eval']}", f"run.output_dir={tmp_path}", "run.name=calc", f"rl.num_steps={STEPS}",
-           "eval.every=10", "run.save_rollouts=true", "rollout.partial.mode=abort", "rollout.partial.over_sampling=4",
-           *engines.overrides()]
+           "eval.every=10", "run.save_rollouts=true", "rollout.partial.mode=abort", "rollout.partial.over_sampling=4"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     run_dir = tmp_path / "calc"
@@ -93,7 +73,7 @@ def test_the_calculator_is_learned_and_its_tokens_never_train(calculator_assets,
 PPO_STEPS = 3
 
 
-def test_ppo_trains_on_multi_turn_responses_with_the_calculator(calculator_assets, engines, tmp_path):
+def test_ppo_trains_on_multi_turn_responses_with_the_calculator(calculator_assets, tmp_path):
     """PPO (critic, GAE over the model's own tokens) on transcripts the calculator's answers interrupt: every step
     completes with a finite, trained critic; the trained samples include tool calls, so GAE crossed environment spans
     (whose hand-computed cases are in tests/trainer/test_estimators.py)."""
@@ -104,7 +84,7 @@ def test_ppo_trains_on_multi_turn_responses_with_the_calculator(calculator_asset
     cmd = [sys.executable, "-m", "slimish.cli", "train", "--config", str(REPO / "configs/calculator_cpu.yaml"),
            f"model.hf_path={a['model']}", f"data.path={a['train']}", f"sft.data_path={a['sft']}",
            f"run.output_dir={tmp_path}", "run.name=calc_ppo", f"rl.num_steps={PPO_STEPS}", "eval.every=0",
-           "run.save_rollouts=true", *engines.overrides(1), "trainer.loss.advantage_estimator=ppo",
+           "run.save_rollouts=true", "rollout.engine.num_engines=1", "trainer.loss.advantage_estimator=ppo",
            "trainer.loss.reward_kl_coef=0.01", "trainer.critic.lr=0.001"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
