@@ -10,8 +10,8 @@ Why each piece (measured on a 2-core CPU box with sglang 0.5.23, see README "CPU
 Tensor-parallel engines (--tp-size > 1) on the CPU also need (a TP2 engine then serves the TP1 engine's ids and
 logprobs, ../shared/reference/GPU-FACTS.md):
 - SGLANG_CPU_OMP_THREADS_BIND, one '|'-separated core group per rank: without it SGLang asserts one NUMA node per
-  rank (utils/numa_utils.py). Without AMX the groups are checked, not applied: OMP_NUM_THREADS keeps the ranks from
-  oversubscribing the cores.
+  rank (utils/numa_utils.py). Without AMX the groups are checked, not applied (each rank runs one thread, as every
+  CPU engine here does: OMP_NUM_THREADS).
 - SGLANG_NCCL_SO_PATH pointing at no file: with a CUDA build of torch, SGLang builds a PyNccl communicator on the CPU
   group and dies (`Expected a cuda device, but got: cpu`); PyNccl disables itself when its library fails to load.
 - --disable-custom-all-reduce: the CUDA all-reduce otherwise only warns that it cannot start.
@@ -43,10 +43,14 @@ def server_env(base: dict | None = None, *, tp: int = 1) -> dict:
         env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if not real_driver_present():
             env["LD_PRELOAD"] = ":".join(p for p in [str(stub_path()), env.get("LD_PRELOAD", "")] if p)
+        # One thread per rank, unless the user says otherwise: what Ray gives an engine actor of a CPU sliver
+        # (OMP_NUM_THREADS=1), and what the engines started outside Ray (the e2e tests' shared engines) lacked:
+        # with one thread per core each, engines, router and trainer oversubscribed a 2-core machine and a job's
+        # generation on them took 13x as long (26.7 s against 2.0 s over 6 steps).
+        env.setdefault("OMP_NUM_THREADS", "1")
         if tp > 1:
             groups = core_groups(sorted(os.sched_getaffinity(0)), tp)
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
-            env.setdefault("OMP_NUM_THREADS", str(min(len(g) for g in groups)))
             env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return env
 

@@ -131,17 +131,20 @@ class _Split:
     rank_block: tuple[int | None, ...] = ()
 
     def piece(self, tensor: torch.Tensor, rank: int) -> torch.Tensor | None:
+        """Rank `rank`'s slice of `tensor` (a view unless it reaches into the padding, which only it is built of)."""
         if self.dim is None:
             return tensor
         block = self.rank_block[rank]
         if block is None:
             return None
-        extra = self.padded - tensor.shape[self.dim]
-        if extra:
-            tensor = torch.cat([tensor, tensor.new_zeros((*tensor.shape[:self.dim], extra,
-                                                          *tensor.shape[self.dim + 1:]))], dim=self.dim)
         size = self.padded // self.blocks
-        return tensor.narrow(self.dim, block * size, size)
+        start = block * size
+        real = max(0, min(size, tensor.shape[self.dim] - start))  # rows (or columns) of the tensor in the slice
+        piece = tensor.narrow(self.dim, min(start, tensor.shape[self.dim]), real)
+        if real == size:
+            return piece
+        zeros = tensor.new_zeros((*tensor.shape[:self.dim], size - real, *tensor.shape[self.dim + 1:]))
+        return torch.cat([piece, zeros], dim=self.dim)
 
 
 class ExpectedChecksums:

@@ -1,24 +1,29 @@
-"""SGLang engines killed in a real RL run, twice, in one job (sharing its start-up): engine 1 in the middle of a
-rollout, then engine 1 (its restarted server) hung in the middle of a weight sync, between two buckets. (Engine 0
-killed between two buckets, at pipeline-parallel 2, is in tests/e2e/test_tp_engines.py, on engines of two
-tensor-parallel ranks.) Each time the job goes on with the other engine: the requests that were on the dead one
-are retried, the interrupted sync starts over to the survivor, the engine is restarted, rejoins the weight-sync
-group and the router at the next weight sync, and then serves the trained weights (every sync verifies every
-engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost. Nothing is left
-running afterwards.
+"""SGLang engines of two tensor-parallel ranks each killed in a real RL run, three times, in one job (sharing its
+start-up): engine 1 in the middle of a rollout, then engine 0 in the middle of a weight sync, between two buckets,
+then engine 1 hung in the middle of a weight sync. Each time the job goes on with the other engine: the requests
+that were on the dead one are retried, the interrupted sync starts over to the survivor, the engine is restarted,
+rejoins the weight-sync group and the router at the next weight sync, and then serves the trained weights (every
+sync verifies every engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost.
+Nothing is left running afterwards.
 
 Where each fault lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
 again. Mid-sync: the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py sends the signal the test armed right
-after bucket 1 of a sync is on its way: SIGSTOP to engine 1 (restarted by then): alive but hung, with the sync
-waiting on it, until the watchdog finds its processes stopped (state T in /proc) at two checks and kills it, seconds
-later, without asking it anything (the hang probe's 60 s bound is not waited out); the sync then starts over to
-engine 0 and engine 1 is restarted again. The driver, watching the engine set while the sync runs, releases the
-senders as soon as the engine is lost; the faulted sync's time_sync_stalled_s (how long the fault held it) is
-printed.
+after bucket 1 of a sync is on its way: SIGKILL to engine 0, later SIGSTOP to engine 1 (restarted by then): alive
+but hung, with the sync waiting on it, until the watchdog finds its processes stopped (state T in /proc) at two
+checks and kills it, seconds later, without asking it anything (the hang probe's 60 s bound is not waited out); the
+sync then starts over to engine 0 and engine 1 is restarted like the others. The driver, watching the engine set
+while the sync runs, releases the senders as soon as the engine is lost; each faulted sync's time_sync_stalled_s
+(how long the fault held it) is printed.
 
 The trainer runs at pipeline-parallel 2, so every sync has two senders taking turns (`slimish.weight_sync.stages`):
-the sync interrupted between two buckets is released on both of them, and rebuilt with new groups for both."""
+the sync interrupted between two buckets is released on both of them, and rebuilt with new groups for both.
+
+The engines run at tensor-parallel 2 (on CPU: `slimish.compat.sglang_cpu`'s settings for it): every sync broadcasts
+to groups of 1 + 2 x 2 ranks (each engine rank at its engine's rank offset) and is verified on every rank of every
+engine against the checksums the trainer predicts for that rank's shard (`sync_checksums_predicted`); a kill or a
+freeze takes both ranks of an engine, and a restart brings both back. The watchdog and restart code is the same for
+engines of one rank. Syncs on the other transports to a TP2 engine are in tests/e2e/test_weight_sync_engines.py."""
 
 from __future__ import annotations
 
@@ -91,6 +96,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     # counts that as the death it is, not a hang.
     cmd = train_command(task_assets, tmp_path, "sft.steps=3", "rl.num_steps=1000", "run.name=crash",
                         "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2",
+                        "rollout.engine.tensor_parallel=2",
                         "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=60",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
                         "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets")
@@ -105,14 +111,17 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         held = kill_while_generating(engine_url, engine_pid, api_key=hooks.job_key(run_dir), timeout_s=300)
         killed_at = len(read_metrics(metrics))
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
-        # 2. Engine 1 (its restarted server) frozen between two buckets of the next sync.
+        # 2. Engine 0 killed between two buckets of the next sync.
+        hooks.arm_fault_between_buckets(run_dir, engine=0, signal_name="SIGKILL")
+        wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
+        # 3. Engine 1 (its restarted server) frozen between two buckets of the next sync.
         hooks.arm_fault_between_buckets(run_dir, engine=1, signal_name="SIGSTOP")
-        records = wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
+        records = wait_for(proc, rejoined_after(metrics, 3), timeout_s=900, log=log)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=180)
     assert not leftovers(), "processes left running after the job"
-    assert records[-1]["engine_deaths"] == 2 and records[-1]["engine_restart_failures"] == 0
+    assert records[-1]["engine_deaths"] == 3 and records[-1]["engine_restart_failures"] == 0
     assert records[-1]["engine_hangs"] == 1
     retried = sum(r.get("requests_retried", 0) for r in records)
     assert held > 0 and retried > 0, "the requests the killed engine held were retried"
@@ -121,10 +130,11 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     assert down, "steps ran on one engine while the other restarted"
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
+        assert record["sync_checksums_predicted"] == 1, "every rank checked against the trainer, not engine 0"
         assert record["samples_completed"] + record["samples_truncated"] > 0, "every step trained"
     # Each sync an engine died or hung in was done again, to the other engine, within the same step.
     faults = hooks.faults_made(run_dir)
-    assert [(f["engine"], f["signal"]) for f in faults] == [(1, "SIGSTOP")]
+    assert [(f["engine"], f["signal"]) for f in faults] == [(0, "SIGKILL"), (1, "SIGSTOP")]
     by_step = {r["step"]: r for r in records}
     stalls = {fault["signal"]: by_step[fault["version"]]["time_sync_stalled_s"] for fault in faults}
     print(f"\ntime_sync_stalled_s of the faulted syncs: {stalls}")
@@ -133,9 +143,9 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         # Held no longer than the bucket's deadline (weight_sync.bucket_timeout_s, 60 s, plus 0.1 MiB at 32 MiB/s)
         assert 0 <= by_step[fault["version"]]["time_sync_stalled_s"] < 61, fault
         assert by_step[fault["version"] + 1]["engines_live"] == 1, "the next rollout ran on the other engine alone"
-    assert sum(r["weight_sync_retries"] for r in records) == 1
-    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 2)
+    assert sum(r["weight_sync_retries"] for r in records) == 2
+    first_back = next(i for i, r in enumerate(records) if r["engines_live"] == 2 and r["engine_restarts"] >= 3)
     assert all(r["engines_live"] == 2 for r in records[first_back:])
     text = log.read_text()
-    assert text.count("during the weight sync") == 1 and "is frozen: its process(es)" in text
-    assert text.count("restarted in") == 2
+    assert text.count("during the weight sync") == 2 and "is frozen: its process(es)" in text
+    assert text.count("restarted in") == 3
