@@ -437,14 +437,9 @@ class TrainerWorker:
         """What makes the expected engine checksums of the tensors a sender sends (None: not verifying, or layout not
         predicted), for engines sharded as the first of `engine_urls` says it is (its /server_info); raises if that
         engine's tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
-        from slimish.engines.client import EngineClient
-        from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums, layout_supported
+        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported, sharding_of
 
-        client = EngineClient(engine_urls[0], api_key=self._api_key)
-        try:
-            sharding = EngineSharding.of_server(client.server_info())
-        finally:
-            client.close()
+        sharding = sharding_of(engine_urls[0], api_key=self._api_key)
         if sharding.tp != engine_tp:
             raise ValueError(f"rollout.engine.tensor_parallel: got {engine_tp}, but engine {engine_urls[0]} runs "
                              f"--tp-size {sharding.tp}; set rollout.engine.tensor_parallel={sharding.tp}")

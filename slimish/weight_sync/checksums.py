@@ -58,10 +58,20 @@ class EngineSharding:
 
     @classmethod
     def of_server(cls, info: dict) -> EngineSharding:
-        """From an engine's `/server_info`."""
-        attn_dp = info.get("attn_dp_size") or (info.get("dp_size") if info.get("enable_dp_attention") else 1) or 1
-        return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1), attn_dp=int(attn_dp),
-                   cpu=info.get("device") == "cpu")
+        """From an engine's `/server_info` (SGLang's resolved arguments: DP attention's width is `attn_dp_size`)."""
+        return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1),
+                   attn_dp=int(info.get("attn_dp_size") or 1), cpu=info.get("device") == "cpu")
+
+
+def sharding_of(url: str, *, api_key: str | None) -> EngineSharding:
+    """How the engine at `url` shards its parameters (asked of its `/server_info`)."""
+    from slimish.engines.client import EngineClient
+
+    client = EngineClient(url, api_key=api_key)
+    try:
+        return EngineSharding.of_server(client.server_info())
+    finally:
+        client.close()
 
 
 def layout_supported(arch: Architecture, sharding: EngineSharding) -> bool:
@@ -171,8 +181,7 @@ class ExpectedChecksums:
             piece = split.piece(tensor, rank)
             if piece is None:
                 continue
-            local_part, local_parts = self._local_part(hf_name, part, num_parts, rank)
-            self._add_piece(rank, engine_name, local_part, local_parts, piece)
+            self._add_piece(rank, engine_name, part, num_parts, piece)
 
     def _add_piece(self, rank: int, engine_name: str, part: int, num_parts: int, piece: torch.Tensor) -> None:
         done = self._done[rank]
@@ -207,14 +216,17 @@ class ExpectedChecksums:
                 for done in self._done]
 
     def engine_slot(self, hf_name: str, shape: tuple[int, ...] | torch.Size) -> tuple[str, int, int, _Split]:
-        """(engine parameter, index of this tensor among its parts, number of parts, how it is split over the
-        ranks) of HF tensor `hf_name` of `shape`."""
+        """(engine parameter, index of this tensor among its parts on a rank that holds it, number of parts there,
+        how it is split over the ranks) of HF tensor `hf_name` of `shape`. Experts count from the first one of the
+        rank's expert-parallel block."""
         if m := re.fullmatch(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", hf_name):
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            split = self._expert_split(expert, shape, dim=1 if proj == "down" else 0)
+            per_rank = self.num_experts // self.sharding.ep  # the experts of one expert-parallel block
+            split = self._expert_split(expert // per_rank, shape, dim=1 if proj == "down" else 0)
+            local = expert % per_rank
             if proj == "down":
-                return f"{prefix}.w2_weight", expert, self.num_experts, split
-            return f"{prefix}.w13_weight", 2 * expert + (proj == "up"), 2 * self.num_experts, split
+                return f"{prefix}.w2_weight", local, per_rank, split
+            return f"{prefix}.w13_weight", 2 * local + (proj == "up"), 2 * per_rank, split
         if m := re.fullmatch(r"(.+\.self_attn)\.([qkv])_proj\.(weight|bias)", hf_name):
             return (f"{m.group(1)}.qkv_proj.{m.group(3)}", "qkv".index(m.group(2)), 3,
                     self._head_split(m.group(2), shape))
@@ -228,15 +240,6 @@ class ExpectedChecksums:
         if hf_name in VOCAB_TENSORS:
             return hf_name, 0, 1, self._vocab_split(shape[0])
         return hf_name, 0, 1, _Split()
-
-    def _local_part(self, hf_name: str, part: int, num_parts: int, rank: int) -> tuple[int, int]:
-        """(part, parts) among the parameter's parts on `rank`: experts count from the rank's first one."""
-        if ".mlp.experts." not in hf_name or self.sharding.ep == 1:
-            return part, num_parts
-        per_rank = self.num_experts // self.sharding.ep
-        if num_parts == self.num_experts:  # w2: one part per expert
-            return part % per_rank, per_rank
-        return part % (2 * per_rank), 2 * per_rank  # w13: gate and up per expert
 
     def _split(self, dim: int, length: int, blocks: int | None = None, rank_block=None) -> _Split:
         tp = self.sharding.tp
@@ -268,12 +271,12 @@ class ExpectedChecksums:
             return self._split(0, shape[0])
         return self._split(0, shape[0], blocks=kv_heads, rank_block=[r // (tp // kv_heads) for r in range(tp)])
 
-    def _expert_split(self, expert: int, shape, dim: int) -> _Split:
-        """An expert's tensor: on the ranks of its expert-parallel block, split over the tp / ep ranks in it."""
+    def _expert_split(self, block: int, shape, dim: int) -> _Split:
+        """A tensor of an expert of expert-parallel block `block`: on that block's ranks, split over the tp / ep
+        ranks in it."""
         tp, ep = self.sharding.tp, self.sharding.ep
         moe_tp = tp // ep
-        on = expert // (self.num_experts // ep)
-        blocks = [(r % moe_tp) if r // moe_tp == on else None for r in range(tp)]
+        blocks = [(r % moe_tp) if r // moe_tp == block else None for r in range(tp)]
         return _Split(dim=dim, padded=self._intermediate(shape[dim]), blocks=moe_tp, rank_block=tuple(blocks))
 
 

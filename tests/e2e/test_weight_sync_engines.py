@@ -101,11 +101,9 @@ def differ(a: list[dict[str, str]], b: list[dict[str, str]]) -> list[str]:
 
 def sharding(url: str):
     """How the engine at `url` splits its parameters (its /server_info)."""
-    from slimish.weight_sync.checksums import EngineSharding
+    from slimish.weight_sync.checksums import sharding_of
 
-    resp = httpx.get(f"{url}/server_info", timeout=60, headers=auth_headers(KEYS.get(url)))
-    resp.raise_for_status()
-    return EngineSharding.of_server(resp.json())
+    return sharding_of(url, api_key=KEYS.get(url))
 
 
 def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None) -> dict:
