@@ -102,13 +102,17 @@ def test_an_rl_step_on_the_emulated_gpu_is_the_cpu_step(task_assets, tmp_path, c
 def test_sync_export_checkpoint_and_sft_on_the_emulated_gpu(task_assets, tmp_path):
     """After the RL step: the export flattened into weight-sync buckets holds exactly the exported tensors' bytes;
     the expected engine checksums made from the tensors on the device (the GPU's code path: fused tensors built on
-    the device) equal those made from their CPU copies; a checkpoint saved, an SFT step taken and the checkpoint
+    the device) equal those made from their CPU copies, for engines of one rank and of two (slices and padding made
+    on the device); a checkpoint saved, an SFT step taken and the checkpoint
     loaded give back the step's logprobs; all as on the CPU."""
     (gpu,), (cpu,) = _both(task_assets, tmp_path, extra=("--more-steps",))
     _assert_same_step(gpu, cpu)
     exported = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in gpu["state"].values()])
     assert torch.equal(gpu["flat"], exported)
     assert gpu["checksums"] == gpu["cpu_checksums"] and len(gpu["checksums"][0]) > 10
+    assert gpu["checksums_tp2"] == gpu["cpu_checksums_tp2"] and len(gpu["checksums_tp2"]) == 2
+    assert gpu["checksums_tp2"][0] != gpu["checksums_tp2"][1], "each rank its own slices"
+    assert gpu["padded_checksums"] == gpu["cpu_padded_checksums"] and len(gpu["padded_checksums"]) == 2
     assert gpu["sft"]["sft_loss"] == pytest.approx(cpu["sft"]["sft_loss"], rel=1e-5)
     assert torch.equal(gpu["after_load"], gpu["after"]), "the checkpoint gives back the weights it was saved with"
 

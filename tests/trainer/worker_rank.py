@@ -151,9 +151,10 @@ def offload_round_trip(worker, out: Path) -> dict:
 
 def more_steps(worker, samples, state: dict[str, torch.Tensor], out: Path) -> dict:
     """After the RL step: weight sync's flatten and expected checksums of the exported (device) tensors, and those
-    of their CPU copies; a checkpoint saved, an SFT step, the checkpoint loaded back and the logprobs then."""
+    of their CPU copies, for an engine of one rank and for one of two CPU ranks (slices, zero padding built beside
+    the tensor); a checkpoint saved, an SFT step, the checkpoint loaded back and the logprobs then."""
     from slimish.weight_sync.buckets import FlatBuffers, plan_buckets
-    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums
 
     result = {}
     if state:  # rank 0
@@ -161,10 +162,18 @@ def more_steps(worker, samples, state: dict[str, torch.Tensor], out: Path) -> di
         for bucket in plan_buckets(state.items(), bucket_bytes=64 * 1024):
             flat.append(flat_buffers.flatten(bucket).cpu())
         result["flat"] = torch.cat(flat)
-        for key, tensors in (("checksums", state), ("cpu_checksums", {n: t.cpu() for n, t in state.items()})):
-            expected = ExpectedChecksums(worker.arch, getattr(torch, worker.cfg.model.dtype))
-            for name, tensor in tensors.items():
-                expected.add(name, tensor)
+        cpu_state = {n: t.cpu() for n, t in state.items()}
+        for suffix, sharding in (("", EngineSharding()), ("_tp2", EngineSharding(tp=2, cpu=True))):
+            for key, tensors in (("checksums", state), ("cpu_checksums", cpu_state)):
+                expected = ExpectedChecksums(worker.arch, getattr(torch, worker.cfg.model.dtype), sharding)
+                for name, tensor in tensors.items():
+                    expected.add(name, tensor)
+                result[key + suffix] = expected.result()
+        # A vocabulary of 70 rows on an engine of two ranks: rank 1's slice is 6 real rows and 26 rows of zeros
+        # (padded to 64), made beside the tensor, on its device.
+        for key, tensors in (("padded_checksums", state), ("cpu_padded_checksums", cpu_state)):
+            expected = ExpectedChecksums(worker.arch, getattr(torch, worker.cfg.model.dtype), EngineSharding(tp=2))
+            expected.add("model.embed_tokens.weight", tensors["model.embed_tokens.weight"][:70])
             result[key] = expected.result()
     worker.save_checkpoint(str(out / "checkpoint"))
     result["sft"] = worker.sft_step(samples)
