@@ -30,8 +30,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def server_env(base: dict | None = None, *, tp: int = 1) -> dict:
-    """Environment for an SGLang server process of `tp` tensor-parallel ranks on this machine."""
+def server_env(base: dict | None = None, *, tp: int = 1, nnodes: int = 1) -> dict:
+    """Environment for an SGLang server process of an engine of `tp` tensor-parallel ranks over `nnodes` nodes (this
+    process runs tp / nnodes of them)."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
     if not cuda_available():
@@ -49,7 +50,7 @@ def server_env(base: dict | None = None, *, tp: int = 1) -> dict:
         # generation on them took 13x as long (26.7 s against 2.0 s over 6 steps).
         env.setdefault("OMP_NUM_THREADS", "1")
         if tp > 1:
-            groups = core_groups(sorted(os.sched_getaffinity(0)), tp)
+            groups = core_groups(sorted(os.sched_getaffinity(0)), tp // nnodes)  # indexed by the node's own ranks
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
             env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return env

@@ -148,6 +148,12 @@ class SftConfig:
 class EngineConfig:
     num_engines: int = doc(2, "SGLang servers to launch (each one process group).")
     tensor_parallel: int = doc(1, "SGLang --tp-size of each engine.")
+    nodes_per_engine: int = doc(1, "Nodes one engine spans (SGLang --nnodes): its tensor_parallel ranks split "
+                                   "evenly, tensor_parallel / nodes_per_engine on each node, one Ray actor per node "
+                                   "part, every part on a node of its own. Part 0 serves HTTP (the router sees one "
+                                   "worker); the whole engine restarts when any part dies. For models larger than "
+                                   "one node (DeepSeek-V3 in bf16, 405B on H100 nodes); not with the 'tensor' "
+                                   "transport (its handles are node-local).")
     expert_parallel: int = doc(1, "SGLang --ep-size: how many of an engine's tensor-parallel ranks its experts are "
                                   "split over (mixture-of-experts models; must divide tensor_parallel; each expert "
                                   "is split tensor_parallel / expert_parallel ways).")
@@ -164,7 +170,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = doc(0, "SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph "
                                     "(0 = SGLang's choice).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
-    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback).")
+    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback); part r > 0 of an "
+                                 "engine spanning nodes on base_port + r * num_engines + i (its health only).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
     restart_dead: bool = doc(True, "Restart an engine whose process died; it rejoins at the next weight sync.")

@@ -273,6 +273,7 @@ def _check_serving(cfg: JobConfig) -> None:
     _positive("rollout.engine.expert_parallel", ep)
     _positive("rollout.engine.attention_data_parallel", attn_dp)
     _positive("rollout.engine.cuda_graph_max_bs", engine.cuda_graph_max_bs, allow_zero=True)
+    _check_nodes_per_engine(cfg)
     for key, size in (("expert_parallel", ep), ("attention_data_parallel", attn_dp)):
         if tp % size:
             raise ConfigError(f"rollout.engine.{key}", f"must divide rollout.engine.tensor_parallel ({tp}), got {size}")
@@ -304,6 +305,31 @@ def _check_serving(cfg: JobConfig) -> None:
         if moe.num_experts % ep:
             raise ConfigError("rollout.engine.expert_parallel",
                               f"must divide the model's {moe.num_experts} experts, got {ep}")
+
+
+def _check_nodes_per_engine(cfg: JobConfig) -> None:
+    """An engine over several nodes: whole ranks on each node, placed by this job, fed weights by a transport that
+    reaches other nodes."""
+    engine, nodes = cfg.rollout.engine, cfg.rollout.engine.nodes_per_engine
+    _positive("rollout.engine.nodes_per_engine", nodes)
+    if nodes == 1:
+        return
+    if engine.tensor_parallel % nodes:
+        raise ConfigError("rollout.engine.nodes_per_engine",
+                          f"must divide rollout.engine.tensor_parallel ({engine.tensor_parallel}), got {nodes}: "
+                          "each node holds tensor_parallel / nodes_per_engine of an engine's ranks")
+    if engine.attach:
+        raise ConfigError("rollout.engine.nodes_per_engine",
+                          f"got {nodes}, but attached engines run outside the job, which does not place them: "
+                          "start them with --nnodes yourself and leave nodes_per_engine at 1")
+    if cfg.weight_sync.transport == "tensor":
+        raise ConfigError("weight_sync.transport",
+                          f"'tensor' hands every engine rank handles to memory on the sender's node, which the "
+                          f"ranks of an engine spanning {nodes} nodes cannot open: use 'broadcast' (or 'disk' on "
+                          "storage every node reads)")
+    if cfg.placement.colocate:
+        raise ConfigError("placement.colocate", f"colocated engines are one GPU each; an engine spanning {nodes} "
+                                                "nodes cannot be: set rollout.engine.nodes_per_engine=1")
 
 
 def _check_reward(reward) -> None:

@@ -58,18 +58,22 @@ class ManagedProcess:
         except OSError:
             return ""
 
+    def http_ok(self, url: str) -> bool:
+        """Whether GET `url` answers 200 now; a RuntimeError (with the log tail) if the process exited."""
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before becoming ready; "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+        try:
+            return httpx.get(url, timeout=timeouts.HTTP_READY_POLL_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def wait_http_ok(self, url: str, timeout_s: float, interval_s: float = 1.0) -> None:
         """Poll GET `url` until it answers 200; fail early (with the log tail) if the process died."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before becoming ready; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
-            try:
-                if httpx.get(url, timeout=timeouts.HTTP_READY_POLL_S).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.http_ok(url):
+                return
             time.sleep(interval_s)
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout_s:.0f}s; log {self.log_path}:\n"
                            f"{self.log_tail()}")

@@ -1,5 +1,7 @@
-"""Launch the SGLang engines (one Ray actor each, on the node and GPUs its placement slot holds) and the
-sglang-router in front of them (a process of the rollout manager, on loopback), and tear them down.
+"""Launch the SGLang engines (one Ray actor each, on the node and GPUs its placement slot holds; an engine spanning
+nodes, one per node part) and the sglang-router in front of them (a process of the rollout manager, on loopback),
+and tear them down. An engine is one unit whatever its parts: one URL (its part 0's), alive while every part's
+process is, restarted whole.
 
 Attached engines (`rollout.engine.attach`): engines this job did not start, kept up between jobs. The job resets
 them at its start (`reset_attached`), puts its own router in front of them, and leaves them running at its end; it
@@ -46,13 +48,14 @@ def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, poli
 class EngineServers:
     """N SGLang engines + one router. `engine_urls` for control calls, `router_url` for /generate.
 
-    `engine_options[i]` are the Ray actor options of engine i (its placement slot, see orchestration/placement);
-    none with attached engines. With `api_key`, engines and router refuse callers without it (slimish/network.py);
-    attached engines require the key they were started with. `colocated`: the engines share their GPUs with trainer
+    `engine_options[i][r]` are the Ray actor options of part r of engine i (its placement slot, see
+    orchestration/placement; one part unless the engine spans nodes); none with attached engines. With `api_key`,
+    engines and router refuse callers without it (slimish/network.py); attached engines require the key they were
+    started with. `colocated`: the engines share their GPUs with trainer
     ranks (placement.colocate) and release their memory while those train."""
 
     def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
-                 engine_options: list[dict], api_key: str | None = None, colocated: bool = False):
+                 engine_options: list[list[dict]], api_key: str | None = None, colocated: bool = False):
         self.attached = list(rollout.engine.attach)
         wanted = 0 if self.attached else rollout.engine.num_engines
         if len(engine_options) != wanted:
@@ -63,7 +66,7 @@ class EngineServers:
         self.engine_urls: list[str] = []
         self.router_url = f"http://{HOST}:{rollout.router.port}"
         self.router_client = RouterClient(self.router_url, api_key=api_key)
-        self.engines: list = []  # EngineProcess actors
+        self.engines: list[list] = []  # per engine, the EngineProcess actors of its node parts
         self.router: ManagedProcess | None = None
 
     def start(self, sender_gpus: list[dict] | None = None) -> float:
@@ -71,19 +74,20 @@ class EngineServers:
         `EngineProcess.start`."""
         t0 = time.monotonic()
         actor = ray.remote(EngineProcess)
-        self.engines = [actor.options(**options).remote(index=i, rollout=self.rollout, model=self.model,
-                                                        log_dir=str(self.log_dir), seed=self.seed,
-                                                        api_key=self.api_key, colocated=self.colocated)
-                        for i, options in enumerate(self.engine_options)]
+        self.engines = [[actor.options(**options).remote(index=i, part=r, rollout=self.rollout, model=self.model,
+                                                         log_dir=str(self.log_dir), seed=self.seed,
+                                                         api_key=self.api_key, colocated=self.colocated)
+                         for r, options in enumerate(parts)]
+                        for i, parts in enumerate(self.engine_options)]
         try:
             if self.attached:
                 self.engine_urls = [url.rstrip("/") for url in self.attached]
                 for url in self.engine_urls:
                     reset_attached(url, model_path=self.model.hf_path, api_key=self.api_key)
             else:
-                self.engine_urls = ray.get([engine.start.remote(sender_gpus[i] if sender_gpus else None)
-                                            for i, engine in enumerate(self.engines)])
-                ray.get([engine.wait_healthy.remote() for engine in self.engines])
+                indices = range(len(self.engines))
+                self.engine_urls = self._start(indices, sender_gpus)
+                self._wait_healthy(indices)
             router = self.rollout.router
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=router.port,
@@ -99,43 +103,82 @@ class EngineServers:
             raise
         return time.monotonic() - t0
 
+    def _start(self, indices, sender_gpus: list[dict] | None = None) -> list[str]:
+        """Start engines `indices` without waiting for them; their URLs. Part 0 of each first: the other parts join
+        the rendezvous it hosts."""
+        urls = ray.get([self.engines[i][0].start.remote(sender_gpus[i] if sender_gpus else None) for i in indices])
+        spanning = [i for i in indices if len(self.engines[i]) > 1]
+        meeting = ray.get([self.engines[i][0].rendezvous.remote() for i in spanning])
+        ray.get([part.start.remote(None, rendezvous)
+                 for i, rendezvous in zip(spanning, meeting, strict=True) for part in self.engines[i][1:]])
+        return urls
+
+    def _wait_healthy(self, indices) -> None:
+        """Until every part of engines `indices` is up (`EngineProcess.ready`): a RuntimeError with the log tail as
+        soon as one's process exits (a part whose peer died may wait for it in SGLang's rendezvous for many
+        minutes), a TimeoutError after rollout.engine.startup_timeout_s."""
+        timeout_s = self.rollout.engine.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
+        waiting = [part for i in indices for part in self.engines[i]]
+        while waiting:
+            ready = ray.get([part.ready.remote() for part in waiting])
+            waiting = [part for part, ok in zip(waiting, ready, strict=True) if not ok]
+            if waiting and time.monotonic() > deadline:
+                late = waiting[0]
+                raise TimeoutError(f"engine part {ray.get(late.info.remote())['log']} not ready after "
+                                   f"{timeout_s:.0f}s; its log ends:\n{ray.get(late.log_tail.remote())}")
+            if waiting:
+                time.sleep(1.0)
+
+    def _parts(self, i: int, method: str, *args, timeout: float = timeouts.ACTOR_CALL_S) -> list:
+        """`method` of every part of engine i, in part order."""
+        return ray.get([getattr(part, method).remote(*args) for part in self.engines[i]], timeout=timeout)
+
     def engine_alive(self, i: int) -> bool:
-        """False when engine i's server process exited, or its actor (or node) is gone."""
+        """False when the server process of any part of engine i exited, or its actor (or node) is gone."""
         if self.attached:
             raise RuntimeError("attached engines are not watched (no process of this job)")
         try:
-            return ray.get(self.engines[i].alive.remote(), timeout=timeouts.ACTOR_CALL_S)
+            return all(self._parts(i, "alive"))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
     def engine_stopped(self, i: int) -> list[int]:
-        """PIDs of engine i's processes that are stopped (frozen: they run nothing until continued); [] when none
-        are, or its actor does not answer (`engine_alive` tells that apart)."""
+        """PIDs of engine i's processes (any part's) that are stopped (frozen: they run nothing until continued); []
+        when none are, or an actor does not answer (`engine_alive` tells that apart)."""
         if self.attached:
             return []
         try:
-            return ray.get(self.engines[i].stopped.remote(), timeout=timeouts.ACTOR_CALL_S)
+            return [pid for pids in self._parts(i, "stopped") for pid in pids]
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return []
 
     def engine_exit_code(self, i: int) -> int | None:
+        """The exit code of the first part of engine i whose process exited (None: none has, or it is unknown)."""
         try:
-            return ray.get(self.engines[i].exit_code.remote(), timeout=timeouts.ACTOR_CALL_S)
+            return next((code for code in self._parts(i, "exit_code") if code is not None), None)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return None
 
     def respawn_engine(self, i: int) -> None:
-        """Replace engine i's (dead) server by a fresh one on the same node, GPUs and port; `wait_engine(i)` then
-        waits until it is healthy. It serves the checkpoint in model.hf_path until it receives the trained
-        weights."""
-        ray.get(self.engines[i].respawn.remote())
+        """Replace engine i's (dead) server by a fresh one on the same node(s), GPUs and port(s): every part of it,
+        whichever died; `wait_engine(i)` then waits until it is healthy. It serves the checkpoint in model.hf_path
+        until it receives the trained weights."""
+        self._parts(i, "stop", 2.0, timeout=None)
+        self._start([i])
 
     def kill_engine(self, i: int) -> None:
-        """SIGKILL engine i's whole process group (a hung engine); the watchdog then sees it dead."""
-        ray.get(self.engines[i].kill.remote(), timeout=timeouts.KILL_S)
+        """SIGKILL the process group of every part of engine i (a hung engine); the watchdog then sees it dead."""
+        self._parts(i, "kill", timeout=timeouts.KILL_S)
 
     def wait_engine(self, i: int) -> None:
-        ray.get(self.engines[i].wait_healthy.remote())
+        """Wait until engine i is healthy (`_wait_healthy`); when it is not, kill what is left of it (a part may be
+        waiting for a dead one) and raise."""
+        try:
+            self._wait_healthy([i])
+        except BaseException:
+            self.kill_engine(i)
+            raise
 
     def router_remove(self, url: str) -> None:
         """Stop routing to engine `url` (see `RouterClient.remove`)."""
@@ -147,23 +190,24 @@ class EngineServers:
     def gpu_telemetry(self) -> dict[str, float]:
         """Every engine's GPU memory and utilisation now; an engine that does not answer in time is left out."""
         out: dict[str, float] = {}
-        for engine in self.engines:
+        for part in (part for parts in self.engines for part in parts):
             try:
-                out.update(ray.get(engine.gpu_telemetry.remote(), timeout=timeouts.TELEMETRY_S))
+                out.update(ray.get(part.gpu_telemetry.remote(), timeout=timeouts.TELEMETRY_S))
             except Exception:  # a dead or restarting engine: the watchdog deals with it, telemetry just skips it
                 continue
         return out
 
     def engine_info(self) -> list[dict]:
-        """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES (attached engines: the URL
-        alone, and `attached`)."""
+        """Per engine: URL, server PID, log file, Ray node id, CUDA_VISIBLE_DEVICES of its part 0, and the same of
+        every part under "parts" (attached engines: the URL alone, and `attached`)."""
         if self.attached:
-            return [{"url": url, "attached": True, "pid": None} for url in self.engine_urls]
-        return ray.get([engine.info.remote() for engine in self.engines])
+            return [{"url": url, "attached": True, "pid": None, "parts": []} for url in self.engine_urls]
+        infos = iter(ray.get([part.info.remote() for engine in self.engines for part in engine]))
+        return [{**parts[0], "parts": parts} for parts in ([next(infos) for _ in engine] for engine in self.engines)]
 
     def pids(self) -> list[int]:
-        """Server PIDs on their nodes: the engines', then the router's."""
-        pids = [info["pid"] for info in self.engine_info() if info["pid"] is not None]
+        """Server PIDs on their nodes: the engines' (every part's), then the router's."""
+        pids = [part["pid"] for info in self.engine_info() for part in info["parts"] if part["pid"] is not None]
         return pids + ([self.router.pid] if self.router is not None and self.router.pid is not None else [])
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -171,13 +215,13 @@ class EngineServers:
         are then killed too. Attached engines keep running."""
         if self.router is not None:
             self.router.stop(grace_s)
-        stops = [engine.stop.remote(grace_s) for engine in self.engines]
+        parts = [part for engine in self.engines for part in engine]
         try:
-            ray.get(stops, timeout=grace_s + timeouts.STOP_EXTRA_S)
+            ray.get([part.stop.remote(grace_s) for part in parts], timeout=grace_s + timeouts.STOP_EXTRA_S)
         except Exception as exc:  # an actor already gone: its server died with it (parent-death signal)
             logger.warning("stopping engines: %s", exc)
-        for engine in self.engines:
-            ray.kill(engine)
+        for part in parts:
+            ray.kill(part)
 
 
 def reset_attached(url: str, *, model_path: str, api_key: str | None) -> None:

@@ -33,7 +33,7 @@ from slimish.network import JOB_KEY_FILE, new_job_key, read_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.colocation import ColocatedTurns
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
-from slimish.orchestration.placement import Slot, placement_record
+from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.rollout.data import read_jsonl
 from slimish.sample import Sample, Status
@@ -65,7 +65,7 @@ class RLJob:
         self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
         self.synced_engines: list[str] = []
         self.engine_urls: list[str] = []  # engine i's URL, in engine order (from start())
-        self.slots: dict[str, list[Slot]] = {}
+        self.slots: dict[str, list] = {}  # "trainer": a Slot per rank; "engines": per engine, a Slot per node part
         # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
         self.api_key = read_key(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach else new_job_key()
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)

@@ -70,17 +70,54 @@ def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float, cpus_eac
     return [Slot(group, i, nodes[i], gpus_each, 0.0 if gpus_each else cpus_each) for i in order]
 
 
+def reserve_engines(*, count: int, nodes_per_engine: int, gpus_each: int, timeout_s: float,
+                    cpus_each: float = CPU_SLIVER) -> list[list[Slot]]:
+    """Slots of `count` engines, engine i's node parts in order (`gpus_each` GPUs per engine, split evenly over its
+    parts). Engines of one node each share one PACKed group (`reserve`); an engine spanning nodes gets a group of
+    its own, STRICT_SPREAD: each part on a node no other part of it holds (a UserError in one line when the cluster
+    has fewer nodes)."""
+    if nodes_per_engine == 1:
+        return [[slot] for slot in reserve("slimish-engines", count=count, gpus_each=gpus_each, timeout_s=timeout_s,
+                                           cpus_each=cpus_each)]
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if count and alive < nodes_per_engine:
+        raise UserError(f"rollout.engine.nodes_per_engine is {nodes_per_engine}, but the Ray cluster has {alive} "
+                        f"node(s): run the job on at least {nodes_per_engine} nodes (sbatch -N), or lower it")
+    part_gpus = gpus_each // nodes_per_engine
+    bundle = {"GPU": part_gpus} if part_gpus else {"CPU": cpus_each}
+    engines: list[list[Slot]] = []
+    try:
+        for i in range(count):
+            group = placement_group([dict(bundle) for _ in range(nodes_per_engine)], strategy="STRICT_SPREAD",
+                                    name=f"slimish-engine{i}")
+            engines.append([Slot(group, r, "", part_gpus, 0.0 if part_gpus else cpus_each)
+                            for r in range(nodes_per_engine)])
+            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            if not ready:
+                raise PlacementError(
+                    f"could not reserve {nodes_per_engine} x {bundle} on {nodes_per_engine} distinct nodes for "
+                    f"engine {i} within {timeout_s:.0f}s; the Ray cluster has {ray.cluster_resources()} in all and "
+                    f"{ray.available_resources()} free")
+            nodes = placement_group_table(group)["bundles_to_node_id"]
+            engines[-1] = [replace(slot, node_id=nodes[slot.bundle]) for slot in engines[-1]]
+    except BaseException:
+        release([slot for parts in engines for slot in parts])
+        raise
+    return engines
+
+
 class GpuUnusable(UserError):
     """Ray gave a slot GPUs that the process running there cannot use (see `slimish.cuda_facts`)."""
 
 
-def check_gpus(slots: dict[str, list[Slot]]) -> None:
+def check_gpus(slots: dict) -> None:
     """Raise `GpuUnusable` (one line: the first slot's cause, and how many more) unless every GPU slot can use its
     GPUs. Each slot is probed by a short task that holds its bundle, so it sees the CUDA_VISIBLE_DEVICES its actor
     will; the task's worker exits after it (max_calls=1), keeping no CUDA state."""
     probe = ray.remote(max_calls=1)(collect_cuda_facts)
-    holders = {f"{'trainer rank' if role == 'trainer' else 'engine'} {i}": slot
-               for role, role_slots in slots.items() for i, slot in enumerate(role_slots) if slot.gpus}
+    holders = {f"trainer rank {i}": slot for i, slot in enumerate(slots["trainer"]) if slot.gpus}
+    holders.update({f"engine {i}" + (f" part {r}" if len(parts) > 1 else ""): slot
+                    for i, parts in enumerate(slots["engines"]) for r, slot in enumerate(parts) if slot.gpus})
     facts = ray.get([probe.options(**slot.actor_options()).remote() for slot in holders.values()])
     names = node_names()
     problems = [line for (holder, slot), fact in zip(holders.items(), facts, strict=True)
@@ -91,10 +128,10 @@ def check_gpus(slots: dict[str, list[Slot]]) -> None:
         raise GpuUnusable(problems[0] + more)
 
 
-def colocated(bundles: list[Slot]) -> dict[str, list[Slot]]:
+def colocated(bundles: list[Slot]) -> dict:
     """Trainer rank i and engine i on bundle i (one GPU, or a CPU sliver), each holding `COLOCATED_SHARE` of it."""
     shares = [replace(slot, gpus=slot.gpus * COLOCATED_SHARE, cpus=slot.cpus * COLOCATED_SHARE) for slot in bundles]
-    return {"trainer": shares, "engines": list(shares)}
+    return {"trainer": shares, "engines": [[share] for share in shares]}
 
 
 def release(slots: list[Slot]) -> None:
@@ -117,14 +154,21 @@ def node_names() -> dict[str, str]:
     return {node["NodeID"]: node.get("NodeName") or node.get("NodeManagerAddress") for node in ray.nodes()}
 
 
-def placement_record(slots: dict[str, list[Slot]], engines: list[dict]) -> dict:
+def placement_record(slots: dict, engines: list[dict]) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
-    GPUs Ray gave each engine (attached engines: their URLs)."""
+    GPUs Ray gave each engine (attached engines: their URLs); an engine spanning nodes: its first part's node and
+    GPUs, and each part's under "parts"."""
     names = node_names()
+
+    def part(slot: Slot, info: dict) -> dict:
+        return {"node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
+                "cuda_visible_devices": info["cuda_visible_devices"]}
+
     if slots["engines"]:
-        placed = [{"index": i, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
-                   "url": engine["url"], "cuda_visible_devices": engine["cuda_visible_devices"]}
-                  for i, (slot, engine) in enumerate(zip(slots["engines"], engines, strict=True))]
+        placed = [{"index": i, **part(parts[0], engine), "url": engine["url"],
+                   **({"parts": [part(slot, info) for slot, info in zip(parts, engine["parts"], strict=True)]}
+                      if len(parts) > 1 else {})}
+                  for i, (parts, engine) in enumerate(zip(slots["engines"], engines, strict=True))]
     else:  # attached engines ran before the job: it placed none
         placed = [{"index": i, "url": engine["url"], "attached": True} for i, engine in enumerate(engines)]
     return {"gpus": cluster_gpus(),

@@ -15,7 +15,16 @@ import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 from slimish import log
 from slimish.config.schema import JobConfig
 from slimish.network import interface_of
-from slimish.orchestration.placement import Slot, check_gpus, cluster_gpus, colocated, on_this_node, release, reserve
+from slimish.orchestration.placement import (
+    Slot,
+    check_gpus,
+    cluster_gpus,
+    colocated,
+    on_this_node,
+    release,
+    reserve,
+    reserve_engines,
+)
 
 TRAINER_SHUTDOWN_S = 5.0  # a trainer rank's own shutdown, before it is killed either way
 
@@ -88,18 +97,18 @@ class TrainerGroup:
             ray.kill(actor)
 
 
-def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[Slot], api_key: str | None,
+def rollout_actor(cfg: JobConfig, log_dir: str, engine_slots: list[list[Slot]], api_key: str | None,
                   progress_bar: bool = False):
-    """The rollout manager, on the driver's node; its engines go to `engine_slots` and require `api_key`;
-    `progress_bar`: it draws one on the driver's terminal."""
+    """The rollout manager, on the driver's node; its engines go to `engine_slots` (engine i's node parts) and
+    require `api_key`; `progress_bar`: it draws one on the driver's terminal."""
     from slimish.rollout.manager import ConfiguredRolloutManager
 
     return ray.remote(ConfiguredRolloutManager).options(**on_this_node()).remote(
-        cfg, log_dir=log_dir, engine_options=[slot.actor_options() for slot in engine_slots], api_key=api_key,
-        progress_bar=progress_bar)
+        cfg, log_dir=log_dir, engine_options=[[slot.actor_options() for slot in parts] for parts in engine_slots],
+        api_key=api_key, progress_bar=progress_bar)
 
 
-def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
+def reserve_slots(cfg: JobConfig) -> dict:
     """Placement slots for the trainer ranks and the engines: GPUs when the Ray cluster has them (each checked to be
     usable there, else `GpuUnusable`), else `ray.cpus_per_slot` CPUs each; shared by trainer rank i and engine i
     with placement.colocate (`placement.colocated`)."""
@@ -119,14 +128,15 @@ def reserve_slots(cfg: JobConfig) -> dict[str, list[Slot]]:
     trainer = reserve("slimish-trainer", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
                       timeout_s=timeout, cpus_each=cpus)
     engine = cfg.rollout.engine
-    engines: list[Slot] = []
+    engines: list[list[Slot]] = []
     try:
-        engines = reserve("slimish-engines", count=0 if engine.attach else engine.num_engines,
-                          gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout, cpus_each=cpus)
+        engines = reserve_engines(count=0 if engine.attach else engine.num_engines,
+                                  nodes_per_engine=engine.nodes_per_engine,
+                                  gpus_each=engine.tensor_parallel if gpus else 0, timeout_s=timeout, cpus_each=cpus)
         slots = {"trainer": trainer, "engines": engines}
         if gpus:
             check_gpus(slots)
     except BaseException:
-        release(trainer + engines)
+        release(trainer + [slot for parts in engines for slot in parts])
         raise
     return slots

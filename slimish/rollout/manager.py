@@ -39,7 +39,7 @@ def build_reward_fn(reward):
     return rewards.weighted_sum(list(zip(names, fns, weights)))
 
 
-def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None) -> dict:
+def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[list[dict]], api_key: str | None = None) -> dict:
     """A `RolloutManager`'s parts, loaded as `cfg` says: its keyword arguments but `progress_bar`. The engines go to
     `engine_options` (their placement slots) and require `api_key`; their logs go to `log_dir`."""
     from transformers import AutoTokenizer
@@ -310,7 +310,7 @@ class ConfiguredRolloutManager(RolloutManager):
     """A `RolloutManager` whose parts `load_parts` loads from the config: what a job's Ray actor runs, so that they
     load in the actor's process (a tokenizer or a reward hook need not pickle)."""
 
-    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[dict], api_key: str | None = None,
+    def __init__(self, cfg: JobConfig, *, log_dir: str, engine_options: list[list[dict]], api_key: str | None = None,
                  progress_bar: bool = False):
         super().__init__(cfg, **load_parts(cfg, log_dir=log_dir, engine_options=engine_options, api_key=api_key),
                          progress_bar=progress_bar)

@@ -69,6 +69,10 @@ def test_a_tensor_parallel_cpu_engine_gets_what_sglang_needs_to_start():
     assert len(groups) == 2 and all(groups)
     assert env["SGLANG_NCCL_SO_PATH"].startswith("/nonexistent/") and int(env["OMP_NUM_THREADS"]) >= 1
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in sglang_cpu.server_env({}, tp=1)
+    # One node part of a TP2 engine over two nodes runs one rank (SGLang indexes the groups by the node's own ranks),
+    # yet its group of two still must not build PyNccl.
+    part = sglang_cpu.server_env({}, tp=2, nnodes=2)
+    assert "|" not in part["SGLANG_CPU_OMP_THREADS_BIND"] and part["SGLANG_NCCL_SO_PATH"].startswith("/nonexistent/")
     assert sglang_cpu.server_env({"SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"}, tp=2)["SGLANG_CPU_OMP_THREADS_BIND"] \
         == "0-3|4-7"
     parser = argparse.ArgumentParser()

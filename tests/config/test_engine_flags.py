@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from slimish.config import ConfigError, load_config
 from slimish.config.engine_flags import A2A_BACKENDS, ALIASES, FLAGS, flags_set_twice, serving_args
 from slimish.config.schema import EngineConfig
-from slimish.engines.server import engine_argv
+from slimish.engines.server import engine_argv, node_args
 from tests.config.test_recipes import RECIPES
 from tests.conftest import REPO
 
@@ -59,18 +59,20 @@ def test_a_flag_a_key_owns_is_found_in_extra_args_whatever_its_spelling():
     assert flags_set_twice(engine) == [("expert_parallel", "--ep"), ("cuda_graphs", "--disable-cuda-graph")]
 
 
-def _recipe_argv(name: str, model_dir) -> tuple[list[str], object]:
+def _recipe_argv(name: str, model_dir, overrides: tuple[str, ...] = (), node_rank: int = 0
+                 ) -> tuple[list[str], object]:
     hf_config = RECIPES[name]
     (model_dir / "config.json").write_text(json.dumps(hf_config))
     save_file({}, model_dir / "model.safetensors")  # validation reads headers only
     data = model_dir / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1? Put the final answer in \\boxed{}.", "label": "2"}) + "\n")
     cfg = load_config(REPO / "configs" / "recipes" / f"{name}.yaml", [f"model.hf_path={model_dir}",
-                                                                      f"data.path={data}"])
+                                                                      f"data.path={data}", *overrides])
     eng = cfg.rollout.engine
+    nodes = node_args(nnodes=eng.nodes_per_engine, node_rank=node_rank, rendezvous=("10.0.0.1", 29600))
     argv = engine_argv(model_path=str(model_dir), host="127.0.0.1", port=30000, device=eng.device,
                        dtype=cfg.model.dtype, tp=eng.tensor_parallel, max_total_tokens=eng.max_total_tokens, seed=0,
-                       extra=[*serving_args(eng), *eng.extra_args], colocated=cfg.placement.colocate)
+                       extra=[*serving_args(eng), *nodes, *eng.extra_args], colocated=cfg.placement.colocate)
     return argv[argv.index("sglang.launch_server") + 1:], eng
 
 
@@ -86,24 +88,36 @@ for argv in json.loads(sys.argv[1]):
     args.resolve_once()
     args.check_server_args()
     out.append({k: getattr(args, k) for k in ("tp_size", "ep_size", "attn_dp_size", "moe_a2a_backend",
-                                              "mem_fraction_static", "cuda_graph_max_bs_decode", "device")})
+                                              "mem_fraction_static", "cuda_graph_max_bs_decode", "device", "nnodes",
+                                              "node_rank", "dist_init_addr")})
 print(json.dumps(out))
 """
 
 
+# Engines spanning nodes, each node part's command line: the 405B recipe on nodes of 8 H100s, where 405B in bf16
+# (810 GB) does not fit one node's 640 GB, so each engine is TP16 over two nodes.
+SPANNING = [("llama31_405b_math_grpo", ("rollout.engine.tensor_parallel=16", "rollout.engine.nodes_per_engine=2"),
+             node_rank) for node_rank in (0, 1)]
+
+
 def test_every_recipes_engine_command_line_resolves_in_sglang(tmp_path):
     """SGLang parses, resolves and checks each recipe's engine arguments (as `slimish.engines.server` builds them)
-    against the model's released config.json, and arrives at the recipe's layout. ~15 s (importing SGLang)."""
+    against the model's released config.json, and arrives at the recipe's layout; so do both node parts of an engine
+    spanning two nodes. ~15 s (importing SGLang)."""
+    cases = [(name, (), 0) for name in sorted(RECIPES)] + SPANNING
     argvs, engines = [], []
-    for name in sorted(RECIPES):
-        (tmp_path / name).mkdir()
-        argv, engine = _recipe_argv(name, tmp_path / name)
+    for k, (name, overrides, node_rank) in enumerate(cases):
+        (tmp_path / str(k)).mkdir()
+        argv, engine = _recipe_argv(name, tmp_path / str(k), overrides, node_rank)
         argvs.append(argv)
         engines.append(engine)
     result = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(argvs)], capture_output=True, text=True,
                             cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    for name, engine, got in zip(sorted(RECIPES), engines, json.loads(result.stdout.strip().splitlines()[-1])):
+    for (name, _, node_rank), engine, got in zip(cases, engines, json.loads(result.stdout.strip().splitlines()[-1]),
+                                                 strict=True):
+        assert (got["nnodes"], got["node_rank"]) == (engine.nodes_per_engine, node_rank), name
+        assert got["dist_init_addr"] == ("10.0.0.1:29600" if engine.nodes_per_engine > 1 else None), name
         assert got["device"] == "cuda" and got["tp_size"] == engine.tensor_parallel, name
         assert got["ep_size"] == engine.expert_parallel, name
         assert got["attn_dp_size"] == engine.attention_data_parallel, name
@@ -131,6 +145,11 @@ CONTRADICTIONS = [
     (["rollout.engine.extra_args=[--mem-fraction-static, '0.5']"], "rollout.engine.extra_args",
      "sets --mem-fraction-static, which rollout.engine.mem_fraction_static sets"),
     (["rollout.engine.cuda_graph_max_bs=-1"], "rollout.engine.cuda_graph_max_bs", ">= 0"),
+    (["rollout.engine.tensor_parallel=2", "rollout.engine.nodes_per_engine=4"], "rollout.engine.nodes_per_engine",
+     "must divide rollout.engine.tensor_parallel (2)"),
+    (["rollout.engine.tensor_parallel=2", "rollout.engine.nodes_per_engine=2", "weight_sync.transport=tensor"],
+     "weight_sync.transport", "cannot open"),
+    (["rollout.engine.nodes_per_engine=0"], "rollout.engine.nodes_per_engine", "must be > 0"),
 ]
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -227,27 +228,6 @@ def test_bootstrap_runs_ray_tasks_on_both_nodes_in_a_container(cluster, tiny_ass
     assert_nothing_left(cluster, run_dir)
 
 
-@pytest.mark.timeout(600)
-def test_two_node_training_job_places_trainer_and_engine_on_their_nodes(cluster, tiny_assets, tmp_path):
-    """A real 2-step job on 2 nodes that declare no GPUs (they have none) and offer Ray one CPU each; every trainer
-    rank and engine reserves one CPU (ray.cpus_per_slot=1, what a CPU cluster would ask), so the engine must run on
-    the node the trainer rank left free, and the weights cross nodes."""
-    job = submit_train(cluster, tmp_path, "train", "rl.num_steps=2", "rollout.engine.num_engines=1",
-                       "ray.cpus_per_slot=1", env={"SLIMISH_RAY_NUM_CPUS": "1", "SLIMISH_RAY_NUM_GPUS": "0"})
-    assert cluster.wait_done(job, timeout=540) == ("COMPLETED", "0:0"), job_output(tmp_path, job)
-
-    run_dir = tmp_path / "train"
-    assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
-    steps = [m["step"] for m in metric_steps(run_dir)]
-    assert len(steps) == 2 and steps[1] == steps[0] + 1, steps
-    placement = json.loads((run_dir / "placement.json").read_text())
-    [trainer], [engine] = placement["trainer"], placement["engines"]
-    assert placement["gpus"] == 0 and trainer["gpus"] == 0 and engine["gpus"] == 0, placement
-    assert {trainer["node"], engine["node"]} == {"n1", "n2"}, placement
-    assert all(m["logprob_abs_diff_max"] <= 1e-4 for m in metric_steps(run_dir)), "weights reached the other node"
-    assert_nothing_left(cluster, run_dir)
-
-
 @pytest.mark.timeout(300)
 def test_a_job_given_gpus_it_cannot_use_stops_in_one_line(cluster, tiny_assets, tmp_path):
     """Nodes that declare a GPU to Ray they do not have (as a node with a broken or too old driver would): the job
@@ -267,26 +247,65 @@ def test_a_job_given_gpus_it_cannot_use_stops_in_one_line(cluster, tiny_assets, 
     assert_nothing_left(cluster, run_dir)
 
 
-@pytest.mark.timeout(600)
-def test_scancel_mid_run_leaves_nothing(cluster, tiny_assets, tmp_path):
-    job = submit_train(cluster, tmp_path, "cancel", "rl.num_steps=1000")
-    run_dir = tmp_path / "cancel"
+def node_part_process(cluster: LocalSlurm, *, port: int) -> int | None:
+    """The PID of the SGLang server listening on `port` in the cluster (a node part's leader: its process group)."""
+    return next((pid for pid, cmdline in cluster.job_processes().items()
+                 if "sglang.launch_server" in cmdline and f"--port {port} " in cmdline), None)
 
-    # Mid-run: the driver has started SGLang engines, the processes most likely to outlive a careless teardown.
-    # Waiting for a whole RL step as well would add minutes and no new kind of process.
-    def engines_or_end():
-        running = any("sglang" in cmdline for cmdline in cluster.job_processes().values())
-        return running or not cluster.in_queue(job)
 
-    wait_until(engines_or_end, timeout=300, what="the job to start SGLang engines", interval=2)
-    assert cluster.in_queue(job), "the job ended before it could be cancelled:\n" + job_output(tmp_path, job)
+@pytest.mark.timeout(900)
+def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_nothing(cluster, tiny_assets, tmp_path):
+    """A real RL job on 2 nodes that declare no GPUs (they have none), every trainer rank and engine part reserving
+    one CPU of the three each node offers Ray (ray.cpus_per_slot=1, what a CPU cluster would ask). Its two SGLang
+    engines of two tensor-parallel ranks each span both nodes (rollout.engine.nodes_per_engine=2: rank 1 on the
+    other node, SGLang's --nnodes/--node-rank, the ranks meeting at the store part 0's actor hosts), so every weight
+    sync crosses nodes: each is checked per rank against the trainer's prediction, and the engines' logprobs equal
+    the trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed mid-run: the engine counts
+    one death, is restarted whole (both parts) while the job goes on with engine 1, and rejoins. Then the job is
+    cancelled mid-run, engines up: it ends CANCELLED, its teardown ran, and nothing it started is left (part 1 of an
+    engine ignores SIGTERM: it is killed)."""
+    job = submit_train(cluster, tmp_path, "span", "rl.num_steps=1000", "rollout.engine.tensor_parallel=2",
+                       "rollout.engine.nodes_per_engine=2", "eval.every=0", "ray.cpus_per_slot=1",
+                       env={"SLIMISH_RAY_NUM_CPUS": "3", "SLIMISH_RAY_NUM_GPUS": "0"})
+    run_dir = tmp_path / "span"
+
+    def steps_or_end(count: int):
+        return lambda: len(metric_steps(run_dir)) >= count or not cluster.in_queue(job)
+
+    wait_until(steps_or_end(1), timeout=400, what="the job's first step", interval=2)
+    assert cluster.in_queue(job), "the job ended:\n" + job_output(tmp_path, job)
+    assert_both_nodes_bootstrapped(run_dir / f"slurm-{job}")
     assert_ray_listens_on_loopback_only(cluster.listeners())
+    placement = json.loads((run_dir / "placement.json").read_text())
+    [trainer] = placement["trainer"]
+    assert placement["gpus"] == 0 and trainer["gpus"] == 0 and trainer["node"] in ("n1", "n2"), placement
+    for engine in placement["engines"]:
+        assert sorted(part["node"] for part in engine["parts"]) == ["n1", "n2"], placement
+        assert all(part["gpus"] == 0 for part in engine["parts"]), placement
+    part1_of_engine0 = 31000 + 0 + 1 * 2  # rollout.engine.base_port + engine + part * num_engines
+    pid = node_part_process(cluster, port=part1_of_engine0)
+    assert pid is not None, cluster.job_processes()
+    os.killpg(pid, signal.SIGKILL)
+    killed_at = len(metric_steps(run_dir))
 
+    def rejoined():
+        records = metric_steps(run_dir)
+        return (any(r["engine_restarts"] >= 1 and r["engines_live"] == 2 for r in records[killed_at:])
+                or not cluster.in_queue(job))
+
+    wait_until(rejoined, timeout=400, what="engine 0 to restart and rejoin", interval=2)
+    assert cluster.in_queue(job), "the job ended:\n" + job_output(tmp_path, job)
+    records = metric_steps(run_dir)  # read before the cancel, which may cut a line short
     cluster.script("run", "scancel", job)
     state, _ = cluster.wait_done(job, timeout=120)
     assert state == "CANCELLED", job_output(tmp_path, job)
     assert "teardown done" in (run_dir / f"slurm-{job}" / "bootstrap.log").read_text(), job_output(tmp_path, job)
     assert_nothing_left(cluster, run_dir)
+
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert records[-1]["engine_deaths"] == 1 and records[-1]["engine_restart_failures"] == 0, records[-1]
+    assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in records), [r["logprob_abs_diff_max"] for r in records]
+    assert all(r["sync_checksums_predicted"] == 1 for r in records), "every sync checked per rank, across nodes"
 
 
 @pytest.mark.timeout(300)
