@@ -156,16 +156,16 @@ def node_names() -> dict[str, str]:
 
 def placement_record(slots: dict, engines: list[dict]) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
-    GPUs Ray gave each engine (attached engines: their URLs); an engine spanning nodes: its first part's node and
-    GPUs, and each part's under "parts"."""
+    GPUs Ray gave each engine (attached engines: their URLs); an engine spanning nodes: its first part's node,
+    GPUs and URL, and each part's under "parts" (a part beyond the first serves only SGLang's stand-in health)."""
     names = node_names()
 
     def part(slot: Slot, info: dict) -> dict:
         return {"node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus,
-                "cuda_visible_devices": info["cuda_visible_devices"]}
+                "cuda_visible_devices": info["cuda_visible_devices"], "url": info["url"]}
 
     if slots["engines"]:
-        placed = [{"index": i, **part(parts[0], engine), "url": engine["url"],
+        placed = [{"index": i, **part(parts[0], engine),
                    **({"parts": [part(slot, info) for slot, info in zip(parts, engine["parts"], strict=True)]}
                       if len(parts) > 1 else {})}
                   for i, (parts, engine) in enumerate(zip(slots["engines"], engines, strict=True))]

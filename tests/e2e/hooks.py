@@ -13,7 +13,9 @@ from pathlib import Path
 
 from slimish.network import JOB_KEY_FILE, auth_headers
 
-TRIGGER = "fault_between_buckets"  # {"engine": i, "signal": "SIGKILL" | "SIGSTOP"}: the test writes it to arm the hook
+# {"engine": i, "signal": "SIGKILL" | "SIGSTOP"[, "part": r]}: the test writes it to arm the hook (part r of an engine
+# spanning nodes; else the engine's server)
+TRIGGER = "fault_between_buckets"
 DONE = "faults_between_buckets.jsonl"  # the hook appends {"version", "engine", "signal"} for each fault it made
 
 
@@ -22,10 +24,10 @@ def job_key(run_dir: Path) -> str:
     return (run_dir / JOB_KEY_FILE).read_text().strip()
 
 
-def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str) -> None:
+def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str, part: int | None = None) -> None:
     # Whole or not at all (written aside, then renamed): the hook may read it at any moment.
     armed = (run_dir / TRIGGER).with_suffix(".tmp")
-    armed.write_text(json.dumps({"engine": engine, "signal": signal_name}))
+    armed.write_text(json.dumps({"engine": engine, "signal": signal_name, **({} if part is None else {"part": part})}))
     armed.rename(run_dir / TRIGGER)
 
 
@@ -47,17 +49,18 @@ def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> 
     """`weight_sync.after_bucket_hook`: once armed (the file TRIGGER in the run directory named by the environment
     variable SLIMISH_TEST_RUN_DIR), send the armed signal to the armed engine's process group right after bucket 1
     of a sync is on its way, so the fault lands between two buckets by construction: SIGKILL (the engine dies) or
-    SIGSTOP (it hangs)."""
+    SIGSTOP (it hangs); to one node part of an engine spanning nodes when armed with one."""
     run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
     trigger = run_dir / TRIGGER
     if bucket != 1 or not trigger.exists():
         return
     armed = json.loads(trigger.read_text())
-    url = json.loads((run_dir / "placement.json").read_text())["engines"][armed["engine"]]["url"]
-    if url not in engine_urls:
+    engine = json.loads((run_dir / "placement.json").read_text())["engines"][armed["engine"]]
+    if engine["url"] not in engine_urls:
         return
+    target = engine["parts"][armed["part"]]["url"] if "part" in armed else engine["url"]
     trigger.unlink()
-    os.killpg(os.getpgid(listening_pid(url)), getattr(signal, armed["signal"]))
+    os.killpg(os.getpgid(listening_pid(target)), getattr(signal, armed["signal"]))
     with (run_dir / DONE).open("a") as f:
         f.write(json.dumps({"version": int(version), **armed}) + "\n")
 

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -247,8 +246,8 @@ def test_a_job_given_gpus_it_cannot_use_stops_in_one_line(cluster, tiny_assets, 
     assert_nothing_left(cluster, run_dir)
 
 
-def node_part_process(cluster: LocalSlurm, *, port: int) -> int | None:
-    """The PID of the SGLang server listening on `port` in the cluster (a node part's leader: its process group)."""
+def engine_part_pid(cluster: LocalSlurm, *, port: int) -> int | None:
+    """The PID of the SGLang server of the cluster started with `--port port` (a node part's leader)."""
     return next((pid for pid, cmdline in cluster.job_processes().items()
                  if "sglang.launch_server" in cmdline and f"--port {port} " in cmdline), None)
 
@@ -260,14 +259,19 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
     engines of two tensor-parallel ranks each span both nodes (rollout.engine.nodes_per_engine=2: rank 1 on the
     other node, SGLang's --nnodes/--node-rank, the ranks meeting at the store part 0's actor hosts), so every weight
     sync crosses nodes: each is checked per rank against the trainer's prediction, and the engines' logprobs equal
-    the trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed mid-run: the engine counts
-    one death, is restarted whole (both parts) while the job goes on with engine 1, and rejoins. Then the job is
-    cancelled mid-run, engines up: it ends CANCELLED, its teardown ran, and nothing it started is left (part 1 of an
-    engine ignores SIGTERM: it is killed)."""
+    the trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed between two buckets of a sync
+    (the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py, armed by the test): the sync starts over to engine 1
+    within the step, engine 0 counts one death, is restarted whole (both parts) while the job goes on with engine
+    1, and rejoins. Then the job is cancelled mid-run, engines up: it ends CANCELLED, its teardown ran, and nothing
+    it started is left (part 1 of an engine ignores SIGTERM: it is killed)."""
+    from tests.e2e import hooks
+    from tests.e2e.procs import hook_env
+
+    run_dir = tmp_path / "span"
     job = submit_train(cluster, tmp_path, "span", "rl.num_steps=1000", "rollout.engine.tensor_parallel=2",
                        "rollout.engine.nodes_per_engine=2", "eval.every=0", "ray.cpus_per_slot=1",
-                       env={"SLIMISH_RAY_NUM_CPUS": "3", "SLIMISH_RAY_NUM_GPUS": "0"})
-    run_dir = tmp_path / "span"
+                       "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets",
+                       env={**hook_env(run_dir), "SLIMISH_RAY_NUM_CPUS": "3", "SLIMISH_RAY_NUM_GPUS": "0"})
 
     def steps_or_end(count: int):
         return lambda: len(metric_steps(run_dir)) >= count or not cluster.in_queue(job)
@@ -283,9 +287,9 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
         assert sorted(part["node"] for part in engine["parts"]) == ["n1", "n2"], placement
         assert all(part["gpus"] == 0 for part in engine["parts"]), placement
     part1_of_engine0 = 31000 + 0 + 1 * 2  # rollout.engine.base_port + engine + part * num_engines
-    pid = node_part_process(cluster, port=part1_of_engine0)
-    assert pid is not None, cluster.job_processes()
-    os.killpg(pid, signal.SIGKILL)
+    assert engine_part_pid(cluster, port=part1_of_engine0) is not None, cluster.job_processes()
+    assert placement["engines"][0]["parts"][1]["url"].endswith(f":{part1_of_engine0}"), placement
+    hooks.arm_fault_between_buckets(run_dir, engine=0, part=1, signal_name="SIGKILL")
     killed_at = len(metric_steps(run_dir))
 
     def rejoined():
@@ -304,6 +308,13 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
 
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     assert records[-1]["engine_deaths"] == 1 and records[-1]["engine_restart_failures"] == 0, records[-1]
+    [fault] = hooks.faults_made(run_dir)
+    assert (fault["engine"], fault["part"], fault["signal"]) == (0, 1, "SIGKILL"), fault
+    faulted = records[fault["version"] - 1]
+    print(f"\ntime_sync_stalled_s of the faulted sync: {faulted['time_sync_stalled_s']}")
+    # Done again to engine 1 within the step, held no longer than the bucket's deadline (60 s + 0.05 MiB at 32 MiB/s)
+    assert faulted["weight_sync_retries"] == 1 and 0 <= faulted["time_sync_stalled_s"] < 61, faulted
+    assert sum(r["weight_sync_retries"] for r in records) == 1
     assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in records), [r["logprob_abs_diff_max"] for r in records]
     assert all(r["sync_checksums_predicted"] == 1 for r in records), "every sync checked per rank, across nodes"
 
