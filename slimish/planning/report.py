@@ -23,6 +23,7 @@ def _header(cfg, arch, params: ParamCount) -> list[str]:
             f"token), {cfg.model.dtype}",
             f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
             f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}"
+            + (f", each over {engine.nodes_per_engine} nodes" if engine.nodes_per_engine > 1 else "")
             + (", on the trainer's GPUs (colocated)" if cfg.placement.colocate else ""),
             _lr_schedule(cfg)]
 
