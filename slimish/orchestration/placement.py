@@ -4,9 +4,9 @@ On a cluster whose Ray nodes offer GPUs, each trainer rank holds 1 GPU and each 
 tensor_parallel` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES, which the engine process inherits). Both groups
 are PACKed onto as few nodes as possible, and trainer ranks are numbered node by node, so that the consecutive
 ranks Megatron puts in one tensor-parallel group share a node. An engine spanning nodes (`rollout.engine.
-nodes_per_engine`) has a group of its own, one bundle per node part, STRICT_SPREAD over distinct nodes. Without GPUs each bundle holds a sliver of CPU (Ray
-bundles cannot be empty; the real CPU use is not Ray's to schedule on a small machine), so the code path is the same
-on a laptop, in CI and on a GPU cluster: only the resources asked for differ.
+nodes_per_engine`) has a group of its own, one bundle per node part, STRICT_SPREAD over distinct nodes. Without GPUs
+each bundle holds a sliver of CPU (Ray bundles cannot be empty; the real CPU use is not Ray's to schedule on a small
+machine), so the code path is the same on a laptop, in CI and on a GPU cluster: only the resources asked for differ.
 
 Colocated (`placement.colocate`): one placement group of one bundle per GPU; trainer rank i and engine i (one GPU
 each) hold half of bundle i each, so Ray gives both the same GPU (and sets the same CUDA_VISIBLE_DEVICES). Without
