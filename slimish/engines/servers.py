@@ -51,8 +51,8 @@ class EngineServers:
     `engine_options[i][r]` are the Ray actor options of part r of engine i (its placement slot, see
     orchestration/placement; one part unless the engine spans nodes); none with attached engines. With `api_key`,
     engines and router refuse callers without it (slimish/network.py); attached engines require the key they were
-    started with. `colocated`: the engines share their GPUs with trainer
-    ranks (placement.colocate) and release their memory while those train."""
+    started with. `colocated`: the engines share their GPUs with trainer ranks (placement.colocate) and release their
+    memory while those train."""
 
     def __init__(self, *, rollout: RolloutConfig, model: ModelConfig, log_dir: Path, seed: int,
                  engine_options: list[list[dict]], api_key: str | None = None, colocated: bool = False):

@@ -86,25 +86,24 @@ def reserve_engines(*, count: int, nodes_per_engine: int, gpus_each: int, timeou
                         f"node(s): run the job on at least {nodes_per_engine} nodes (sbatch -N), or lower it")
     part_gpus = gpus_each // nodes_per_engine
     bundle = {"GPU": part_gpus} if part_gpus else {"CPU": cpus_each}
-    engines: list[list[Slot]] = []
+    groups: list[PlacementGroup] = []
     try:
         for i in range(count):
-            group = placement_group([dict(bundle) for _ in range(nodes_per_engine)], strategy="STRICT_SPREAD",
-                                    name=f"slimish-engine{i}")
-            engines.append([Slot(group, r, "", part_gpus, 0.0 if part_gpus else cpus_each)
-                            for r in range(nodes_per_engine)])
-            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            groups.append(placement_group([dict(bundle) for _ in range(nodes_per_engine)], strategy="STRICT_SPREAD",
+                                          name=f"slimish-engine{i}"))
+            ready, _ = ray.wait([groups[-1].ready()], timeout=timeout_s)
             if not ready:
                 raise PlacementError(
                     f"could not reserve {nodes_per_engine} x {bundle} on {nodes_per_engine} distinct nodes for "
                     f"engine {i} within {timeout_s:.0f}s; the Ray cluster has {ray.cluster_resources()} in all and "
                     f"{ray.available_resources()} free")
-            nodes = placement_group_table(group)["bundles_to_node_id"]
-            engines[-1] = [replace(slot, node_id=nodes[slot.bundle]) for slot in engines[-1]]
     except BaseException:
-        release([slot for parts in engines for slot in parts])
+        for group in groups:
+            remove_placement_group(group)
         raise
-    return engines
+    nodes = [placement_group_table(group)["bundles_to_node_id"] for group in groups]
+    return [[Slot(group, r, where[r], part_gpus, 0.0 if part_gpus else cpus_each) for r in range(nodes_per_engine)]
+            for group, where in zip(groups, nodes, strict=True)]
 
 
 class GpuUnusable(UserError):

@@ -3,19 +3,11 @@ Engines spanning nodes are placed for real on the Slurm tier's two nodes (tests/
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from tests.conftest import REPO
+from tests.orchestration.ray_probe import run_probe
 
 
 def test_engines_get_a_slot_per_node_part_and_spanning_more_nodes_than_the_cluster_has_is_one_line():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("placement_probe.py"))], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "parts=[1, 1] bundles=[0, 1]" in result.stdout, result.stdout
+    out = run_probe("placement_probe.py")
+    assert "parts=[1, 1] bundles=[0, 1]" in out, out
     assert ("error: rollout.engine.nodes_per_engine is 2, but the Ray cluster has 1 node(s): run the job on at least "
-            "2 nodes (sbatch -N), or lower it") in result.stdout, result.stdout
+            "2 nodes (sbatch -N), or lower it") in out, out
