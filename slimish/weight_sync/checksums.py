@@ -13,7 +13,9 @@ the dimension it splits and gives rank r the r-th of t equal slices of it (`Engi
 - key/value heads when t exceeds their number: each head is held whole by t / num_kv_heads ranks;
 - experts: with expert-parallel size e, rank r holds the experts of block r // (t / e), each split t / e ways;
 - on a CPU engine, SGLang pads every MLP's intermediate size to a multiple of 32 x t;
-- the rest (norms, the router) whole on every rank.
+- the rest (norms, the router) whole on every rank;
+- on a GPU, DeepSeek-V3's and GLM-4.5's shared expert is usually loaded as one more routed expert, the last one of
+  `w13_weight` / `w2_weight` (`fuses_shared_experts` says when).
 An engine parameter's bytes on a rank are therefore its parts' slices in a fixed order, and `ExpectedChecksums`
 hashes them in that order as the tensors stream past, without building the fused tensor.
 
@@ -24,9 +26,11 @@ the device.
 
 Covered (`layout_supported`): the dense and MoE families (llama, qwen2, qwen3, qwen3_moe, glm4_moe) on engines of
 any tensor- and expert-parallel size SGLang accepts, except CPU engines whose size does not divide the attention
-heads (SGLang then pads heads, not predicted here). Not covered: MLA (DeepSeek-V3: SGLang derives `w_kc` / `w_vc`
-from `kv_b_proj` after loading) and engines with DP attention (`rollout.engine.attention_data_parallel`); for those
-the sync checks that every engine reports the same checksums as the first one, and the new weight version.
+heads (SGLang then pads heads, not predicted here), and DeepSeek-V3's multi-latent attention (MLA: the down
+projections whole on every rank, fused when there is a query LoRA; the up projections split by heads; `w_kc` /
+`w_vc`, derived from `kv_b_proj` after loading, are not parameters and not reported). Not covered: engines with DP
+attention (`rollout.engine.attention_data_parallel`); for those the sync checks that every engine reports the same
+checksums as the first one, and the new weight version.
 tests/weight_sync/test_engine_sharding.py pins these rules against SGLang's own loaders.
 """
 
@@ -50,17 +54,52 @@ VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 class EngineSharding:
     """How SGLang splits an engine's parameters over its ranks: `tp` its --tp-size, `ep` its --ep-size (experts),
     `attn_dp` its --attn-dp-size (DP attention: attention split over tp / attn_dp ranks, repeated per group), `cpu`
-    whether it runs on the CPU (SGLang then pads intermediate sizes)."""
+    whether it runs on the CPU (SGLang then pads intermediate sizes). For the shared experts' fusion
+    (`fuses_shared_experts`): `shared_experts_fusion` "off" (--disable-shared-experts-fusion), "forced"
+    (--enforce-shared-experts-fusion) or "auto", `moe_a2a` its --moe-a2a-backend, `batch_overlap` whether two- or
+    single-batch overlap is on."""
     tp: int = 1
     ep: int = 1
     attn_dp: int = 1
     cpu: bool = False
+    shared_experts_fusion: str = "auto"
+    moe_a2a: str = "none"
+    batch_overlap: bool = False
 
     @classmethod
     def of_server(cls, info: dict) -> EngineSharding:
         """From an engine's `/server_info` (SGLang's resolved arguments: DP attention's width is `attn_dp_size`)."""
+        fusion = ("off" if info.get("disable_shared_experts_fusion") else
+                  "forced" if info.get("enforce_shared_experts_fusion") else "auto")
         return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1),
-                   attn_dp=int(info.get("attn_dp_size") or 1), cpu=info.get("device") == "cpu")
+                   attn_dp=int(info.get("attn_dp_size") or 1), cpu=info.get("device") == "cpu",
+                   shared_experts_fusion=fusion, moe_a2a=str(info.get("moe_a2a_backend") or "none"),
+                   batch_overlap=bool(info.get("enable_two_batch_overlap") or info.get("enable_single_batch_overlap")))
+
+
+# The all-to-all backends under which each family's SGLang model leaves its shared experts unfused.
+_FUSION_BLOCKING_A2A = {"deepseek_v3": {"deepep", "deepep_v2", "mooncake", "mori", "pplx"},
+                        "glm4_moe": {"deepep", "mori"}}
+
+
+def fuses_shared_experts(arch: Architecture, sharding: EngineSharding) -> bool:
+    """Whether SGLang loads the model's shared expert as one more routed expert (`experts.{num_experts}` of
+    `w13_weight` / `w2_weight`; no `shared_experts` parameters): `resolve_shared_experts_config` with the
+    `shared_experts_fusion_disable_reason` of DeepseekV3ForCausalLM and Glm4MoeForCausalLM, for unquantised weights
+    on NVIDIA GPUs of compute capability 8.0 or more (those of the GPU lock). On the CPU never, unless forced for
+    DeepSeek-V3. Pinned by tests/weight_sync/test_engine_sharding.py."""
+    moe, family, fusion = arch.moe, arch.family, sharding.shared_experts_fusion
+    if moe is None or not moe.shared_ffn_hidden_size or fusion == "off" or family not in _FUSION_BLOCKING_A2A:
+        return False
+    if family == "deepseek_v3":
+        if fusion == "forced":
+            return True
+        single_shared = moe.shared_ffn_hidden_size == moe.ffn_hidden_size
+        if sharding.batch_overlap or not (moe.num_experts == 256 and single_shared):  # DeepSeek-V3 / R1's shape
+            return False
+    if sharding.moe_a2a in _FUSION_BLOCKING_A2A[family]:
+        return False
+    return not sharding.cpu and sharding.ep == 1
 
 
 def sharding_of(url: str, *, api_key: str | None) -> EngineSharding:
@@ -76,12 +115,16 @@ def sharding_of(url: str, *, api_key: str | None) -> EngineSharding:
 
 def layout_supported(arch: Architecture, sharding: EngineSharding) -> bool:
     """Whether `ExpectedChecksums` knows the engine parameters of this model on engines sharded as `sharding`."""
-    if arch.mla is not None or sharding.attn_dp > 1:  # DP attention: not predicted (nor pinned) yet
+    if sharding.attn_dp > 1:  # DP attention: not predicted (nor pinned) yet
         return False
+    if fuses_shared_experts(arch, sharding) and (sharding.ep > 1 or sharding.moe_a2a != "none"):
+        return False  # a fused shared expert in per-rank slots of the expert-parallel blocks: not predicted
     tp = sharding.tp
     if tp == 1:
         return True
     heads, kv_heads = arch.num_attention_heads, arch.num_query_groups
+    if arch.mla is not None:  # SGLang splits MLA's heads, and refuses a tp that does not divide them
+        return heads % tp == 0
     if sharding.cpu:  # SGLang pads heads (and key/value heads) that tp does not divide, on the CPU only
         return heads % tp == 0 and kv_heads % tp == 0
     return heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
@@ -170,7 +213,9 @@ class ExpectedChecksums:
             raise ValueError(f"ExpectedChecksums does not know SGLang's parameters of this model on engines sharded "
                              f"as {sharding} (layout_supported)")
         self.arch, self.dtype, self.sharding = arch, dtype, sharding
-        self.num_experts = arch.moe.num_experts if arch.moe else 0
+        self.fused_shared = fuses_shared_experts(arch, sharding)
+        # With the fusion, the shared expert is the last expert of w13_weight / w2_weight.
+        self.num_experts = (arch.moe.num_experts + self.fused_shared) if arch.moe else 0
         self._fused: dict[tuple[int, str], _Fused] = {}
         self._done: list[dict[str, str | Future]] = [{} for _ in range(sharding.tp)]
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checksums")  # one thread: hashes in order
@@ -219,6 +264,8 @@ class ExpectedChecksums:
         """(engine parameter, index of this tensor among its parts on a rank that holds it, number of parts there,
         how it is split over the ranks) of HF tensor `hf_name` of `shape`. Experts count from the first one of the
         rank's expert-parallel block."""
+        if self.fused_shared and ".mlp.shared_experts." in hf_name:
+            hf_name = hf_name.replace(".mlp.shared_experts.", f".mlp.experts.{self.arch.moe.num_experts}.")
         if m := re.fullmatch(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", hf_name):
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
             per_rank = self.num_experts // self.sharding.ep  # the experts of one expert-parallel block
@@ -227,6 +274,8 @@ class ExpectedChecksums:
             if proj == "down":
                 return f"{prefix}.w2_weight", local, per_rank, split
             return f"{prefix}.w13_weight", 2 * local + (proj == "up"), 2 * per_rank, split
+        if self.arch.mla is not None and (slot := self._mla_slot(hf_name, shape)):
+            return slot
         if m := re.fullmatch(r"(.+\.self_attn)\.([qkv])_proj\.(weight|bias)", hf_name):
             return (f"{m.group(1)}.qkv_proj.{m.group(3)}", "qkv".index(m.group(2)), 3,
                     self._head_split(m.group(2), shape))
@@ -240,6 +289,22 @@ class ExpectedChecksums:
         if hf_name in VOCAB_TENSORS:
             return hf_name, 0, 1, self._vocab_split(shape[0])
         return hf_name, 0, 1, _Split()
+
+    def _mla_slot(self, hf_name: str, shape) -> tuple[str, int, int, _Split] | None:
+        """MLA's projections (None for the rest). The down projections are replicated: with a query LoRA, SGLang
+        fuses q_a_proj and kv_a_proj_with_mqa into `fused_qkv_a_proj_with_mqa`, whole on every rank. The up
+        projections (q_b_proj or the full-rank q_proj, kv_b_proj) are column-parallel by heads, o_proj row-parallel
+        (the general rule); the latent norms are whole. `w_kc` / `w_vc`, which SGLang derives from kv_b_proj after
+        loading, are not parameters: `/weights_checker` does not report them, and kv_b_proj stands for them."""
+        m = re.fullmatch(r"(.+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa|q_b_proj|kv_b_proj|q_proj)\.weight", hf_name)
+        if m is None:
+            return None
+        attn, proj = m.groups()
+        if proj in ("q_b_proj", "kv_b_proj", "q_proj"):
+            return hf_name, 0, 1, self._split(0, shape[0])
+        if self.arch.mla.q_lora_rank is None:
+            return hf_name, 0, 1, _Split()
+        return f"{attn}.fused_qkv_a_proj_with_mqa.weight", int(proj == "kv_a_proj_with_mqa"), 2, _Split()
 
     def _split(self, dim: int, length: int, blocks: int | None = None, rank_block=None) -> _Split:
         tp = self.sharding.tp

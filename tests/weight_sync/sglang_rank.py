@@ -10,7 +10,9 @@ pipeline stage (as SGLang's own tests do in sglang/test/parallel_groups.py).
 Run as a script (SGLang leaves environment variables and logging set behind it; keep it out of the test process):
     python -m tests.weight_sync.sglang_rank CASES_JSON  ->  one JSON list on stdout, per case {name: checksum}
 where each case is {"model": path, "tp": size, "rank": r, "args": [extra server args], "cpu_padding": bool}:
-`cpu_padding` False leaves out the CPU engine's padding, for the sharding of GPU engines.
+`cpu_padding` False leaves out the CPU engine's padding, and answers the models' one question to the device while
+they are built, whether shared experts may be fused, as an NVIDIA GPU of compute capability 9.0 (an H100) would
+(`as_on_nvidia`): the sharding of GPU engines.
 """
 
 from __future__ import annotations
@@ -59,6 +61,28 @@ def _stamp_groups(rank: int) -> None:
                            pp_group=_group("pp", [rank], rank))
 
 
+def as_on_nvidia(capability: tuple[int, int] = (9, 0)) -> None:
+    """The stand-in at the device boundary for GPU rules: DeepSeek-V3's and GLM-4.5's shared-experts fusion decision
+    (`shared_experts_fusion_disable_reason`, asked once before the model is built) sees an NVIDIA GPU of
+    `capability`; everything else still runs on the CPU."""
+    import torch
+    from sglang.srt.models import deepseek_v2, glm4_moe
+
+    for module, model_class in ((deepseek_v2, deepseek_v2.DeepseekV2ForCausalLM),
+                                (glm4_moe, glm4_moe.Glm4MoeForCausalLM)):
+        decide = model_class.shared_experts_fusion_disable_reason.__func__
+
+        def on_nvidia(cls, hf_config, quant_config, decide=decide, module=module):
+            saved = module._is_cuda, torch.cuda.get_device_capability
+            module._is_cuda, torch.cuda.get_device_capability = True, lambda *_: capability
+            try:
+                return decide(cls, hf_config, quant_config)
+            finally:
+                module._is_cuda, torch.cuda.get_device_capability = saved
+
+        model_class.shared_experts_fusion_disable_reason = classmethod(on_nvidia)
+
+
 def build_rank(model: str, *, tp: int, rank: int, args=(), cpu_padding: bool = True):
     """The model as rank `rank` of an engine of `tp` ranks holds it once loaded from `model`."""
     from sglang.srt.configs.device_config import DeviceConfig
@@ -98,8 +122,18 @@ def main(cases: list[dict]) -> list[dict[str, str]]:
     from slimish.compat.cuda_driver_stub import preload_if_needed
 
     preload_if_needed()  # the CUDA sgl_kernel wheel links libcuda
-    return [checksums(build_rank(c["model"], tp=c["tp"], rank=c["rank"], args=c.get("args", ()),
-                                 cpu_padding=c.get("cpu_padding", True))) for c in cases]
+    # CPU cases first: the stand-in, once set, stays for the rest of the process.
+    order = sorted(range(len(cases)), key=lambda i: not cases[i].get("cpu_padding", True))
+    result: list[dict[str, str]] = [{} for _ in cases]
+    on_nvidia = False
+    for i in order:
+        case = cases[i]
+        if not case.get("cpu_padding", True) and not on_nvidia:
+            as_on_nvidia()
+            on_nvidia = True
+        result[i] = checksums(build_rank(case["model"], tp=case["tp"], rank=case["rank"], args=case.get("args", ()),
+                                         cpu_padding=case.get("cpu_padding", True)))
+    return result
 
 
 if __name__ == "__main__":

@@ -16,14 +16,17 @@ from slimish.weight_sync.checksums import (
     EngineSharding,
     ExpectedChecksums,
     differing,
+    fuses_shared_experts,
     layout_supported,
     tensor_checksum,
 )
 
 
-def arch(num_experts: int = 0, heads: int = 4, kv_heads: int = 2):
-    return SimpleNamespace(mla=None, moe=SimpleNamespace(num_experts=num_experts) if num_experts else None,
-                           num_attention_heads=heads, num_query_groups=kv_heads)
+def arch(num_experts: int = 0, heads: int = 4, kv_heads: int = 2, family: str = "qwen3_moe", shared: int | None = None,
+         mla=None):
+    moe = SimpleNamespace(num_experts=num_experts, ffn_hidden_size=6, shared_ffn_hidden_size=shared)
+    return SimpleNamespace(family=family, mla=mla, moe=moe if num_experts else None, num_attention_heads=heads,
+                           num_query_groups=kv_heads)
 
 
 def moe_layer(num_experts: int) -> dict[str, torch.Tensor]:
@@ -49,8 +52,9 @@ def engine_params(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, tor
                                                     for e in range(num_experts)]),
         f"{p}.mlp.experts.w2_weight": torch.stack([t[f"{p}.mlp.experts.{e}.down_proj.weight"]
                                                    for e in range(num_experts)]),
-        f"{p}.mlp.shared_experts.gate_up_proj.weight": torch.cat([t[f"{p}.mlp.shared_experts.gate_proj.weight"],
-                                                                  t[f"{p}.mlp.shared_experts.up_proj.weight"]]),
+        **({f"{p}.mlp.shared_experts.gate_up_proj.weight": torch.cat([t[f"{p}.mlp.shared_experts.gate_proj.weight"],
+                                                                     t[f"{p}.mlp.shared_experts.up_proj.weight"]])}
+           if f"{p}.mlp.shared_experts.gate_proj.weight" in t else {}),
     }
 
 
@@ -185,7 +189,8 @@ def test_the_vocabulary_is_padded_then_split_over_the_ranks(tp, rows, padded):
 
 
 def test_layouts_not_predicted():
-    assert not layout_supported(SimpleNamespace(mla=object()), EngineSharding())
+    assert layout_supported(arch(heads=4, kv_heads=4, mla=object()), EngineSharding(tp=2, cpu=True)), "MLA"
+    assert not layout_supported(arch(heads=6, kv_heads=6, mla=object()), EngineSharding(tp=4)), "SGLang refuses"
     assert not layout_supported(arch(heads=4, kv_heads=2), EngineSharding(tp=4, cpu=True)), \
         "SGLang pads key/value heads on the CPU"
     assert layout_supported(arch(heads=4, kv_heads=2), EngineSharding(tp=4))
@@ -200,3 +205,37 @@ def test_sharding_of_an_engines_server_info():
     with_dp_attention = EngineSharding.of_server({"tp_size": 8, "ep_size": 8, "attn_dp_size": 8, "device": "cuda"})
     assert with_dp_attention.attn_dp == 8
     assert not layout_supported(arch(heads=8, kv_heads=8), with_dp_attention), "DP attention: not predicted"
+
+
+def test_the_shared_expert_fused_on_a_gpu_is_the_last_routed_expert():
+    """GLM-4.5 on a GPU engine without expert parallelism: SGLang loads shared_experts.* as experts.{num_experts}."""
+    p = "model.layers.0.mlp"
+    tensors = {**moe_layer(2), f"{p}.shared_experts.down_proj.weight": torch.randn(6, 8)}
+    glm = arch(num_experts=2, family="glm4_moe", shared=6)
+    fused = ExpectedChecksums(glm, torch.float32, EngineSharding())
+    for name, tensor in tensors.items():
+        fused.add(name, tensor)
+    as_third_expert = {name.replace(f"{p}.shared_experts.", f"{p}.experts.2."): t for name, t in tensors.items()}
+    assert fused.result()[0] == {name: tensor_checksum(t) for name, t in engine_params(as_third_expert, 3).items()}
+    assert not fuses_shared_experts(glm, EngineSharding(cpu=True)), "never on the CPU"
+    assert not fuses_shared_experts(glm, EngineSharding(tp=8, ep=8)), "nor with expert parallelism"
+    assert not fuses_shared_experts(glm, EngineSharding(shared_experts_fusion="off"))
+    assert not fuses_shared_experts(glm, EngineSharding(moe_a2a="deepep"))
+    deepseek = arch(num_experts=256, family="deepseek_v3", shared=6, mla=object())
+    assert fuses_shared_experts(deepseek, EngineSharding(tp=8))
+    assert not fuses_shared_experts(deepseek, EngineSharding(tp=8, batch_overlap=True))
+    assert not fuses_shared_experts(arch(num_experts=8, family="deepseek_v3", shared=6), EngineSharding(tp=8)), \
+        "only DeepSeek-V3's own shape"
+    assert fuses_shared_experts(arch(num_experts=8, family="deepseek_v3", shared=6),
+                                EngineSharding(cpu=True, shared_experts_fusion="forced"))
+    assert not layout_supported(deepseek, EngineSharding(tp=8, shared_experts_fusion="forced", moe_a2a="deepep")), \
+        "a fused shared expert in per-rank slots: not predicted"
+
+
+def test_the_shared_experts_fusion_settings_of_an_engines_server_info():
+    info = {"tp_size": 8, "device": "cuda", "moe_a2a_backend": "deepep", "enable_two_batch_overlap": True,
+            "disable_shared_experts_fusion": True}
+    assert EngineSharding.of_server(info) == EngineSharding(tp=8, shared_experts_fusion="off", moe_a2a="deepep",
+                                                            batch_overlap=True)
+    forced = EngineSharding.of_server({"tp_size": 8, "enforce_shared_experts_fusion": True})
+    assert forced.shared_experts_fusion == "forced"

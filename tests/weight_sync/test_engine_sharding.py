@@ -21,12 +21,25 @@ import torch
 
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
-from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums, differing
+from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums, differing, fuses_shared_experts
 from tests.conftest import REPO
 
 # (family, tp, ep, CPU padding): every rank of each.
-LAYOUTS = [("qwen3", 2, 1, True), ("qwen2", 2, 1, True), ("qwen3_moe", 2, 1, True), ("qwen3_moe", 2, 2, True),
-           ("glm4_moe", 2, 1, True), ("qwen3", 4, 1, False), ("glm4_moe", 2, 1, False)]
+# (family, tp, ep, CPU engine, shared-experts fusion): every rank of each. With the GPU's rules, GLM-4.5 fuses its
+# shared expert into the routed ones unless expert parallelism is on; DeepSeek-V3 only at its real shape (256
+# routed experts) or when forced.
+LAYOUTS = [("qwen3", 2, 1, True, "auto"), ("qwen2", 2, 1, True, "auto"), ("qwen3_moe", 2, 1, True, "auto"),
+           ("qwen3_moe", 2, 2, True, "auto"), ("glm4_moe", 2, 1, True, "auto"), ("qwen3", 4, 1, False, "auto"),
+           ("glm4_moe", 2, 1, False, "auto"), ("glm4_moe", 2, 2, False, "auto"), ("glm4_moe", 2, 1, False, "off"),
+           ("deepseek_v3", 2, 1, True, "auto"), ("deepseek_v3", 4, 1, False, "auto"),
+           ("deepseek_v3", 2, 1, False, "forced"), ("deepseek_v3_full_q", 2, 1, False, "auto")]
+FUSION_ARGS = {"auto": [], "off": ["--disable-shared-experts-fusion"], "forced": ["--enforce-shared-experts-fusion"]}
+# What the real DeepSeek-V3 config.json has and the tiny one (written by transformers) lacks, which SGLang's model
+# needs to be built: its MoE fields, and its YaRN RoPE (SGLang's CPU MLA knows no other). Weights are unchanged.
+DEEPSEEK_V3_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                      "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                          "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
 
 
 @pytest.fixture(scope="module")
@@ -35,36 +48,62 @@ def models(tiny_models, tmp_path_factory) -> dict[str, Path]:
     from slimish.tasks.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("moe")
-    return {**tiny_models, **{family: build_tiny_model(root / family, corpus=echo_digit.corpus(), family=family)
-                              for family in ("qwen3_moe", "glm4_moe")}}
+    built = {family: build_tiny_model(root / family, corpus=echo_digit.corpus(), family=family)
+             for family in ("qwen3_moe", "glm4_moe", "deepseek_v3")}
+    # MLA without a query LoRA (DeepSeek-V2-Lite's): one full-rank q_proj, kv_a_proj_with_mqa alone.
+    built["deepseek_v3_full_q"] = build_tiny_model(root / "deepseek_v3_full_q", corpus=echo_digit.corpus(),
+                                                   family="deepseek_v3", q_lora_rank=None)
+    return {**tiny_models, **built}
+
+
+def served(model: Path) -> Path:
+    """The checkpoint SGLang is given: a DeepSeek-V3's with the fields of DEEPSEEK_V3_FIELDS (the same weights)."""
+    config = json.loads((model / "config.json").read_text())
+    if config["model_type"] != "deepseek_v3":
+        return model
+    copy = model.with_name(model.name + "_sglang")
+    if not copy.exists():
+        copy.mkdir()
+        for item in model.iterdir():
+            (copy / item.name).symlink_to(item)
+        (copy / "config.json").unlink()
+        (copy / "config.json").write_text(json.dumps({**config, **DEEPSEEK_V3_FIELDS}))
+    return copy
 
 
 @pytest.fixture(scope="module")
 def sglang_ranks(models) -> dict[tuple, dict[str, str]]:
-    """(family, tp, ep, cpu padding, rank) -> SGLang's checksums of that rank."""
+    """(family, tp, ep, CPU engine, fusion, rank) -> SGLang's checksums of that rank."""
     cases, keys = [], []
-    for family, tp, ep, cpu in LAYOUTS:
+    for family, tp, ep, cpu, fusion in LAYOUTS:
         for rank in range(tp):
-            cases.append({"model": str(models[family]), "tp": tp, "rank": rank, "cpu_padding": cpu,
-                          "args": ["--ep-size", str(ep)] if ep > 1 else []})
-            keys.append((family, tp, ep, cpu, rank))
+            args = (["--ep-size", str(ep)] if ep > 1 else []) + FUSION_ARGS[fusion]
+            cases.append({"model": str(served(models[family])), "tp": tp, "rank": rank, "cpu_padding": cpu,
+                          "args": args})
+            keys.append((family, tp, ep, cpu, fusion, rank))
     result = subprocess.run([sys.executable, "-m", "tests.weight_sync.sglang_rank", json.dumps(cases)],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return dict(zip(keys, json.loads(result.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize(("family", "tp", "ep", "cpu"), LAYOUTS,
-                         ids=[f"{f}-tp{t}-ep{e}-{'cpu' if c else 'gpu'}" for f, t, e, c in LAYOUTS])
-def test_every_rank_holds_what_the_sender_predicts(models, sglang_ranks, family, tp, ep, cpu):
+@pytest.mark.parametrize(("family", "tp", "ep", "cpu", "fusion"), LAYOUTS,
+                         ids=[f"{f}-tp{t}-ep{e}-{'cpu' if c else 'gpu'}-fusion_{u}" for f, t, e, c, u in LAYOUTS])
+def test_every_rank_holds_what_the_sender_predicts(models, sglang_ranks, family, tp, ep, cpu, fusion):
     model = models[family]
-    expected = ExpectedChecksums(architecture_from_hf(read_hf_config(model)), torch.float32,
-                                 EngineSharding(tp=tp, ep=ep, cpu=cpu))
+    sharding = EngineSharding(tp=tp, ep=ep, cpu=cpu, shared_experts_fusion=fusion)
+    arch = architecture_from_hf(read_hf_config(model))
+    expected = ExpectedChecksums(arch, torch.float32, sharding)
     checkpoint = HFCheckpoint(model)
     for name in checkpoint.names():
         expected.add(name, checkpoint.get(name))
     predicted = expected.result()
+    shared = arch.moe is not None and bool(arch.moe.shared_ffn_hidden_size)
+    fused = fuses_shared_experts(arch, sharding)
     for rank in range(tp):
-        held = sglang_ranks[(family, tp, ep, cpu, rank)]
+        held = sglang_ranks[(family, tp, ep, cpu, fusion, rank)]
+        if shared:
+            assert fused != any(".shared_experts." in name for name in held), \
+                f"SGLang {'does not fuse' if fused else 'fuses'} {family}'s shared experts here"
         assert differing(predicted[rank], held) == [], \
             f"SGLang shards {family} (tp {tp}, ep {ep}, {'CPU' if cpu else 'GPU'} rules) rank {rank} otherwise"
