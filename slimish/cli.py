@@ -18,7 +18,6 @@ reported as one line, `error: <what is wrong and what to do>`, with exit status 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -61,7 +60,7 @@ def cmd_train(args) -> int:
     _config_argument(args)
     cfg = _load(args.config, args.overrides)
     from slimish import log
-    from slimish.orchestration.driver import train
+    from slimish.orchestration.driver import stopping_signal, train
 
     log.setup(cfg.run.log_level)
     # One rollout bar on a terminal; none when the output goes to a file or a pipe (as under sbatch or tee), where
@@ -70,7 +69,7 @@ def cmd_train(args) -> int:
     try:
         run_dir = train(cfg, report=_job_output(progress_bar), progress_bar=progress_bar)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the job stopped everything it started
-        signum = getattr(exc, "signum", signal.SIGINT)
+        signum = int(stopping_signal(exc))
         print(f"stopped by signal {signum}; everything the job started is stopped (checkpoint.resume continues it "
               "from its last checkpoint)", file=sys.stderr)
         return 128 + signum  # the shell's exit code for a death by that signal

@@ -448,8 +448,19 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+_TERMINATED_BY: list[int] = []  # the signals _raise_terminated turned into Terminated, in order
+
+
 def _raise_terminated(signum, frame):
+    _TERMINATED_BY.append(signum)
     raise Terminated(signum)
+
+
+def stopping_signal(exc: KeyboardInterrupt) -> int:
+    """The signal that stopped the job with `exc`: Terminated's own, else the last one `_raise_terminated` took (a
+    Terminated raised while `ray.get` waits comes out of it as a plain KeyboardInterrupt, its signal number lost),
+    else SIGINT (Ctrl-C)."""
+    return getattr(exc, "signum", None) or (_TERMINATED_BY[-1] if _TERMINATED_BY else signal.SIGINT)
 
 
 def train(cfg: JobConfig, *, report: Callable[[str], None], progress_bar: bool = False) -> Path:

@@ -65,6 +65,22 @@ def fault_between_buckets(version: str, bucket: int, engine_urls: list[str]) -> 
         f.write(json.dumps({"version": int(version), **armed}) + "\n")
 
 
+PACE_S = 4.0  # pace_while_restarting's pause before each rollout while an engine is down
+
+
+def pace_while_restarting(phase: str, step: int, engine_urls: list[str]) -> None:
+    """`run.phase_hook` of the tests that restart an engine under a running job: while fewer engines hold the
+    weights than the job placed (placement.json in the run directory SLIMISH_TEST_RUN_DIR names), each rollout
+    starts PACE_S late. Steps still run on the engines left, but on this 2-core machine a job at full speed takes
+    the cores a restarting engine needs (its start-up took 80-120 s beside it, ~35 s alone); on a cluster the
+    restarting engine has its node to itself. Nothing else changes: the same steps, syncs and checks."""
+    if phase != "rollout":
+        return
+    placement = json.loads((Path(os.environ["SLIMISH_TEST_RUN_DIR"]) / "placement.json").read_text())
+    if len(engine_urls) < len(placement["engines"]):
+        time.sleep(PACE_S)
+
+
 LONG_TOKENS = 12  # long_response_reward: half of the responses of the abort test's untrained model are this long
 
 

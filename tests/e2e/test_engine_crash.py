@@ -5,7 +5,8 @@ tests/slurm/test_sbatch.py.) Each time the job goes on with the other engine: th
 that were on the dead one are retried, the interrupted sync starts over to the survivor, the engine is restarted,
 rejoins the weight-sync group and the router at the next weight sync, and then serves the trained weights (every
 sync verifies every engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost.
-Nothing is left running afterwards.
+Then the job, mid-run, gets SIGTERM: it stops engines, router, actors and Ray, exits 143, and leaves nothing running
+(tests/e2e/test_interrupt.py until 2026-11-26, which started a job of its own for it).
 
 Where each fault lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
@@ -24,7 +25,11 @@ The engines run at tensor-parallel 2 (on CPU: `slimish.compat.sglang_cpu`'s sett
 to groups of 1 + 2 x 2 ranks (each engine rank at its engine's rank offset) and is verified on every rank of every
 engine against the checksums the trainer predicts for that rank's shard (`sync_checksums_predicted`); a kill or a
 freeze takes both ranks of an engine, and a restart brings both back. The watchdog and restart code is the same for
-engines of one rank. Syncs on the other transports to a TP2 engine are in tests/e2e/test_weight_sync_engines.py."""
+engines of one rank. Syncs on the other transports to a TP2 engine are in tests/e2e/test_weight_sync_engines.py.
+
+While an engine is down the job is paced (`tests.e2e.hooks.pace_while_restarting`: each rollout starts 4 s late), so
+that the restart gets the cores it would have on a node of its own: on this 2-core machine a job at full speed made
+each restart take 110-120 s instead of ~70 s, and the test 478 s instead of 355 s (same machine, back to back)."""
 
 from __future__ import annotations
 
@@ -100,7 +105,8 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
                         "rollout.engine.tensor_parallel=2",
                         "rollout.engine.health_interval_s=5", "rollout.engine.hang_timeout_s=60",
                         "rollout.prompts_per_step=8", "rollout.max_new_tokens=32", "weight_sync.bucket_mb=0.1",
-                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets")
+                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets",
+                        "run.phase_hook=tests.e2e.hooks.pace_while_restarting")
     log = tmp_path / "driver.log"
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=hook_env(run_dir))
     metrics = run_dir / "metrics.jsonl"
@@ -115,10 +121,18 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         # 2. Engine 1 (its restarted server) frozen between two buckets of the next sync.
         hooks.arm_fault_between_buckets(run_dir, engine=1, signal_name="SIGSTOP")
         records = wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
+        # 3. SIGTERM mid-run (the job is set for 1000 steps): the driver stops engines, router, actors and Ray, and
+        # exits 143 (128 + SIGTERM), leaving nothing.
+        servers = json.loads((run_dir / "pids.json").read_text())["servers"]
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=180)
-    assert not leftovers(), "processes left running after the job"
+        exit_code = proc.wait(timeout=180)
+    assert exit_code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert "stopped by signal 15" in log.read_text()
+    assert not leftovers(), "processes left running after SIGTERM"
+    for pid in servers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     assert records[-1]["engine_deaths"] == 2 and records[-1]["engine_restart_failures"] == 0
     assert records[-1]["engine_hangs"] == 1
     retried = sum(r.get("requests_retried", 0) for r in records)

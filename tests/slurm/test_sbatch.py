@@ -262,8 +262,9 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
     the trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed between two buckets of a sync
     (the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py, armed by the test): the sync starts over to engine 1
     within the step, engine 0 counts one death, is restarted whole (both parts) while the job goes on with engine
-    1, and rejoins. Then the job is cancelled mid-run, engines up: it ends CANCELLED, its teardown ran, and nothing
-    it started is left (part 1 of an engine ignores SIGTERM: it is killed)."""
+    1, and rejoins (the job paced meanwhile, as in tests/e2e/test_engine_crash.py, so that the restart gets the
+    cores). Then the job is cancelled mid-run, engines up: it ends CANCELLED, its teardown ran, and nothing it
+    started is left (part 1 of an engine ignores SIGTERM: it is killed)."""
     from tests.e2e import hooks
     from tests.e2e.procs import hook_env
 
@@ -271,6 +272,7 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
     job = submit_train(cluster, tmp_path, "span", "rl.num_steps=1000", "rollout.engine.tensor_parallel=2",
                        "rollout.engine.nodes_per_engine=2", "eval.every=0", "ray.cpus_per_slot=1",
                        "weight_sync.after_bucket_hook=tests.e2e.hooks.fault_between_buckets",
+                       "run.phase_hook=tests.e2e.hooks.pace_while_restarting",
                        env={**hook_env(run_dir), "SLIMISH_RAY_NUM_CPUS": "3", "SLIMISH_RAY_NUM_GPUS": "0"})
 
     def steps_or_end(count: int):
