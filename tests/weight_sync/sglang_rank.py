@@ -8,7 +8,8 @@ placement (ranks, rank in group), laid out as `parallel_state.initialize_model_p
 pipeline stage (as SGLang's own tests do in sglang/test/parallel_groups.py).
 
 Run as a script (SGLang leaves environment variables and logging set behind it; keep it out of the test process):
-    python -m tests.weight_sync.sglang_rank CASES_JSON  ->  one JSON list on stdout, per case {name: checksum}
+    python -m tests.weight_sync.sglang_rank CASES_JSON  ->  one JSON list on stdout, per case
+        {"checksums": {name: checksum}, "server_info": the server's resolved arguments, as /server_info gives them}
 where each case is {"model": path, "tp": size, "rank": r, "args": [extra server args], "cpu_padding": bool}:
 `cpu_padding` False leaves out the CPU engine's padding, and answers the models' one question to the device while
 they are built, whether shared experts may be fused, as an NVIDIA GPU of compute capability 9.0 (an H100) would
@@ -84,7 +85,8 @@ def as_on_nvidia(capability: tuple[int, int] = (9, 0)) -> None:
 
 
 def build_rank(model: str, *, tp: int, rank: int, args=(), cpu_padding: bool = True):
-    """The model as rank `rank` of an engine of `tp` ranks holds it once loaded from `model`."""
+    """(The model as rank `rank` of an engine of `tp` ranks holds it once loaded from `model`, the server's resolved
+    arguments: what its /server_info reports of them)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
@@ -108,7 +110,8 @@ def build_rank(model: str, *, tp: int, rank: int, args=(), cpu_padding: bool = T
     if cpu_padding:  # what ModelRunner.load_model does on a CPU engine
         model_config = adjust_config_with_unaligned_cpu_tp(model_config, load_config, tp)
     loader = get_model_loader(load_config=load_config, model_config=model_config)
-    return loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu", 0))
+    model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu", 0))
+    return model, server_args.resolved_dict()
 
 
 def checksums(model) -> dict[str, str]:
@@ -118,21 +121,22 @@ def checksums(model) -> dict[str, str]:
     return WeightChecker(get_model=lambda: model).handle("checksum", role="target")["checksums"]
 
 
-def main(cases: list[dict]) -> list[dict[str, str]]:
+def main(cases: list[dict]) -> list[dict]:
     from slimish.compat.cuda_driver_stub import preload_if_needed
 
     preload_if_needed()  # the CUDA sgl_kernel wheel links libcuda
     # CPU cases first: the stand-in, once set, stays for the rest of the process.
     order = sorted(range(len(cases)), key=lambda i: not cases[i].get("cpu_padding", True))
-    result: list[dict[str, str]] = [{} for _ in cases]
+    result: list[dict] = [{} for _ in cases]
     on_nvidia = False
     for i in order:
         case = cases[i]
         if not case.get("cpu_padding", True) and not on_nvidia:
             as_on_nvidia()
             on_nvidia = True
-        result[i] = checksums(build_rank(case["model"], tp=case["tp"], rank=case["rank"], args=case.get("args", ()),
-                                         cpu_padding=case.get("cpu_padding", True)))
+        model, info = build_rank(case["model"], tp=case["tp"], rank=case["rank"], args=case.get("args", ()),
+                                 cpu_padding=case.get("cpu_padding", True))
+        result[i] = {"checksums": checksums(model), "server_info": json.loads(json.dumps(info, default=str))}
     return result
 
 

@@ -73,7 +73,8 @@ def served(model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sglang_ranks(models) -> dict[tuple, dict[str, str]]:
-    """(family, tp, ep, CPU engine, fusion, rank) -> SGLang's checksums of that rank."""
+    """(family, tp, ep, CPU engine, fusion, rank) -> {"checksums": SGLang's checksums of that rank, "server_info":
+    what the engine's /server_info would say of its sharding}."""
     cases, keys = [], []
     for family, tp, ep, cpu, fusion in LAYOUTS:
         for rank in range(tp):
@@ -101,9 +102,27 @@ def test_every_rank_holds_what_the_sender_predicts(models, sglang_ranks, family,
     shared = arch.moe is not None and bool(arch.moe.shared_ffn_hidden_size)
     fused = fuses_shared_experts(arch, sharding)
     for rank in range(tp):
-        held = sglang_ranks[(family, tp, ep, cpu, fusion, rank)]
+        held = sglang_ranks[(family, tp, ep, cpu, fusion, rank)]["checksums"]
         if shared:
             assert fused != any(".shared_experts." in name for name in held), \
                 f"SGLang {'does not fuse' if fused else 'fuses'} {family}'s shared experts here"
         assert differing(predicted[rank], held) == [], \
             f"SGLang shards {family} (tp {tp}, ep {ep}, {'CPU' if cpu else 'GPU'} rules) rank {rank} otherwise"
+
+
+# What EngineSharding.of_server reads of an engine's /server_info (SGLang's ServerArgs.resolved_dict()).
+SERVER_INFO_FIELDS = {"tp_size", "ep_size", "attn_dp_size", "device", "disable_shared_experts_fusion",
+                      "enforce_shared_experts_fusion", "moe_a2a_backend", "enable_two_batch_overlap",
+                      "enable_single_batch_overlap"}
+SERVER_INFO_CASES = [("glm4_moe", 2, 2, False, "auto"), ("glm4_moe", 2, 1, False, "off"),
+                     ("deepseek_v3", 2, 1, False, "forced")]
+
+
+@pytest.mark.parametrize(("family", "tp", "ep", "cpu", "fusion"), SERVER_INFO_CASES,
+                         ids=["ep2", "fusion_off", "fusion_forced"])
+def test_the_sharding_is_read_from_fields_sglang_reports(sglang_ranks, family, tp, ep, cpu, fusion):
+    """EngineSharding.of_server reads fields /server_info has (SGLang's resolved arguments), under their names."""
+    info = sglang_ranks[(family, tp, ep, cpu, fusion, 0)]["server_info"]
+    assert SERVER_INFO_FIELDS <= set(info), f"/server_info lacks {SERVER_INFO_FIELDS - set(info)}"
+    sharding = EngineSharding.of_server(info)
+    assert (sharding.tp, sharding.ep, sharding.shared_experts_fusion) == (tp, ep, fusion)
