@@ -6,7 +6,7 @@ that were on the dead one are retried, the interrupted sync starts over to the s
 rejoins the weight-sync group and the router at the next weight sync, and then serves the trained weights (every
 sync verifies every engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost.
 Then the job, mid-run, gets SIGTERM: it stops engines, router, actors and Ray, exits 143, and leaves nothing running
-(tests/e2e/test_interrupt.py until 2026-11-26, which started a job of its own for it).
+(an interrupt test until 2026-11-26, which started a job of its own for it).
 
 Where each fault lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
