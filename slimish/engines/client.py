@@ -32,7 +32,8 @@ class EngineClient:
 
     def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key))
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key),
+                                  limits=httpx.Limits(keepalive_expiry=timeouts.KEEPALIVE_S))
 
     def close(self) -> None:
         self._http.close()

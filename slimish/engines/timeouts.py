@@ -13,3 +13,9 @@ KILL_S = 60.0              # SIGKILL an engine's process group and reap it
 STOP_EXTRA_S = 15.0        # stopping engines: their grace period plus this, then their actors are killed
 TELEMETRY_S = 10.0         # one engine's GPU telemetry; an engine slower than this is left out of that sample
 ATTACH_RESET_S = 600.0     # resetting an attached engine: its checkpoint reloaded from disk
+# How long an idle connection to an engine is kept for reuse: well under the engine's own keep-alive (uvicorn's
+# timeout_keep_alive, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE, 5 s by default), so that a call is never sent on a
+# connection the engine is closing that moment. With httpx's default (5 s, the same as the engine's), a call made
+# ~5 s after the last one (a weight sync one step after the previous) could land as the engine closed the
+# connection: "Connection reset by peer", and a sync failed with every engine alive.
+KEEPALIVE_S = 2.0
