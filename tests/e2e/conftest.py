@@ -18,7 +18,8 @@ def engine_pool(task_assets, tmp_path_factory):
 
 @pytest.fixture
 def attached(engine_pool):
-    """The shared engines, checked healthy and generating before and after the test that attaches a job to them."""
-    engine_pool.check_engines()
+    """The shared engines, checked healthy and generating before and after the test that attaches a job to them.
+    A check that finds one broken mends it first, so one test's failure is not every later test's."""
+    engine_pool.check_engines("before the test")
     yield engine_pool
-    engine_pool.check_engines()
+    engine_pool.check_engines("after the test")

@@ -45,17 +45,46 @@ class SharedEngines:
     def client(self, url: str) -> EngineClient:
         return EngineClient(url, timeout_s=120, api_key=self.key)
 
-    def check_engines(self) -> None:
-        """Every engine runs, answers a generation, and is not paused (a paused engine's /health_generate waits)."""
-        for url, process in zip(self.urls, self.processes):
-            assert process.alive(), (f"shared engine {url} died (exit code {process.proc.returncode}):\n"
-                                     f"{process.log_tail()}")
+    def problems(self) -> dict[int, str]:
+        """What is wrong with each engine that is not running, answering a generation and unpaused (a paused
+        engine's /health_generate waits), by index; {} when all are well."""
+        found = {}
+        for i, (url, process) in enumerate(zip(self.urls, self.processes)):
+            if not process.alive():
+                found[i] = f"died (exit code {process.proc.returncode}):\n{process.log_tail()}"
+                continue
             client = self.client(url)
             try:
-                problem = client.probe("/health_generate", timeout_s=60)
+                if problem := client.probe("/health_generate", timeout_s=60):
+                    found[i] = problem
             finally:
                 client.close()
-            assert problem is None, f"shared engine {url} {problem} after the test"
+        return found
+
+    def check_engines(self, when: str) -> None:
+        """Every engine is well; else the engines are mended (`mend`) and the check fails naming what was wrong, so
+        that the test that broke one fails and the tests after it find them well."""
+        if found := self.problems():
+            self.mend(found)
+            raise AssertionError("; ".join(f"shared engine {self.urls[i]} {problem} {when} (mended)"
+                                           for i, problem in found.items()))
+
+    def mend(self, broken: dict[int, str]) -> None:
+        """Make the `broken` engines well: a paused one is continued (as a job's reset does); one still not well,
+        or dead, is restarted."""
+        for i in broken:
+            if self.processes[i].alive():
+                client = self.client(self.urls[i])
+                try:
+                    client.continue_generation()
+                    client.abort()
+                    if client.probe("/health_generate", timeout_s=60) is None:
+                        continue
+                except Exception:  # noqa: BLE001 - restarted below whatever went wrong
+                    pass
+                finally:
+                    client.close()
+            self.restart(i)
 
     def restart(self, index: int) -> None:
         """Start engine `index` again (a test killed it), with its port, key and seed; healthy on return."""
