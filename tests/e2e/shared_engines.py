@@ -30,13 +30,14 @@ class SharedEngines:
     urls: list[str]
     key_file: Path
     model: str
+    tp: int = 1
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def overrides(self, count: int | None = None) -> list[str]:
         """The config overrides of a job attached to the first `count` engines (all by default)."""
         urls = self.urls[:count]
         return [f"rollout.engine.num_engines={len(urls)}", f"rollout.engine.attach=[{', '.join(urls)}]",
-                f"rollout.engine.attach_key_file={self.key_file}"]
+                f"rollout.engine.attach_key_file={self.key_file}", f"rollout.engine.tensor_parallel={self.tp}"]
 
     @property
     def key(self) -> str:
@@ -98,24 +99,25 @@ class SharedEngines:
             process.stop()
 
 
-def start(model: str, root: Path, *, count: int = 2, seed: int = 1234, max_total_tokens: int = 4096
+def start(model: str, root: Path, *, count: int = 2, tp: int = 1, seed: int = 1234, max_total_tokens: int = 4096
           ) -> SharedEngines:
-    """`count` SGLang CPU engines on `model`, each requiring the key in `root`/engine_key, healthy on return."""
+    """`count` SGLang CPU engines on `model`, of `tp` tensor-parallel ranks each, each requiring the key in
+    `root`/engine_key, healthy on return."""
     root.mkdir(parents=True, exist_ok=True)
     key = new_job_key()
     key_file = root / "engine_key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
-    engines = SharedEngines(urls=[], key_file=key_file, model=model)
+    engines = SharedEngines(urls=[], key_file=key_file, model=model, tp=tp)
     try:
         for i in range(count):
             port = free_port()
             fd, config = tempfile.mkstemp(dir=root, suffix=".yaml")  # the key via --config, not the command line
             with os.fdopen(fd, "w") as f:
                 yaml.safe_dump({"api-key": key}, f)
-            argv = engine_argv(model_path=model, host=HOST, port=port, device="cpu", dtype="float32", tp=1,
+            argv = engine_argv(model_path=model, host=HOST, port=port, device="cpu", dtype="float32", tp=tp,
                                max_total_tokens=max_total_tokens, seed=seed + i, extra=["--config", config])
-            process = ManagedProcess(f"shared_engine{i}", argv, env=engine_env(), log_path=root / f"engine{i}.log")
+            process = ManagedProcess(f"shared_engine{i}", argv, env=engine_env(tp), log_path=root / f"engine{i}.log")
             process.start()
             engines.processes.append(process)
             engines.urls.append(f"http://{HOST}:{port}")

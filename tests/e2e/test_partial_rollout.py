@@ -39,7 +39,8 @@ def run_job(task_assets, tmp_path, engines, name: str, *overrides: str) -> tuple
     attaches to the session's shared `engines`."""
     become_subreaper()
     cmd = train_command(task_assets, tmp_path, *COMMON, f"run.name={name}", *engines.overrides(), *overrides)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path,
+    # ~40 s here: a job that runs 15 times longer has hung (with its hooks' frozen engines), and costs no more.
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
                             env=hook_env(tmp_path / name))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert not leftovers(), "processes left running after the job"

@@ -8,6 +8,9 @@ With SGLang's `/weights_checker`: per-parameter checksums of the engine as it lo
 checksum must be back. A parameter the sync missed keeps its random values. (Its `snapshot` / `compare` actions
 would do the same, but `compare` moves tensors to CUDA: not on CPU.) No trainer: the HF tensors come from the
 checkpoint, as `export_full_hf_tensors` gives them (tested against it in tests/megatron_bridge).
+
+Last, an RL job with an expert-parallel trainer attaches to the GLM-4.5 engine: the whole path, Megatron's export
+of a mixture of experts to the engine's two ranks, with logprob parity after each sync.
 """
 
 from __future__ import annotations
@@ -35,48 +38,45 @@ ENGINE_TP = {"qwen3": 1, "glm4_moe": 2}
 KEYS: dict[str, str | None] = {}  # engine URL -> the key it requires (the shared engines have one)
 
 
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    """One engine of two tensor-parallel ranks on a tiny GLM-4.5, started as tests/e2e/shared_engines.py starts
+    engines to attach to (with a key): the weight-sync tests of glm4_moe use it, and so does the MoE RL job, which
+    attaches to it (an engine start saved)."""
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+    from tests.e2e import shared_engines
+
+    root = tmp_path_factory.mktemp("engine_glm4_moe")
+    model = build_tiny_model(root / "model", corpus=echo_digit.corpus(), family="glm4_moe")
+    engines = shared_engines.start(str(model), root, count=1, tp=ENGINE_TP["glm4_moe"], seed=0,
+                                   max_total_tokens=1024)
+    yield engines
+    engines.stop()
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded, a directory whose `model` is that
-    checkpoint, its architecture): for qwen3 the first of the e2e tier's shared engines (tests/e2e/shared_engines.py,
-    reset to its checkpoint: an engine start saved), for glm4_moe one of its own, of two tensor-parallel ranks."""
-    from slimish.engines.process import ManagedProcess
-    from slimish.engines.server import engine_argv, engine_env
+    checkpoint, its architecture): for qwen3 the first of the e2e tier's shared engines (tests/e2e/shared_engines.py),
+    for glm4_moe `moe_engine`; each reset to its checkpoint before and after (a job may have trained it)."""
     from slimish.engines.servers import reset_attached
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
-    from slimish.tasks import echo_digit
-    from slimish.tasks.tiny_model import build_tiny_model
 
     family = request.param
     root = tmp_path_factory.mktemp(f"engine_{family}")
-    proc = None
-    if family == "qwen3":
-        shared = request.getfixturevalue("engine_pool")
-        url, model = shared.urls[0], Path(shared.model)
-        (root / "model").symlink_to(model)
-        KEYS[url] = shared.key
-        reset_attached(url, model_path=str(model), api_key=shared.key)
-    else:
-        model = build_tiny_model(root / "model", corpus=echo_digit.corpus(), family=family)
-        port = free_port()
-        tp = ENGINE_TP[family]
-        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=tp,
-                           max_total_tokens=1024, seed=0, extra=[])
-        proc = ManagedProcess(f"engine_{family}", argv, env=engine_env(tp), log_path=root / "engine.log")
-        proc.start()
-        url = f"http://127.0.0.1:{port}"
+    shared = request.getfixturevalue("engine_pool" if family == "qwen3" else "moe_engine")
+    url, model = shared.urls[0], Path(shared.model)
+    (root / "model").symlink_to(model)
+    KEYS[url] = shared.key
+    reset_attached(url, model_path=str(model), api_key=shared.key)
     try:
-        if proc is not None:
-            proc.wait_http_ok(f"{url}/health_generate", timeout_s=600)
         ckpt = HFCheckpoint(model)
         arch = architecture_from_hf(read_hf_config(model))
         yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root, arch
-    finally:
-        if proc is not None:
-            proc.stop()
-        else:  # back to its checkpoint, as the next job attached to it would make it
-            reset_attached(url, model_path=str(model), api_key=KEYS[url])
+    finally:  # back to its checkpoint, as the next job attached to it would make it
+        reset_attached(url, model_path=str(model), api_key=KEYS[url])
 
 
 def weights_checker(url: str, action: str) -> dict:
@@ -308,3 +308,33 @@ def test_stage_senders_write_every_engine_parameter_and_survive_a_failing_stage(
     assert third == "failed" and "stage 0 export failed" in why0, why0
     assert last == "ok", final
     assert differ(loaded, checksums(url)) == [], f"{family}: parameters the stage senders did not write"
+
+
+def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path):
+    """RL with the tiny GLM-4.5 (sigmoid router with correction bias, shared expert, first dense layer, partial
+    rotary) trained at expert parallelism 2 (two Megatron ranks, each holding half the experts), rolled out by
+    `moe_engine` (two tensor-parallel ranks). After every weight sync the engine's logprobs equal the trainer's and
+    each rank's checksums the trainer's prediction: the full export gathered every expert, the router bias and the
+    shared expert under the names SGLang loads."""
+    import json
+    import subprocess
+
+    from tests.e2e.procs import become_subreaper, leftovers, train_command
+
+    become_subreaper()
+    cmd = train_command({**task_assets, "model": moe_engine.model}, tmp_path, "sft.steps=2", "rl.num_steps=2",
+                        "run.name=moe", "parallel.num_trainer_ranks=2", "parallel.expert_parallel=2",
+                        *moe_engine.overrides(), "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1",
+                        "weight_sync.transport=tensor")  # the engine maps each bucket from the trainer's memory
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib")}
+                      for r in records])
+    for record in records:
+        assert record["logprob_abs_diff_max"] <= 1e-4, record
+        assert record["samples_failed"] == 0
+        assert record["sync_checksums_predicted"] == 1, "each engine rank checked against the trainer"
+    assert records[0]["ppo_kl"] == 0.0
+    assert not leftovers(), "processes left running after the job"
