@@ -14,6 +14,10 @@ import httpx
 from slimish.engines import timeouts
 from slimish.network import auth_headers
 
+# Control calls are few (per sync, per bucket) and short: each takes a new connection, closed after the reply,
+# so that none is ever sent on a kept connection the engine is closing (see timeouts.py).
+CONTROL_LIMITS = httpx.Limits(max_keepalive_connections=0)
+
 
 class EngineError(RuntimeError):
     """Any failed control call: the engine could not be reached, timed out, answered non-200 or success=false.
@@ -33,7 +37,7 @@ class EngineClient:
     def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *, api_key: str | None = None):
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key),
-                                  limits=httpx.Limits(keepalive_expiry=timeouts.KEEPALIVE_S))
+                                  limits=CONTROL_LIMITS)
 
     def close(self) -> None:
         self._http.close()

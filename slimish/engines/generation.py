@@ -14,6 +14,7 @@ import asyncio
 import httpx
 
 from slimish.engines import timeouts
+from slimish.engines.client import CONTROL_LIMITS
 from slimish.network import auth_headers
 
 
@@ -38,10 +39,9 @@ class GenerationClient:
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         headers = auth_headers(api_key)
         self._http = httpx.AsyncClient(timeout=request_timeout_s, limits=limits, headers=headers, transport=transport)
-        # Control calls go to the engines themselves: idle connections kept well under their keep-alive
-        # (timeouts.KEEPALIVE_S), or a call may be sent on one the engine is closing.
+        # Control calls go to the engines themselves, a new connection each (client.CONTROL_LIMITS).
         self._control = httpx.AsyncClient(timeout=timeouts.CONTROL_S, headers=headers, transport=transport,
-                                          limits=httpx.Limits(keepalive_expiry=timeouts.KEEPALIVE_S))
+                                          limits=CONTROL_LIMITS)
 
     async def generate(self, body: dict) -> list[dict] | dict:
         """The reply to `body` (a list when `body["input_ids"]` is a batch); raises `RequestError`."""

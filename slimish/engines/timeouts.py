@@ -13,9 +13,8 @@ KILL_S = 60.0              # SIGKILL an engine's process group and reap it
 STOP_EXTRA_S = 15.0        # stopping engines: their grace period plus this, then their actors are killed
 TELEMETRY_S = 10.0         # one engine's GPU telemetry; an engine slower than this is left out of that sample
 ATTACH_RESET_S = 600.0     # resetting an attached engine: its checkpoint reloaded from disk
-# How long an idle connection to an engine is kept for reuse: well under the engine's own keep-alive (uvicorn's
-# timeout_keep_alive, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE, 5 s by default), so that a call is never sent on a
-# connection the engine is closing that moment. With httpx's default (5 s, the same as the engine's), a call made
-# ~5 s after the last one (a weight sync one step after the previous) could land as the engine closed the
-# connection: "Connection reset by peer", and a sync failed with every engine alive.
-KEEPALIVE_S = 2.0
+# Control calls to an engine use a new connection each (`client.CONTROL_LIMITS`): none is kept idle between calls.
+# A kept one races the engine's own keep-alive close (uvicorn's timeout_keep_alive, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE,
+# 5 s): a call sent on it as the engine closes it fails with "Connection reset by peer", and a weight sync with it,
+# every engine alive (a calculator job, its syncs ~5 s apart). Expiring them sooner than the engine only narrows the
+# race: under load the client may read a reply, and start its idle clock, seconds after the engine sent it.

@@ -46,9 +46,9 @@ class SharedEngines:
     def client(self, url: str) -> EngineClient:
         return EngineClient(url, timeout_s=120, api_key=self.key)
 
-    def problems(self) -> dict[int, str]:
-        """What is wrong with each engine that is not running, answering a generation and unpaused (a paused
-        engine's /health_generate waits), by index; {} when all are well."""
+    def problems(self, probe_timeout_s: float = 60.0) -> dict[int, str]:
+        """What is wrong with each engine that is not running, answering a generation within `probe_timeout_s` and
+        unpaused (a paused engine's /health_generate waits), by index; {} when all are well."""
         found = {}
         for i, (url, process) in enumerate(zip(self.urls, self.processes)):
             if not process.alive():
@@ -56,16 +56,16 @@ class SharedEngines:
                 continue
             client = self.client(url)
             try:
-                if problem := client.probe("/health_generate", timeout_s=60):
+                if problem := client.probe("/health_generate", timeout_s=probe_timeout_s):
                     found[i] = problem
             finally:
                 client.close()
         return found
 
-    def check_engines(self, when: str) -> None:
+    def check_engines(self, when: str, probe_timeout_s: float = 60.0) -> None:
         """Every engine is well; else the engines are mended (`mend`) and the check fails naming what was wrong, so
         that the test that broke one fails and the tests after it find them well."""
-        if found := self.problems():
+        if found := self.problems(probe_timeout_s):
             self.mend(found)
             raise AssertionError("; ".join(f"shared engine {self.urls[i]} {problem} {when} (mended)"
                                            for i, problem in found.items()))

@@ -62,3 +62,17 @@ def test_an_engine_that_cannot_be_attached_is_one_line_naming_why(attached, task
     other.mkdir()
     with pytest.raises(UserError, match=rf"^rollout.engine.attach: {url} serves .*, not model.hf_path {other}: "):
         reset_attached(url, model_path=str(other), api_key=key)
+
+
+def test_a_shared_engine_left_paused_fails_the_check_and_is_mended(attached):
+    """What the shared engines' check does after a test that left one paused (a failed job whose hook froze it): it
+    fails naming the engine, and the engine is generating again for the tests that follow."""
+    url = attached.urls[1]
+    client = attached.client(url)
+    try:
+        client.pause_generation(mode="in_place")
+    finally:
+        client.close()
+    with pytest.raises(AssertionError, match=rf"shared engine {url} gave no answer .* after the test \(mended\)"):
+        attached.check_engines("after the test", probe_timeout_s=5)
+    assert attached.problems() == {}
