@@ -20,6 +20,7 @@ import yaml
 from slimish.engines.client import EngineClient
 from slimish.engines.process import ManagedProcess
 from slimish.engines.server import engine_argv, engine_env
+from slimish.engines.servers import reset_attached
 from slimish.network import free_port, new_job_key, read_key
 
 HOST = "127.0.0.1"
@@ -46,20 +47,23 @@ class SharedEngines:
     def client(self, url: str) -> EngineClient:
         return EngineClient(url, timeout_s=120, api_key=self.key)
 
+    def _probe(self, i: int, timeout_s: float) -> str | None:
+        """None when engine i answers a generation within `timeout_s`, else what happened instead."""
+        client = self.client(self.urls[i])
+        try:
+            return client.probe("/health_generate", timeout_s=timeout_s)
+        finally:
+            client.close()
+
     def problems(self, probe_timeout_s: float = 60.0) -> dict[int, str]:
         """What is wrong with each engine that is not running, answering a generation within `probe_timeout_s` and
         unpaused (a paused engine's /health_generate waits), by index; {} when all are well."""
         found = {}
-        for i, (url, process) in enumerate(zip(self.urls, self.processes)):
+        for i, process in enumerate(self.processes):
             if not process.alive():
                 found[i] = f"died (exit code {process.proc.returncode}):\n{process.log_tail()}"
-                continue
-            client = self.client(url)
-            try:
-                if problem := client.probe("/health_generate", timeout_s=probe_timeout_s):
-                    found[i] = problem
-            finally:
-                client.close()
+            elif problem := self._probe(i, probe_timeout_s):
+                found[i] = problem
         return found
 
     def check_engines(self, when: str, probe_timeout_s: float = 60.0) -> None:
@@ -71,21 +75,20 @@ class SharedEngines:
                                            for i, problem in found.items()))
 
     def mend(self, broken: dict[int, str]) -> None:
-        """Make the `broken` engines well: a paused one is continued (as a job's reset does); one still not well,
-        or dead, is restarted."""
+        """Make the `broken` engines well: a running one is reset as a job attaching to it would reset it
+        (`reset_attached`: continued, its requests aborted, its checkpoint reloaded); one still not generating after
+        that, or dead, is restarted."""
         for i in broken:
-            if self.processes[i].alive():
-                client = self.client(self.urls[i])
-                try:
-                    client.continue_generation()
-                    client.abort()
-                    if client.probe("/health_generate", timeout_s=60) is None:
-                        continue
-                except Exception:  # noqa: BLE001 - restarted below whatever went wrong
-                    pass
-                finally:
-                    client.close()
+            if self.processes[i].alive() and self._reset(i) and self._probe(i, 60) is None:
+                continue
             self.restart(i)
+
+    def _reset(self, i: int) -> bool:
+        try:
+            reset_attached(self.urls[i], model_path=self.model, api_key=self.key)
+        except Exception:  # noqa: BLE001 - the caller restarts it, whatever went wrong
+            return False
+        return True
 
     def restart(self, index: int) -> None:
         """Start engine `index` again (a test killed it), with its port, key and seed; healthy on return."""

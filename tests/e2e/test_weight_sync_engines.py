@@ -76,7 +76,7 @@ def engine(request, tmp_path_factory):
         arch = architecture_from_hf(read_hf_config(model))
         yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root, arch
     finally:  # back to its checkpoint, as the next job attached to it would make it
-        reset_attached(url, model_path=str(model), api_key=KEYS[url])
+        reset_attached(url, model_path=str(model), api_key=shared.key)
 
 
 def weights_checker(url: str, action: str) -> dict:
