@@ -39,6 +39,29 @@ def test_the_plugin_makes_a_cpu_engines_device_synchronisation_a_no_op(cpu_engin
     assert out.stdout.strip() == ("no-op" if cpu_engine else "raised"), out.stderr[-2000:]
 
 
+@pytest.mark.skipif(sglang_cpu.cuda_available(), reason="a CUDA machine: the plugin changes nothing there")
+def test_a_cpu_engine_forks_its_scheduler_and_detokenizer(tiny_models):
+    """SGLang's server forces "spawn" for the processes it starts (`_set_envs_and_config`); in a CPU engine's server,
+    which loads slimish's plugin, the processes it starts after that are forked instead (a spawned child imports
+    SGLang again: an engine took twice as long to start here). Run as the server runs it, in a process of its own
+    (it changes SGLang and multiprocessing where it runs); fails loudly if SGLang moves that choice elsewhere."""
+    import subprocess
+    import sys
+
+    code = ("import multiprocessing as mp, sys\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "load_plugins()\n"
+            "import sglang.srt.entrypoints.engine as engine\n"
+            "from sglang.srt.server_args import prepare_server_args\n"
+            "args = prepare_server_args(['--model-path', sys.argv[1], '--device', 'cpu'])\n"
+            "args.resolve_once()\n"
+            "engine._set_envs_and_config(args)\n"
+            "print(mp.get_start_method())")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["qwen3"])], env=sglang_cpu.server_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["fork"], out.stderr[-2000:]
+
+
 def test_a_colocated_gpu_engine_asks_for_sglangs_memory_saver():
     """Colocated on a GPU, the engine's release frees memory only with SGLang's memory saver: the flag, as SGLang's
     own parser reads it; on the CPU (where the saver cannot start) it is left out."""
