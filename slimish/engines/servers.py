@@ -9,7 +9,7 @@ cannot restart them.
 
 Router choices that matter for RL (see README "CPU notes"): retries off (a retried /generate is a duplicate
 sample), circuit breaker off (it would answer 503 to everything after a few failures), Prometheus bound to
-127.0.0.1, health checks on the cheap /ready endpoint (/health runs a generation).
+127.0.0.1, health checks on /ping (HEALTH_CHECK_ENDPOINT).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from slimish.errors import UserError
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+# What the router health-checks its engines on: SGLang's /ping, a flag check that a paused engine still passes.
+# Not /health (it runs a generation, which a paused engine never finishes) nor /ready (503 while paused): an engine
+# paused for a weight sync or a colocated training step longer than the router's failure threshold (3 checks, 10 s
+# apart) would be marked unhealthy, and the router would answer 503 "no available workers" to every request until
+# two checks after the resume. /ping needs the job's key, which the router sends.
+HEALTH_CHECK_ENDPOINT = "/ping"
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
@@ -41,8 +47,8 @@ def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, poli
     the router refuses clients without it (/generate and /workers alike) and sends it to the workers."""
     return [sys.executable, "-m", "slimish.engines.launch_router", "--host", HOST, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--disable-circuit-breaker",
-            "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
-            "--health-check-endpoint", "/ready", "--health-check-interval-secs", "10", "--log-level", "warn"]
+            "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port), "--health-check-endpoint",
+            HEALTH_CHECK_ENDPOINT, "--health-check-interval-secs", "10", "--log-level", "warn"]
 
 
 class EngineServers:
