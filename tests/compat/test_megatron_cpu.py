@@ -25,3 +25,34 @@ def test_megatron_clips_cpu_grads_and_others_see_true_type_names():
     assert torch.zeros(1).type() == "torch.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
     assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+
+
+LEAN_IMPORT = """
+import sys, torch
+compile_ = torch.compile
+from slimish.compat import megatron_cpu
+megatron_cpu.apply()
+import megatron.core.jit
+from megatron.core.inference.contexts import dynamic_context
+print(sorted(name for name in ("flashinfer", "torch._dynamo") if name in sys.modules))
+assert torch.compile is compile_, "torch.compile left replaced"
+assert megatron.core.jit.jit_fuser is megatron.core.jit.noop_decorator, "Megatron's jit_fuser still compiles"
+assert dynamic_context.HAVE_FLASHINFER is False
+import flashinfer  # importable again after the window
+"""
+
+
+def test_megatron_is_imported_without_flashinfer_or_torch_dynamo():
+    """`apply()` imports Megatron-Core without the two GPU-only imports that were ~6 s of each trainer process's
+    start (flashinfer; torch._dynamo, through Megatron's `jit_fuser = torch.compile`), leaves `torch.compile`
+    as it was and flashinfer importable for other code, and leaves Megatron's jit_fuser disabled by its own switch.
+    In a fresh interpreter: this process has imported both long ago."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    result = subprocess.run([sys.executable, "-c", LEAN_IMPORT], capture_output=True, text=True, cwd=REPO,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[]"
