@@ -197,15 +197,16 @@ def _identity_compile(model=None, **options):
 
 @contextlib.contextmanager
 def _without_gpu_only_imports():
-    """Megatron-Core's import on the CPU, without two imports a CPU trainer never uses, ~6 s of each trainer
-    process's start here (`import megatron.core` 10.7 -> 4.7 s):
+    """Megatron-Core's import on the CPU, without two imports a CPU trainer never uses (a trainer's setup took
+    14-22 s with both, 7.8 s without, beside a running CI):
     - flashinfer (CUDA kernels; Megatron imports it only for its dynamic inference context's fused RoPE) is
       unimportable inside the window, so Megatron records it absent; other code may import it afterwards;
-    - torch._dynamo, which `torch.compile` imports: Megatron's `jit_fuser` is `torch.compile` and decorates a few
-      fusions at import time. Inside the window it decorates with the function itself, and after it Megatron's own
-      `disable_jit_fuser()` makes later imports do the same: the trainer's maths runs eagerly, as it already did
-      (slimish's model config turns Megatron's bias/rope/softmax fusions off). `torch.compile` is torch's again
-      after the window."""
+    - torch._inductor and torch._dynamo, which `torch.compile` imports: Megatron's `jit_fuser` is `torch.compile`
+      and decorates a few fusions at import time (torch's optimizers import torch._dynamo later all the same, but
+      not the ~600 modules of torch._inductor). Inside the window it decorates with the function itself, and
+      after it Megatron's own `disable_jit_fuser()` makes later imports do the same: the trainer's maths runs
+      eagerly, as it already did (slimish's model config turns Megatron's bias/rope/softmax fusions off).
+      `torch.compile` is torch's again after the window."""
     hidden = "flashinfer" not in sys.modules
     if hidden:
         sys.modules["flashinfer"] = None  # type: ignore[assignment]  # `import flashinfer` raises ImportError

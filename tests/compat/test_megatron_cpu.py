@@ -34,7 +34,7 @@ from slimish.compat import megatron_cpu
 megatron_cpu.apply()
 import megatron.core.jit
 from megatron.core.inference.contexts import dynamic_context
-print(sorted(name for name in ("flashinfer", "torch._dynamo") if name in sys.modules))
+print(sorted(name for name in ("flashinfer", "torch._dynamo", "torch._inductor") if name in sys.modules))
 assert torch.compile is compile_, "torch.compile left replaced"
 assert megatron.core.jit.jit_fuser is megatron.core.jit.noop_decorator, "Megatron's jit_fuser still compiles"
 assert dynamic_context.HAVE_FLASHINFER is False
@@ -42,9 +42,9 @@ import flashinfer  # importable again after the window
 """
 
 
-def test_megatron_is_imported_without_flashinfer_or_torch_dynamo():
+def test_megatron_is_imported_without_flashinfer_or_torch_compile():
     """`apply()` imports Megatron-Core without the two GPU-only imports that were ~6 s of each trainer process's
-    start (flashinfer; torch._dynamo, through Megatron's `jit_fuser = torch.compile`), leaves `torch.compile`
+    start (flashinfer; torch._dynamo and torch._inductor, through Megatron's `jit_fuser = torch.compile`), leaves `torch.compile`
     as it was and flashinfer importable for other code, and leaves Megatron's jit_fuser disabled by its own switch.
     In a fresh interpreter: this process has imported both long ago."""
     import subprocess
