@@ -43,10 +43,10 @@ import flashinfer  # importable again after the window
 
 
 def test_megatron_is_imported_without_flashinfer_or_torch_compile():
-    """`apply()` imports Megatron-Core without the two GPU-only imports that were ~6 s of each trainer process's
-    start (flashinfer; torch._dynamo and torch._inductor, through Megatron's `jit_fuser = torch.compile`), leaves `torch.compile`
-    as it was and flashinfer importable for other code, and leaves Megatron's jit_fuser disabled by its own switch.
-    In a fresh interpreter: this process has imported both long ago."""
+    """`apply()` imports Megatron-Core without two GPU-only imports, ~6 s of each trainer process's start:
+    flashinfer, and torch._inductor through Megatron's `jit_fuser = torch.compile` (torch's optimizers import
+    torch._dynamo later all the same). It leaves `torch.compile` as it was, flashinfer importable for other code,
+    and Megatron's jit_fuser disabled by its own switch. In a fresh interpreter: this one imported both long ago."""
     import subprocess
     import sys
 
