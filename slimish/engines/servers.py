@@ -43,8 +43,9 @@ HEALTH_CHECK_ENDPOINT = "/ping"
 
 
 def router_argv(*, worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
-    """sglang_router's launcher through ours (slimish.engines.launch_router): with the job's key in its environment,
-    the router refuses clients without it (/generate and /workers alike) and sends it to the workers."""
+    """sglang_router's Rust router through slimish's launcher (slimish.engines.launch_router, which does not import
+    SGLang as sglang_router's own launcher does): with the job's key in its environment, the router refuses
+    clients without it (/generate and /workers alike) and sends it to the workers."""
     return [sys.executable, "-m", "slimish.engines.launch_router", "--host", HOST, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--disable-circuit-breaker",
             "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port), "--health-check-endpoint",
