@@ -35,8 +35,7 @@ from slimish.orchestration.colocation import ColocatedTurns
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
-from slimish.rollout.data import read_jsonl
-from slimish.sample import Sample, Status
+from slimish.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +133,9 @@ class RLJob:
         sft = self.cfg.sft
         if sft.steps == 0:
             return
-        samples = self._sft_samples()
+        # Tokenised by the rollout manager, which holds the tokenizer: the driver never imports transformers
+        # (~4 s of CPU at every job's start here).
+        samples = ray.get(self.rollout_manager.sft_samples.remote(sft.data_path))
         self.trainer_turn(0)
         self.trainer.call("set_learning_rate", sft.lr)
         for step in range(sft.steps):
@@ -408,28 +409,6 @@ class RLJob:
         # lets go of Ray. Asking for it here blocked the driver for a minute under scancel, whose teardown stops
         # the Ray head at the same time (the call waits for a head that is gone).
         self.slots = {}
-
-    def _sft_samples(self) -> list[Sample]:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.hf_path)
-        samples = []
-        for i, row in enumerate(read_jsonl(self.cfg.sft.data_path)):
-            prompt_ids = tokenizer(row["prompt"])["input_ids"]
-            # A response is text, or turns [{"text", "env": bool}] whose environment turns are not trained on.
-            turns = row["turns"] if "turns" in row else [{"text": row["response"]}]
-            response_ids, loss_mask = [], []
-            for turn in turns:
-                ids = tokenizer(turn["text"], add_special_tokens=False)["input_ids"]
-                response_ids += ids
-                loss_mask += [0 if turn.get("env") else 1] * len(ids)
-            response_ids.append(tokenizer.eos_token_id)
-            loss_mask.append(1)
-            samples.append(Sample(group_id=i, index=0, prompt=row["prompt"], prompt_ids=prompt_ids,
-                                  status=Status.COMPLETED, response="".join(t["text"] for t in turns),
-                                  response_ids=response_ids, rollout_logprobs=[0.0] * len(response_ids),
-                                  weight_versions=[0] * len(response_ids), loss_mask=loss_mask))
-        return samples
 
 
 def groups_of(samples: list[Sample]) -> list[dict]:

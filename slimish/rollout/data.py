@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimish.sample import Sample, Status
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -52,6 +54,29 @@ def _read_table(path: Path, split: str) -> list[dict]:
 
         return datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train").to_list()
     return read_jsonl(path)
+
+
+def sft_samples(path: str | Path, tokenizer) -> list[Sample]:
+    """The SFT warm-up's samples, one per row of the jsonl at `path`: its "prompt" (text, tokenised with the
+    tokenizer's special tokens) and its response, either "response" (text) or "turns" ([{"text", "env": bool}],
+    whose environment turns are not trained on: loss_mask 0), each turn tokenised on its own without special
+    tokens, then the tokenizer's EOS (trained)."""
+    samples = []
+    for i, row in enumerate(read_jsonl(path)):
+        prompt_ids = tokenizer(row["prompt"])["input_ids"]
+        turns = row["turns"] if "turns" in row else [{"text": row["response"]}]
+        response_ids, loss_mask = [], []
+        for turn in turns:
+            ids = tokenizer(turn["text"], add_special_tokens=False)["input_ids"]
+            response_ids += ids
+            loss_mask += [0 if turn.get("env") else 1] * len(ids)
+        response_ids.append(tokenizer.eos_token_id)
+        loss_mask.append(1)
+        samples.append(Sample(group_id=i, index=0, prompt=row["prompt"], prompt_ids=prompt_ids,
+                              status=Status.COMPLETED, response="".join(t["text"] for t in turns),
+                              response_ids=response_ids, rollout_logprobs=[0.0] * len(response_ids),
+                              weight_versions=[0] * len(response_ids), loss_mask=loss_mask))
+    return samples
 
 
 def is_messages(prompt) -> bool:

@@ -17,7 +17,7 @@ from slimish.engines.servers import EngineServers
 from slimish.engines.watchdog import EngineWatchdog
 from slimish.hooks import load_function
 from slimish.rollout import overlong, rewards
-from slimish.rollout.data import PromptDataset
+from slimish.rollout.data import PromptDataset, sft_samples
 from slimish.rollout.evaluation import EvalSet, evaluate
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
@@ -112,6 +112,10 @@ class RolloutManager:
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def sft_samples(self, path: str) -> list[Sample]:
+        """The SFT warm-up's samples from `path`, with this job's tokenizer (`slimish.rollout.data.sft_samples`)."""
+        return sft_samples(path, self.tokenizer)
 
     def gpu_telemetry(self) -> dict[str, float]:
         return self.servers.gpu_telemetry()

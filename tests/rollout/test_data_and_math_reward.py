@@ -39,6 +39,29 @@ def test_chat_template_renders_one_user_message_with_the_assistant_turn_open(tas
     assert chat.prompts[0].text == "say 7", "hooks see the prompt as written"
 
 
+def test_sft_samples_train_the_response_and_not_the_environment_turns(task_assets, tmp_path):
+    """The SFT warm-up's samples (`sft_samples`, built by the rollout manager with the job's tokenizer): the prompt
+    with special tokens, each response turn on its own without, then EOS; an environment turn has loss_mask 0."""
+    from slimish.rollout.data import sft_samples
+
+    tokenizer = AutoTokenizer.from_pretrained(task_assets["model"])
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "say 7", "response": " 7"}) + "\n" + json.dumps(
+        {"prompt": "add 1 2", "turns": [{"text": " calc"}, {"text": " 3", "env": True}, {"text": " 3"}]}) + "\n")
+    plain, multi = sft_samples(path, tokenizer)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    assert plain.prompt_ids == tokenizer("say 7")["input_ids"]
+    assert plain.response_ids == ids(" 7") + [tokenizer.eos_token_id]
+    assert plain.loss_mask == [1] * len(plain.response_ids)
+    assert multi.response_ids == ids(" calc") + ids(" 3") + ids(" 3") + [tokenizer.eos_token_id]
+    assert multi.loss_mask == [1] * len(ids(" calc")) + [0] * len(ids(" 3")) + [1] * (len(ids(" 3")) + 1)
+    assert multi.response == " calc 3 3" and (plain.group_id, multi.group_id) == (0, 1)
+    assert multi.status is Status.COMPLETED and multi.rollout_logprobs == [0.0] * len(multi.response_ids)
+
+
 @pytest.mark.parametrize("completion,label,expected", [
     ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
     ("\\boxed{3}", "4", 0.0),
