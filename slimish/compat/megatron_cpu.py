@@ -204,9 +204,10 @@ def _without_gpu_only_imports():
     - torch._inductor and torch._dynamo, which `torch.compile` imports: Megatron's `jit_fuser` is `torch.compile`
       and decorates a few fusions at import time (torch's optimizers import torch._dynamo later all the same, but
       not the ~600 modules of torch._inductor). Inside the window it decorates with the function itself, and
-      after it Megatron's own `disable_jit_fuser()` makes later imports do the same: the trainer's maths runs
-      eagerly, as it already did (slimish's model config turns Megatron's bias/rope/softmax fusions off).
-      `torch.compile` is torch's again after the window."""
+      after it Megatron's own `disable_jit_fuser()` makes later imports do the same: those functions run eagerly,
+      the same maths (slimish's model config turns Megatron's bias/rope/softmax fusions off; what is left, e.g. the
+      MoE router's expert bias, would otherwise be compiled by inductor on the CPU). `torch.compile` is torch's
+      again after the window."""
     hidden = "flashinfer" not in sys.modules
     if hidden:
         sys.modules["flashinfer"] = None  # type: ignore[assignment]  # `import flashinfer` raises ImportError
