@@ -186,7 +186,11 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
     router = "http://127.0.0.1:30999"
     engine = engine_urls[0]
     bearer = auth_headers(job_key(run_dir))
-    with httpx.Client(timeout=60) as http:  # mid-sync on a loaded machine: a call timing out would fail the sync
+    # A connection per call: the router answers a keyless POST with 401 as soon as it has read the headers, and
+    # when the body arrives after that answer (a busy machine) it closes the connection without saying so; a pooled
+    # connection would then fail the next call ("Server disconnected without sending a response"). Timeout: mid-sync
+    # on a loaded machine, a call timing out would fail the sync.
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         calls = {
             "engine_abort_no_key": http.post(f"{engine}/abort_request", json={"abort_all": True}),
             "engine_update_weights_wrong_key": http.post(f"{engine}/update_weights_from_disk",
