@@ -40,26 +40,36 @@ def test_the_plugin_makes_a_cpu_engines_device_synchronisation_a_no_op(cpu_engin
 
 
 @pytest.mark.skipif(sglang_cpu.cuda_available(), reason="a CUDA machine: the plugin changes nothing there")
-def test_a_cpu_engine_forks_its_scheduler_and_detokenizer(tiny_models):
+def test_a_cpu_engines_server_forks_its_processes_and_skips_what_it_never_uses(tiny_models):
     """SGLang's server forces "spawn" for the processes it starts (`_set_envs_and_config`); in a CPU engine's server,
     which loads slimish's plugin, the processes it starts after that are forked instead (a spawned child imports
     SGLang again: an engine took twice as long to start here). Run as the server runs it, in a process of its own
-    (it changes SGLang and multiprocessing where it runs); fails loudly if SGLang moves that choice elsewhere."""
+    with an engine's environment (it changes SGLang and multiprocessing where it runs); fails loudly if SGLang moves
+    that choice elsewhere. With SGLang's model registry imported as at every start, that process has imported
+    neither FlashInfer, W&B nor Megatron-Core (hidden from engines: slimish/engines/engine_path,
+    slimish/compat/cpu_engine_path), and the registry still has the models slimish serves. (One test: each of
+    these facts needs SGLang imported in a fresh process, ~20 s.)"""
     import subprocess
     import sys
+
+    from slimish.engines.server import engine_env
 
     code = ("import multiprocessing as mp, sys\n"
             "from sglang.srt.plugins import load_plugins\n"
             "load_plugins()\n"
             "import sglang.srt.entrypoints.engine as engine\n"
+            "from sglang.srt.models.registry import ModelRegistry\n"
             "from sglang.srt.server_args import prepare_server_args\n"
             "args = prepare_server_args(['--model-path', sys.argv[1], '--device', 'cpu'])\n"
             "args.resolve_once()\n"
             "engine._set_envs_and_config(args)\n"
+            "print(sorted(m for m in ('flashinfer', 'wandb', 'megatron') if m in sys.modules))\n"
+            "print(all(a in ModelRegistry.models for a in ('Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', "
+            "'DeepseekV3ForCausalLM', 'Glm4MoeForCausalLM')))\n"
             "print(mp.get_start_method())")
-    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["qwen3"])], env=sglang_cpu.server_env(),
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["qwen3"])], env=engine_env(),
                          capture_output=True, text=True, timeout=300)
-    assert out.stdout.strip().splitlines()[-1:] == ["fork"], out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-3:] == ["[]", "True", "fork"], out.stdout[-500:] + out.stderr[-2000:]
 
 
 def test_a_colocated_gpu_engine_asks_for_sglangs_memory_saver():
