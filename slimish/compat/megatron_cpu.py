@@ -195,12 +195,17 @@ def _identity_compile(model=None, **options):
     return model if model is not None else (lambda fn: fn)
 
 
+HIDDEN_DURING_IMPORT = ("flashinfer", "wandb")  # see _without_gpu_only_imports
+
+
 @contextlib.contextmanager
 def _without_gpu_only_imports():
-    """Megatron-Core's import on the CPU, without two imports a CPU trainer never uses (a trainer's setup took
-    14-22 s with both, 7.8 s without, beside a running CI):
-    - flashinfer (CUDA kernels; Megatron imports it only for its dynamic inference context's fused RoPE) is
-      unimportable inside the window, so Megatron records it absent; other code may import it afterwards;
+    """Megatron-Core's import on the CPU, without imports a CPU trainer never uses (a trainer's setup took 14-22 s
+    with the first two, 7.8 s without, beside a running CI):
+    - flashinfer (CUDA kernels; Megatron imports it only for its dynamic inference context's fused RoPE) and W&B
+      (Megatron's inference context and timers import it when installed, for loggers slimish's trainer never
+      uses: its metrics go to W&B from the driver; ~0.7 s of a trainer's start) are unimportable inside the
+      window, so Megatron records them absent; other code may import them afterwards;
     - torch._inductor and torch._dynamo, which `torch.compile` imports: Megatron's `jit_fuser` is `torch.compile`
       and decorates a few fusions at import time (torch's optimizers import torch._dynamo later all the same, but
       not the ~600 modules of torch._inductor). Inside the window it decorates with the function itself, and
@@ -208,9 +213,9 @@ def _without_gpu_only_imports():
       the same maths (slimish's model config turns Megatron's bias/rope/softmax fusions off; what is left, e.g. the
       MoE router's expert bias, would otherwise be compiled by inductor on the CPU). `torch.compile` is torch's
       again after the window."""
-    hidden = "flashinfer" not in sys.modules
-    if hidden:
-        sys.modules["flashinfer"] = None  # type: ignore[assignment]  # `import flashinfer` raises ImportError
+    hidden = [name for name in HIDDEN_DURING_IMPORT if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
     compile_ = torch.compile
     torch.compile = _identity_compile
     try:
@@ -220,8 +225,9 @@ def _without_gpu_only_imports():
         megatron.core.jit.disable_jit_fuser()
     finally:
         torch.compile = compile_
-        if hidden and sys.modules.get("flashinfer", 0) is None:
-            del sys.modules["flashinfer"]
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 def _patch_megatron() -> None:

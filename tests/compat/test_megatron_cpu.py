@@ -34,19 +34,20 @@ from slimish.compat import megatron_cpu
 megatron_cpu.apply()
 import megatron.core.jit
 from megatron.core.inference.contexts import dynamic_context
-print(sorted(name for name in ("flashinfer", "torch._dynamo", "torch._inductor") if name in sys.modules))
+print(sorted(name for name in ("flashinfer", "wandb", "torch._dynamo", "torch._inductor") if name in sys.modules))
 assert torch.compile is compile_, "torch.compile left replaced"
 assert megatron.core.jit.jit_fuser is megatron.core.jit.noop_decorator, "Megatron's jit_fuser still compiles"
-assert dynamic_context.HAVE_FLASHINFER is False
-import flashinfer  # importable again after the window
+assert dynamic_context.HAVE_FLASHINFER is False and dynamic_context.HAVE_WANDB is False
+import flashinfer, wandb  # importable again after the window
 """
 
 
 def test_megatron_is_imported_without_flashinfer_or_torch_compile():
-    """`apply()` imports Megatron-Core without two GPU-only imports, ~6 s of each trainer process's start:
-    flashinfer, and torch._inductor through Megatron's `jit_fuser = torch.compile` (torch's optimizers import
-    torch._dynamo later all the same). It leaves `torch.compile` as it was, flashinfer importable for other code,
-    and Megatron's jit_fuser disabled by its own switch. In a fresh interpreter: this one imported both long ago."""
+    """`apply()` imports Megatron-Core without imports a CPU trainer never uses, ~6 s of each trainer process's
+    start: flashinfer, W&B, and torch._inductor through Megatron's `jit_fuser = torch.compile` (torch's optimizers
+    import torch._dynamo later all the same). It leaves `torch.compile` as it was, flashinfer and W&B importable for
+    other code, and Megatron's jit_fuser disabled by its own switch. In a fresh interpreter: this one imported them
+    long ago."""
     import subprocess
     import sys
 
