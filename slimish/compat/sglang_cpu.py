@@ -46,7 +46,7 @@ def server_env(base: dict | None = None, *, tp: int = 1, nnodes: int = 1) -> dic
         env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
         env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         # FlashInfer's CUDA kernels hidden (see cpu_engine_path/flashinfer): a faster start, nothing else changes.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_ENGINE_PATH), env.get("PYTHONPATH")]))
+        prepend_pythonpath(env, CPU_ENGINE_PATH)
         if not real_driver_present():
             env["LD_PRELOAD"] = ":".join(p for p in [str(stub_path()), env.get("LD_PRELOAD", "")] if p)
         # One thread per rank, unless the user says otherwise: what Ray gives an engine actor of a CPU sliver
@@ -59,6 +59,12 @@ def server_env(base: dict | None = None, *, tp: int = 1, nnodes: int = 1) -> dic
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
             env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return env
+
+
+def prepend_pythonpath(env: dict, folder: Path) -> None:
+    """`folder` first on `env`'s PYTHONPATH, before what was there (how an engine's processes get the folders that
+    hide packages from them)."""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
 
 
 def core_groups(cores: list[int], ranks: int) -> list[list[int]]:

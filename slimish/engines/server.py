@@ -37,7 +37,7 @@ def engine_env(tp: int = 1, nnodes: int = 1) -> dict[str, str]:
     `sglang_cpu.server_env()` (what a CPU-only machine needs), with `engine_path` first on PYTHONPATH, which hides
     Megatron-Core from the engine (see engine_path/megatron)."""
     env = sglang_cpu.server_env(tp=tp, nnodes=nnodes)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ENGINE_PATH), env.get("PYTHONPATH")]))
+    sglang_cpu.prepend_pythonpath(env, ENGINE_PATH)
     return env
 
 
