@@ -195,11 +195,11 @@ def _identity_compile(model=None, **options):
     return model if model is not None else (lambda fn: fn)
 
 
-HIDDEN_DURING_IMPORT = ("flashinfer", "wandb")  # see _without_gpu_only_imports
+HIDDEN_DURING_IMPORT = ("flashinfer", "wandb")  # see _without_unused_imports
 
 
 @contextlib.contextmanager
-def _without_gpu_only_imports():
+def _without_unused_imports():
     """Megatron-Core's import on the CPU, without imports a CPU trainer never uses (a trainer's setup took 14-22 s
     with the first two, 7.8 s without, beside a running CI):
     - flashinfer (CUDA kernels; Megatron imports it only for its dynamic inference context's fused RoPE) and W&B
@@ -232,7 +232,7 @@ def _without_gpu_only_imports():
 
 def _patch_megatron() -> None:
     # Import everything the trainer uses, then scope the device="cuda" factory redirect to those modules.
-    with _without_gpu_only_imports():
+    with _without_unused_imports():
         import megatron.core.dist_checkpointing  # noqa: F401
         import megatron.core.distributed  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
