@@ -44,11 +44,19 @@ lint: venv
 docs: venv
 	$(BIN)/slimish config --markdown > docs/config.md
 
+# The fast tier runs in TEST_WORKERS processes (pytest-xdist; each file's tests together, in order, on one of them):
+# run alone, its tests keep ~1.1 of 2 cores busy. The e2e and Slurm tiers follow in one process: their jobs want the
+# whole machine, bind fixed ports and share engines (tests/e2e/conftest.py). TEST_WORKERS=0: the fast tier in one.
+# Exit status 5 is pytest's "no test selected" (a PYTEST_ARGS that picks tests of one part only): not a failure.
+TEST_WORKERS ?= 2
+FAST_TIER := -m "not e2e and not slurm" -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(FAST_TIER) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -m "e2e or slurm" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: venv
-	$(BIN)/pytest -m "not e2e and not slurm" $(PYTEST_ARGS)
+	$(BIN)/pytest $(FAST_TIER) $(PYTEST_ARGS)
 
 # tests/gpu on this machine's NVIDIA GPU; one line and nothing else without one. EMULATE=1: the same tests on the
 # emulated GPU (slimish/compat/emulated_gpu.py), which any machine has.

@@ -39,7 +39,7 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
     },
     entry_points={"console_scripts": ["slimish=slimish.cli:main"],
                   # loaded by SGLang early in each of its processes; changes nothing on a GPU engine
