@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,14 +58,18 @@ class SharedEngines:
 
     def problems(self, probe_timeout_s: float = 60.0) -> dict[int, str]:
         """What is wrong with each engine that is not running, answering a generation within `probe_timeout_s` and
-        unpaused (a paused engine's /health_generate waits), by index; {} when all are well."""
-        found = {}
-        for i, process in enumerate(self.processes):
+        unpaused (a paused engine's /health_generate waits), by index; {} when all are well. The engines are probed
+        at once: SGLang's /health_generate looks for its generation's answer once a second, so each probe takes a
+        second at least, and every test that attaches checks twice."""
+        def problem(i: int) -> str | None:
+            process = self.processes[i]
             if not process.alive():
-                found[i] = f"died (exit code {process.proc.returncode}):\n{process.log_tail()}"
-            elif problem := self._probe(i, probe_timeout_s):
-                found[i] = problem
-        return found
+                return f"died (exit code {process.proc.returncode}):\n{process.log_tail()}"
+            return self._probe(i, probe_timeout_s)
+
+        with ThreadPoolExecutor(max_workers=len(self.processes)) as pool:
+            found = dict(enumerate(pool.map(problem, range(len(self.processes)))))
+        return {i: what for i, what in found.items() if what is not None}
 
     def check_engines(self, when: str, probe_timeout_s: float = 60.0) -> None:
         """Every engine is well; else the engines are mended (`mend`) and the check fails naming what was wrong, so
@@ -83,9 +88,13 @@ class SharedEngines:
                 continue
             self.restart(i)
 
+    def reset(self, i: int) -> None:
+        """Reset engine i as a job attaching to it does (`reset_attached`): its checkpoint's weights, no request."""
+        reset_attached(self.urls[i], model_path=self.model, api_key=self.key)
+
     def _reset(self, i: int) -> bool:
         try:
-            reset_attached(self.urls[i], model_path=self.model, api_key=self.key)
+            self.reset(i)
         except Exception:  # noqa: BLE001 - the caller restarts it, whatever went wrong
             return False
         return True
