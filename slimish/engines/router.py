@@ -30,7 +30,7 @@ class RouterClient:
                     return
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.5)
+            time.sleep(timeouts.ROUTER_POLL_S)
         raise TimeoutError(f"router did not register {count} workers in {timeout_s:.0f}s")
 
     def remove(self, engine_url: str) -> None:

@@ -103,7 +103,7 @@ class EngineServers:
                 log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=timeouts.ROUTER_READY_S,
-                                     interval_s=0.5)
+                                     interval_s=timeouts.ROUTER_POLL_S)
             self.router_client.wait_registered(len(self.engine_urls))
         except BaseException:
             self.stop()

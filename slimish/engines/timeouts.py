@@ -8,6 +8,7 @@ ROUTER_S = 10.0            # one call to the router's worker list
 ROUTER_READY_S = 120.0     # a started router answers /readiness and lists every engine it was given
 ROUTER_REGISTER_S = 60.0   # an engine added back to the router appears in its worker list
 HTTP_READY_POLL_S = 10.0   # one readiness poll of a starting server
+ROUTER_POLL_S = 0.1        # between looks at a starting router (on loopback, cheap): a job's start waits on them
 ACTOR_CALL_S = 30.0        # a quick call to an engine's Ray actor (is the process alive, its exit code)
 KILL_S = 60.0              # SIGKILL an engine's process group and reap it
 STOP_EXTRA_S = 15.0        # stopping engines: their grace period plus this, then their actors are killed

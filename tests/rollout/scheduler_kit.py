@@ -1,5 +1,6 @@
-"""What the scheduler tests share: one way to build a scheduler (against a real engine in test_scheduler.py, a
-stand-in in test_scheduler_logic.py), the groups it is given, and the checks of a handed-out batch."""
+"""What the scheduler tests share: one way to build a scheduler (against a real engine in
+tests/e2e/test_scheduler_engine.py, a stand-in in test_scheduler_logic.py), the groups it is given, and the checks
+of a handed-out batch."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def reward_by_length(samples: list[Sample]) -> int:
 def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness: int = 0,
                    max_concurrency: int = 64, stop: tuple[str, ...] = (), score=reward_by_length,
                    dynamic_sampling: DynamicSamplingConfig | None = None, program=None,
-                   transport=None) -> RolloutScheduler:
-    """A scheduler of 4 groups a step on the engine at `url` (`transport`: a stand-in engine answering there)."""
+                   transport=None, api_key: str | None = None) -> RolloutScheduler:
+    """A scheduler of 4 groups a step on the engine at `url` (`transport`: a stand-in engine answering there),
+    which requires `api_key` if given."""
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]
 
-    engines = GenerationClient(url, request_timeout_s=120, max_concurrency=max_concurrency, transport=transport)
+    engines = GenerationClient(url, request_timeout_s=120, max_concurrency=max_concurrency, api_key=api_key,
+                               transport=transport)
     return RolloutScheduler(engines=engines, engine_urls=[url],
                             params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, stop=stop),
                             prompts_per_step=4, partial=PartialRolloutConfig(mode=mode, over_sampling=over_sampling,

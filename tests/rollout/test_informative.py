@@ -1,5 +1,6 @@
 """Dynamic sampling's test of a group: it carries a GRPO signal when at least two samples have rewards and those
-differ (the scheduler's replacement of the others runs against a real engine in test_scheduler.py)."""
+differ (the scheduler's replacement of the others runs against a real engine in
+tests/e2e/test_scheduler_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The scheduler's rules against a stand-in engine (an httpx transport answering /generate and the control calls
 at once, `StandInEngine`): engines that lag the policy fail loudly instead of regenerating forever; dynamic
 sampling replaces groups without reward variance, up to its bound; a rollout program's samples take its sample's
-place. What needs a real engine's abort and retract is in test_scheduler.py (e2e)."""
+place. What needs a real engine's abort and retract is in tests/e2e/test_scheduler_engine.py."""
 
 from __future__ import annotations
 
