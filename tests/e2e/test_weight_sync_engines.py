@@ -60,7 +60,6 @@ def engine(request, tmp_path_factory):
     """(family, engine URL, HF-named tensors of the checkpoint it loaded, a directory whose `model` is that
     checkpoint, its architecture): for qwen3 the first of the e2e tier's shared engines (tests/e2e/shared_engines.py),
     for glm4_moe `moe_engine`; each reset to its checkpoint before and after (a job may have trained it)."""
-    from slimish.engines.servers import reset_attached
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
 
@@ -70,13 +69,13 @@ def engine(request, tmp_path_factory):
     url, model = shared.urls[0], Path(shared.model)
     (root / "model").symlink_to(model)
     KEYS[url] = shared.key
-    reset_attached(url, model_path=str(model), api_key=shared.key)
+    shared.reset(0)
     try:
         ckpt = HFCheckpoint(model)
         arch = architecture_from_hf(read_hf_config(model))
         yield family, url, [(name, ckpt.get(name)) for name in ckpt.names()], root, arch
     finally:  # back to its checkpoint, as the next job attached to it would make it
-        reset_attached(url, model_path=str(model), api_key=shared.key)
+        shared.reset(0)
 
 
 def weights_checker(url: str, action: str) -> dict:
@@ -183,7 +182,6 @@ def test_the_same_wrong_bytes_on_every_engine_are_caught(attached, tmp_path):
     """Both shared engines sent the same corrupted bucket hold identical wrong values: checking the engines against
     each other (all a sync could do before it predicted the checksums) passes, while the checksums the sender
     predicts from what it sent catch it on each engine."""
-    from slimish.engines.servers import reset_attached
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.weight_sync.buckets import Bucket
@@ -209,8 +207,8 @@ def test_the_same_wrong_bytes_on_every_engine_are_caught(attached, tmp_path):
         held = [checksums(url) for url in attached.urls]
         assert held[0] == held[1], "both engines hold the same (wrong) values"
     finally:
-        for url in attached.urls:
-            reset_attached(url, model_path=str(model), api_key=attached.key)
+        for i in range(len(attached.urls)):
+            attached.reset(i)
 
 
 def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: str | None, rounds: list[str],
