@@ -1,7 +1,7 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make lint | make docs | make bench | make bench-partial | make bench-sync |
+# Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make gpu-battery-prepare | make lint | make docs | make bench | make bench-partial | make bench-sync |
 #   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-estimators | make bench-async | make bench-rollout
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu quickstart test test-fast test-gpu lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout clean
 
 venv: $(STAMP)
 
@@ -68,6 +68,11 @@ else
 		$(BIN)/pytest tests/gpu $(PYTEST_ARGS); \
 	else echo "make test-gpu: skipped, no usable CUDA device here (make test-gpu EMULATE=1 runs tests/gpu on the emulated GPU)"; fi
 endif
+
+# What a lent GPU machine runs (tools/gpu_battery.sh run, docs/gpu.md "The GPU battery"), built here: wheels for its
+# python 3.12 and SGLang's two GPU modules; fails if more than a device call carries (64 MiB) would travel.
+gpu-battery-prepare: venv
+	bash tools/gpu_battery.sh prepare
 
 bench: venv
 	$(BIN)/python bench/convert.py

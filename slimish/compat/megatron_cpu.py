@@ -242,8 +242,6 @@ def _patch_megatron() -> None:
         import megatron.core.pipeline_parallel.schedules  # noqa: F401
         import megatron.core.tensor_parallel  # noqa: F401
     import megatron.core.tensor_parallel.random as tp_random
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
     # Dropout RNG states: keep the "CUDA" generator states on the CPU generator.
     tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
@@ -262,10 +260,9 @@ def _patch_megatron() -> None:
 
     _name_cpu_types_as_cuda_for_megatron()
 
-    # 0.16.x refers to these Transformer-Engine names unguarded when TE is absent.
-    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                 "fused_topk_with_score_function", "fused_unpermute"):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
+    # The MoE utilities' Transformer-Engine names, absent here as on any machine without TE (not CPU-specific:
+    # `build_gpt_model` applies it on GPUs too).
+    from slimish.compat import megatron_te_absent
+
+    megatron_te_absent.apply()
     _scope_factories_to_megatron()

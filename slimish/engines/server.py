@@ -30,13 +30,21 @@ from slimish.engines.process import ManagedProcess
 from slimish.network import hosted_store, node_ip
 
 ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
+# Variables set for the trainer's processes (launch/train.sbatch exports them to every Ray process) that an engine must
+# not inherit. CUDA_DEVICE_MAX_CONNECTIONS=1 serialises a process's CUDA streams into one hardware queue, which
+# Megatron's communication/computation overlap wants and SGLang's overlapped scheduling and weight loading do not
+# (SGLang 0.5.23's server sets 8 itself before its schedulers start; an engine's environment does not rely on that).
+TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
 
 
 def engine_env(tp: int = 1, nnodes: int = 1) -> dict[str, str]:
     """The environment of an SGLang server process of `tp` tensor-parallel ranks over `nnodes` nodes:
     `sglang_cpu.server_env()` (what a CPU-only machine needs), with `engine_path` first on PYTHONPATH, which hides
-    Megatron-Core from the engine (see engine_path/megatron)."""
+    Megatron-Core from the engine (see engine_path/megatron), and without the trainer's own settings
+    (`TRAINER_ONLY_ENV`)."""
     env = sglang_cpu.server_env(tp=tp, nnodes=nnodes)
+    for name in TRAINER_ONLY_ENV:
+        env.pop(name, None)
     sglang_cpu.prepend_pythonpath(env, ENGINE_PATH)
     return env
 

@@ -18,8 +18,10 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from slimish.compat import megatron_te_absent
     from slimish.compat.packed_attention import local_packed_block_spec
 
+    megatron_te_absent.apply()  # MoE layers without Transformer Engine, on the GPU as on the CPU
     device = trainer_device()
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,

@@ -18,3 +18,15 @@ def test_the_senders_own_engine_and_engines_elsewhere_are_left_as_ray_placed_the
     assert visible_devices("3", sender=SENDER, node="10.0.0.2") == "3"
     assert visible_devices("3", sender=None, node="10.0.0.1") == "3"
     assert visible_devices(None, sender=SENDER, node="10.0.0.1") is None, "no GPUs (CPU): nothing to add"
+
+
+def test_an_engine_does_not_inherit_the_trainers_settings(monkeypatch):
+    """launch/train.sbatch exports CUDA_DEVICE_MAX_CONNECTIONS=1 to every Ray process for Megatron's overlap; an
+    engine's server starts without it (and without any of `TRAINER_ONLY_ENV`), with the rest of the environment."""
+    from slimish.engines.server import TRAINER_ONLY_ENV, engine_env
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    env = engine_env()
+    assert not any(name in env for name in TRAINER_ONLY_ENV)
+    assert env["NCCL_DEBUG"] == "WARN"

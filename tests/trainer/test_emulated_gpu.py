@@ -117,6 +117,18 @@ def test_sync_export_checkpoint_and_sft_on_the_emulated_gpu(task_assets, tmp_pat
     assert torch.equal(gpu["after_load"], gpu["after"]), "the checkpoint gives back the weights it was saved with"
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_moe_step_on_the_emulated_gpu_without_transformer_engine(task_assets, tiny_moe_models, tmp_path, family):
+    """A mixture-of-experts model's RL step with Megatron-Core left as it is on a CUDA machine without Transformer
+    Engine (`worker_rank.as_on_cuda`: the CPU shim's TE names undone; on main at a706c6e the router raised
+    NameError: te_general_gemm there) is the CPU step: the trainer itself makes Megatron's MoE
+    utilities runnable without TE (`slimish.compat.megatron_te_absent`), on every device."""
+    assets = {**task_assets, "model": str(tiny_moe_models[family])}
+    (gpu,), (cpu,) = _both(assets, tmp_path, extra=("--as-on-cuda",))
+    _assert_same_step(gpu, cpu)
+    assert any(".mlp.experts." in name for name in gpu["state"]), "the export holds the experts"
+
+
 OFFLOAD_LAYOUTS = {  # id -> (world size, overrides)
     "ppo-bf16": (1, ESTIMATOR_OVERRIDES["ppo"] + ("model.dtype=bfloat16",)),  # critic, reference, fp32 main params
     "dp2-distributed-optimizer": (2, ("trainer.optimizer.distributed=true",)),  # sharded main params and moments

@@ -55,6 +55,8 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--more-steps", action="store_true", help="also sync export, checkpoint and SFT (more_steps)")
     parser.add_argument("--drop-device", help="undo one piece of device discipline (drop_device)")
     parser.add_argument("--offload", action="store_true", help="offload and onload every role after the RL step")
+    parser.add_argument("--as-on-cuda", action="store_true",
+                        help="Megatron's CPU shim leaves what it does on a CUDA machine (as_on_cuda)")
     return parser.parse_args()
 
 
@@ -96,8 +98,30 @@ def drop_device(what: str) -> None:
         raise ValueError(f"--drop-device {what!r}: one of microbatch, factory, collective")
 
 
+def as_on_cuda() -> None:
+    """What `megatron_cpu.apply()` does beyond the device leaves Megatron-Core as it is on a CUDA machine, where
+    `apply()` does nothing: moe_utils' Transformer-Engine names stay undefined (on the emulated GPU, the state of a GPU
+    without Transformer Engine). Whatever else the trainer needs there must come from the trainer's own code."""
+    from slimish.compat import megatron_cpu, megatron_te_absent
+
+    apply = megatron_cpu.apply
+
+    def apply_as_on_cuda() -> bool:
+        patched = apply()
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        for name in megatron_te_absent.MOE_UTILS_TE_NAMES:
+            if getattr(moe_utils, name, 0) is None:
+                delattr(moe_utils, name)
+        return patched
+
+    megatron_cpu.apply = apply_as_on_cuda
+
+
 def main() -> None:
     args = rank_args("out")
+    if args.as_on_cuda:
+        as_on_cuda()
     if args.drop_device:
         drop_device(args.drop_device)
     worker = make_worker(args)

@@ -1,0 +1,27 @@
+"""Megatron-Core 0.16 without Transformer Engine, on every device.
+
+`megatron.core.transformer.moe.moe_utils` imports its fused MoE helpers from Transformer Engine inside a
+try block and, when TE is absent, leaves the names undefined; its router and permutation code then refer to them
+unguarded (`if fused_topk_with_score_function is None`, `te_general_gemm is not None`), which raises NameError on the
+first MoE forward. Defining each absent name as None is what the module's own guards expect: the unfused paths run.
+This is not about the CPU: a GPU without TE (the lent test machine, a node before the GPU lock is installed) hits it
+as well, so it is applied wherever a model is built, not by `megatron_cpu.apply()` alone (which does nothing on a
+machine with CUDA).
+"""
+
+from __future__ import annotations
+
+# The names moe_utils takes from Transformer Engine when it can (megatron-core 0.16.1).
+MOE_UTILS_TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+                      "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                      "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute")
+
+
+def apply() -> list[str]:
+    """Define every TE name moe_utils lacks as None. Idempotent; returns the names it defined (none with TE)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    defined = [name for name in MOE_UTILS_TE_NAMES if not hasattr(moe_utils, name)]
+    for name in defined:
+        setattr(moe_utils, name, None)
+    return defined
