@@ -1,5 +1,6 @@
 """The README and docs/ name only things that exist: every repository path, `make` target and config key they
-mention, and every relative link; docs/config.md is the schema's reference as `make docs` writes it."""
+mention, and every relative link; docs/config.md is the schema's reference as `make docs` writes it; and no page
+denies what docs/gpu.md records as run on a GPU, or claims what has not run there."""
 
 from __future__ import annotations
 
@@ -98,3 +99,54 @@ def test_the_checks_catch_what_they_are_for():
     assert _repo_paths(text) == {"slimish/no_such.py"}
     assert _make_targets(text) == {"no-such-target"}
     assert _config_keys(text) == {"trainer.optimizer.no_such_key"}
+
+
+# What docs/gpu.md's "What has run" records as run on a GPU: the evidence that must be there, and the phrasings by
+# which a page would deny it. And what has not run on a GPU, with the phrasings that would claim it. Every page is read
+# lower-cased with its line breaks folded, so a phrase split over two lines is still found.
+HAS_RUN = {
+    "the trainer's one-rank steps have run on a GPU": (r"rl step.*?passed", [
+        r"none of it has run on a gpu", r"none has run on a gpu",
+        r"nothing (?:else )?has run on a gpu\b(?! engine| cluster| node)",
+        r"trainer that is otherwise working is still missing", r"trainer does not work on (?:a )?gpus?"]),
+    "MoE steps have run on a GPU without Transformer Engine": (r"moe: 2 passed", [r"every moe model crashes on a gpu"]),
+    "SGLang's Triton hash has made the expected checksums on a GPU": (r"sglang's triton hash", [
+        r"that code path has never run", r"sglang's triton hash for verification\.? (?:is|are) (?:written|never)",
+        r"the gpu variants are written but have \*\*never run\*\*"]),
+    "the weight-sync group has run on NCCL at one rank": (r"weight-sync group \(`new_weight_update_group`\) on nccl", [
+        r"nothing has run over nccl", r"nccl on gpu \(never run\)"]),
+    "the tensor transport's CUDA-IPC buckets have run": (r"cuda ipc \(`bench/tensor_buckets\.py --device cuda`\)", [
+        r"a cuda ipc allocation on gpu \(never run\)"]),
+    "Megatron-Core's optimizer is TE's FusedAdam under the GPU lock": (None, [
+        r"transformer engine is not used", r"transformer engine is installed, not yet used",
+        r"never uses transformer engine\.", r"transformer engine and apex, which slimish does not use"]),
+    "engines span nodes (tested on CPU)": (None, [r"engine spanning several nodes is not supported"]),
+}
+NOT_RUN = {
+    "a GPU SGLang engine": r"(?<!no )gpu engines? (?:has|have) run\b",
+    "NCCL between two GPUs": r"(?<!no )nccl between (?:two )?gpus (?:has|have) run",
+    "a colocated job on a GPU": r"(?<!no )colocated job (?:has|have) run on a gpu",
+    "a sharded sync": r"sharded sync[^.|]*\| tested",
+}
+
+
+def _folded(page: Path) -> str:
+    return re.sub(r"\s+", " ", page.read_text().replace("> ", " ")).lower()
+
+
+def test_what_has_run_is_recorded_in_gpu_md():
+    section = _folded(REPO / "docs/gpu.md").split("## what has run", 1)[1].split("## the gpu battery", 1)[0]
+    for name, (evidence, _) in HAS_RUN.items():
+        assert evidence is None or re.search(evidence, section), f"docs/gpu.md 'What has run' no longer says {name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_page_denies_what_has_run_or_claims_what_has_not(page):
+    text = _folded(page)
+    for name, (_, denials) in HAS_RUN.items():
+        for denial in denials:
+            found = re.search(denial, text)
+            assert not found, f"{page.name} says {found.group(0)!r}, but {name} (docs/gpu.md)"
+    for name, claim in NOT_RUN.items():
+        found = re.search(claim, text)
+        assert not found, f"{page.name} says {found.group(0)!r}, but {name} has not run (docs/gpu.md)"

@@ -3,8 +3,9 @@
 # SGLang, Ray or Transformer Engine; no package index; 64 MiB carried in, 8 files back; 15 minutes of device time a
 # session, machine start included) can prove, prepared here and run there in one call.
 #
-#   bash tools/gpu_battery.sh prepare    # here, with the venv (make gpu-battery-prepare): the wheels for python 3.12
-#                                        # into .whl/, SGLang's two GPU modules into .gpu/; fails past the size limit
+#   bash tools/gpu_battery.sh prepare    # here, with the venv (make gpu-battery-prepare): megatron-core's wheel for
+#                                        # python 3.12 into .whl/, SGLang's two GPU modules into .gpu/; fails past the
+#                                        # size limit
 #   bash tools/gpu_battery.sh size       # what would travel (tracked + untracked files, .whl/, .gpu/), against 64 MiB
 #   bash tools/gpu_battery.sh run        # there, in the repository root; logs in $OUT (at most 8 files)
 #   ONLY=moe,attention bash tools/gpu_battery.sh run   # some parts only (a rerun)
@@ -47,9 +48,10 @@ prepare() {
   [ -x "$py" ] || { echo "gpu_battery prepare: no .venv here; run make venv first" >&2; return 1; }
   lock() { grep -i "^$1==" requirements/cpu-lock.txt; }
   rm -rf .whl .gpu
+  # megatron-core only: the machine's own transformers (5.17.0 there) would come first on the path all the same (the
+  # carried wheels are added by a .pth file, after site-packages).
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "$(lock megatron-core)" \
-    "$(lock transformers)" || return 1
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "$(lock megatron-core)" || return 1
   # SGLang's GPU tensor hash (the engines' checksums; its imports are torch and triton) and its device-UUID CUDA-IPC
   # reductions (bench/tensor_buckets.py --device cuda) travel alone: importing `sglang` pulls in its whole CUDA stack.
   local sglang

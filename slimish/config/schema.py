@@ -170,8 +170,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = doc(0, "SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph "
                                     "(0 = SGLang's choice).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
-    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i (loopback); part r > 0 of an "
-                                 "engine spanning nodes on base_port + r * num_engines + i (its health only).")
+    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i on its node's address "
+                                 "(loopback on a local Ray); part r > 0 of an engine spanning nodes on base_port + "
+                                 "r * num_engines + i (its health only).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
     restart_dead: bool = doc(True, "Restart an engine whose process died; it rejoins at the next weight sync.")
@@ -294,7 +295,9 @@ class WeightSyncConfig:
                                     "pipeline stage broadcasts its own layers over a group of its own (the stages take "
                                     "turns on the wire); false = the later stages send theirs through trainer rank 0. "
                                     "The other transports always send through rank 0.")
-    master_port: int = doc(29650, "TCP port of the trainer<->engines process-group store (loopback on CPU).")
+    master_port: int = doc(29650, "TCP port of the store of the first trainer<->engines weight-update group, on "
+                                  "trainer rank 0's node address (loopback on a local Ray); groups rebuilt after an "
+                                  "engine restart, and pipeline stage senders' groups, take free ports.")
     verify: bool = doc(True, "After every sync check that each engine reports the new weight version and holds, in "
                              "every parameter, the values the trainer sent (SGLang /weights_checker checksums); a "
                              "mismatch names the parameter and stops the job.")

@@ -1,16 +1,20 @@
-"""Where the job's actors run: one Ray placement group for the trainer ranks, one for the SGLang engines.
+"""Where the job's actors run: Ray placement groups for the trainer ranks and for the SGLang engines.
 
 On a cluster whose Ray nodes offer GPUs, each trainer rank holds 1 GPU and each engine `rollout.engine.
-tensor_parallel` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES, which the engine process inherits). Both groups
-are PACKed onto as few nodes as possible, and trainer ranks are numbered node by node, so that the consecutive
-ranks Megatron puts in one tensor-parallel group share a node. An engine spanning nodes (`rollout.engine.
-nodes_per_engine`) has a group of its own, one bundle per node part, STRICT_SPREAD over distinct nodes. Without GPUs
-each bundle holds a sliver of CPU (Ray bundles cannot be empty; the real CPU use is not Ray's to schedule on a small
-machine), so the code path is the same on a laptop, in CI and on a GPU cluster: only the resources asked for differ.
+tensor_parallel` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES, which the engine process inherits). Both are
+PACKed onto as few nodes as possible. The trainer's ranks (colocated: its GPUs, each shared with an engine) are
+reserved a tensor-parallel group at a time (and an expert-parallel group where a node holds one:
+`trainer_group_size`), each group a STRICT_PACK placement group on one node (`reserve_grouped`), and numbered node
+by node, so the consecutive ranks Megatron puts in one such group share a node whatever the nodes have free. An
+engine spanning nodes (`rollout.engine.nodes_per_engine`) has a group of its own, one bundle per node part,
+STRICT_SPREAD over distinct nodes. Without GPUs each bundle holds a sliver of CPU (Ray bundles cannot be empty; the
+real CPU use is not Ray's to schedule on a small machine), so the code path is the same on a laptop, in CI and on a
+GPU cluster: only the resources asked for differ.
 
-Colocated (`placement.colocate`): one placement group of one bundle per GPU; trainer rank i and engine i (one GPU
-each) hold half of bundle i each, so Ray gives both the same GPU (and sets the same CUDA_VISIBLE_DEVICES). Without
-GPUs the bundle's CPU sliver is halved the same way.
+Colocated (`placement.colocate`): one bundle per GPU, reserved as the trainer's ranks are; trainer rank i and engine
+i (one GPU each) hold half of bundle i each, so Ray gives both the same GPU (and sets the same CUDA_VISIBLE_DEVICES).
+Without GPUs the bundle's CPU sliver is halved the same way. With expert parallelism and the tensor transport, GPUs
+on more than one node are refused in one line (`colocated_sender_problem`).
 """
 
 from __future__ import annotations
@@ -69,6 +73,75 @@ def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float, cpus_eac
     nodes = placement_group_table(group)["bundles_to_node_id"]
     order = sorted(range(count), key=lambda i: (nodes[i], i))
     return [Slot(group, i, nodes[i], gpus_each, 0.0 if gpus_each else cpus_each) for i in order]
+
+
+def trainer_group_size(*, tensor_parallel: int, expert_parallel: int, node_gpus: int) -> int:
+    """How many consecutive trainer ranks must share a node: a tensor-parallel group always (Megatron's ranks are
+    ordered tensor-parallel first: ranks [k * tp, (k + 1) * tp) are one group), and the block of tp x ep ranks that
+    holds whole expert-parallel groups when one node has the GPUs for it (ep groups over several nodes are the rule
+    for large MoE models; then only the tp groups are kept whole). `node_gpus`: the largest node's GPUs (0: none)."""
+    block = tensor_parallel * expert_parallel
+    if expert_parallel > 1 and (node_gpus == 0 or block <= node_gpus):
+        return block
+    return tensor_parallel
+
+
+def largest_node_gpus() -> int:
+    """The GPUs of the Ray cluster's largest live node (0 without GPUs)."""
+    return max((int(node.get("Resources", {}).get("GPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
+
+
+def reserve_grouped(name: str, *, count: int, group_size: int, gpus_each: int, timeout_s: float,
+                    cpus_each: float = CPU_SLIVER) -> list[Slot]:
+    """Like `reserve` (`count` bundles, numbered node by node), such that bundles [k * group_size, (k + 1) *
+    group_size) are on one node: each group is a STRICT_PACK placement group of its own. One PACKed group of
+    single-GPU bundles, as `reserve` makes, lets PACK fill nodes unevenly and put a group across two (ranks 0-2 on a
+    node with 3 free GPUs, 3 on the next: the tensor-parallel group {2, 3} over the network). A group larger than
+    any node's GPUs is a UserError in one line; a group Ray cannot place in time, a PlacementError."""
+    if group_size == 1:
+        return reserve(name, count=count, gpus_each=gpus_each, timeout_s=timeout_s, cpus_each=cpus_each)
+    if count % group_size:
+        raise UserError(f"parallel.num_trainer_ranks is {count}, which is not a multiple of the {group_size} ranks "
+                        "that must share a node (tensor_parallel, times expert_parallel where a node holds them)")
+    if gpus_each and group_size * gpus_each > (largest := largest_node_gpus()):
+        raise UserError(f"parallel.tensor_parallel (x expert_parallel) puts {group_size} trainer ranks in a group that "
+                        f"must share a node, but the Ray cluster's largest node has {largest} GPUs: lower it, or use "
+                        "nodes with more GPUs")
+    bundle = {"GPU": gpus_each} if gpus_each else {"CPU": cpus_each}
+    groups: list[list[Slot]] = []
+    try:
+        for k in range(count // group_size):
+            group = placement_group([dict(bundle) for _ in range(group_size)], strategy="STRICT_PACK",
+                                    name=f"{name}-{k}")
+            groups.append([Slot(group, i, "", gpus_each, 0.0 if gpus_each else cpus_each) for i in range(group_size)])
+            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            if not ready:
+                raise PlacementError(
+                    f"could not reserve {group_size} x {bundle} on one node for the {name} (group {k}) within "
+                    f"{timeout_s:.0f}s; the Ray cluster has {ray.cluster_resources()} in all and "
+                    f"{ray.available_resources()} free")
+    except BaseException:
+        release([slot for group in groups for slot in group])
+        raise
+    placed = []
+    for slots in groups:
+        node = placement_group_table(slots[0].group)["bundles_to_node_id"][0]
+        placed.append([replace(slot, node_id=node) for slot in slots])
+    placed.sort(key=lambda slots: slots[0].node_id)  # stable: groups keep their order within a node
+    return [slot for slots in placed for slot in slots]
+
+
+def colocated_sender_problem(bundles: list[Slot], *, transport: str, expert_parallel: int) -> str | None:
+    """Why a colocated job on these bundles could not sync, or None. With the tensor transport each data-parallel
+    replica's first rank sends to the engines on its own GPUs by CUDA IPC; with expert parallelism the export spans
+    replicas, so trainer rank 0 sends to every engine, and CUDA IPC reaches only its own node's."""
+    nodes = {slot.node_id for slot in bundles}
+    if transport != "tensor" or expert_parallel == 1 or len(nodes) == 1:
+        return None
+    return (f"placement.colocate with parallel.expert_parallel={expert_parallel} and weight_sync.transport=tensor "
+            f"needs every GPU on one node (trainer rank 0 sends every engine its weights by CUDA IPC), but the job's "
+            f"{len(bundles)} GPUs are on {len(nodes)} nodes: use weight_sync.transport=disk (on storage every node "
+            "reads), or fewer ranks")
 
 
 def reserve_engines(*, count: int, nodes_per_engine: int, gpus_each: int, timeout_s: float,

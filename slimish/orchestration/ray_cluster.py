@@ -14,16 +14,20 @@ import ray  # (slimish/orchestration/__init__.py keeps a local Ray on loopback)
 
 from slimish import log
 from slimish.config.schema import JobConfig
+from slimish.errors import UserError
 from slimish.network import interface_of
 from slimish.orchestration.placement import (
     Slot,
     check_gpus,
     cluster_gpus,
     colocated,
+    colocated_sender_problem,
+    largest_node_gpus,
     on_this_node,
     release,
-    reserve,
     reserve_engines,
+    reserve_grouped,
+    trainer_group_size,
 )
 
 TRAINER_SHUTDOWN_S = 5.0  # a trainer rank's own shutdown, before it is killed either way
@@ -114,10 +118,17 @@ def reserve_slots(cfg: JobConfig) -> dict:
     with placement.colocate (`placement.colocated`)."""
     gpus = cluster_gpus() > 0
     timeout, cpus = cfg.ray.placement_timeout_s, cfg.ray.cpus_per_slot
+    layout = cfg.parallel
+    group_size = trainer_group_size(tensor_parallel=layout.tensor_parallel, expert_parallel=layout.expert_parallel,
+                                    node_gpus=largest_node_gpus() if gpus else 0)
     if cfg.placement.colocate:
-        bundles = reserve("slimish-colocated", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
-                          timeout_s=timeout, cpus_each=cpus)
+        bundles = reserve_grouped("slimish-colocated", count=layout.num_trainer_ranks, group_size=group_size,
+                                  gpus_each=int(gpus), timeout_s=timeout, cpus_each=cpus)
         try:
+            problem = colocated_sender_problem(bundles, transport=cfg.weight_sync.transport,
+                                               expert_parallel=cfg.parallel.expert_parallel)
+            if problem:
+                raise UserError(problem)
             slots = colocated(bundles)
             if gpus:
                 check_gpus(slots)
@@ -125,8 +136,8 @@ def reserve_slots(cfg: JobConfig) -> dict:
             release(bundles)
             raise
         return slots
-    trainer = reserve("slimish-trainer", count=cfg.parallel.num_trainer_ranks, gpus_each=int(gpus),
-                      timeout_s=timeout, cpus_each=cpus)
+    trainer = reserve_grouped("slimish-trainer", count=layout.num_trainer_ranks, group_size=group_size,
+                              gpus_each=int(gpus), timeout_s=timeout, cpus_each=cpus)
     engine = cfg.rollout.engine
     engines: list[list[Slot]] = []
     try:

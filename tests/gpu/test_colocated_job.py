@@ -25,7 +25,7 @@ from tests.e2e.procs import become_subreaper, leftovers, train_command
 
 
 def sglang_server_installed() -> bool:
-    """Whether SGLang's server module is installed: its file, not `sglang` (tools/test_gpu_bare.sh carries two of
+    """Whether SGLang's server module is installed: its file, not `sglang` (tools/gpu_battery.sh carries two of
     SGLang's modules alone, under the package name). Found, not imported: importing it takes ~12 s of CPU, which
     every pytest process would spend collecting this file (in `make test`, where its tests skip without CUDA)."""
     spec = importlib.util.find_spec("sglang")

@@ -11,3 +11,19 @@ def test_engines_get_a_slot_per_node_part_and_spanning_more_nodes_than_the_clust
     assert "parts=[1, 1] bundles=[0, 1]" in out, out
     assert ("error: rollout.engine.nodes_per_engine is 2, but the Ray cluster has 1 node(s): run the job on at least "
             "2 nodes (sbatch -N), or lower it") in out, out
+
+
+def test_trainer_groups_stay_inside_a_node_of_a_two_node_cluster():
+    """A simulated two-node Ray cluster of 3 GPUs per node (two_node_placement_probe.py): 4 trainer ranks at TP2
+    reserved as single-GPU bundles (the old way) fill one node and put the last rank on the other, so the
+    tensor-parallel group {2, 3} would cross nodes; reserved a group at a time, each group is on one node. A group
+    larger than a node is refused in one line, and so is a colocated job with expert parallelism whose tensor
+    transport would have to reach another node's engines by CUDA IPC (disk is left alone)."""
+    out = run_probe("two_node_placement_probe.py")
+    assert "one-gpu-bundles per node [1, 3] groups crossing nodes 1" in out, out
+    assert "grouped ['n0', 'n0', 'n1', 'n1'] bundles=[0, 1, 0, 1] groups=2 groups crossing nodes 0" in out, out
+    assert ("too-large parallel.tensor_parallel (x expert_parallel) puts 4 trainer ranks in a group that must share "
+            "a node, but the Ray cluster's largest node has 3 GPUs: lower it, or use nodes with more GPUs") in out, out
+    assert ("colocated-ep placement.colocate with parallel.expert_parallel=2 and weight_sync.transport=tensor needs "
+            "every GPU on one node") in out and "on 2 nodes: use weight_sync.transport=disk" in out, out
+    assert "colocated-ep-disk None" in out and "ep-block 2 2" in out, out
