@@ -24,9 +24,14 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 	touch $(STAMP)
 
 # The GPU stack (requirements/gpu-lock.txt: the CPU lock plus Transformer Engine) in $(VENV), on a GPU node with the
-# CUDA 13 toolkit and cuDNN headers (Transformer Engine's torch extension builds from source). Never run by CI.
+# CUDA 13 toolkit and cuDNN headers (Transformer Engine's torch extension builds from source), then FlashInfer's
+# prebuilt kernels for the locked flashinfer-python (its cubins and JIT cache, from FlashInfer's own wheel index, for
+# the node's GPUs or FLASHINFER_SM, e.g. sm90a): without them every engine compiles its kernels with nvcc at first
+# use, minutes per engine. Never run by CI.
+FLASHINFER_SM ?=
 venv-gpu: venv
 	$(BIN)/pip install --quiet --no-build-isolation -r requirements/gpu-lock.txt
+	$(BIN)/python -m flashinfer download-kernels $(if $(FLASHINFER_SM),--sm $(FLASHINFER_SM))
 	$(BIN)/python tools/check_stack.py
 	$(BIN)/slimish check-gpu
 	$(BIN)/python -c "import transformer_engine.pytorch; print('gpu stack ok')"

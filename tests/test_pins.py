@@ -70,3 +70,16 @@ def test_check_stack_passes_here_and_names_a_mismatch(tmp_path):
     (tmp_path / "requirements/gpu-lock.txt").write_text("-r cpu-lock.txt\n")
     bad, _ = check_stack.mismatches(tmp_path)
     assert bad == ["sglang 0.5.23 is installed, the lock pins 0.5.22"], bad
+
+
+def test_gpu_installs_fetch_flashinfers_prebuilt_kernels_for_the_locked_release():
+    """`make venv-gpu` and the container install FlashInfer's prebuilt kernels (`python -m flashinfer
+    download-kernels`: its cubins and JIT cache, from FlashInfer's own wheel index, which this machine may not reach,
+    so the command is not run here) so GPU engines do not compile them with nvcc at first use. The command fetches
+    the kernels of the installed flashinfer-python, which is the locked one."""
+    from importlib.metadata import version
+
+    makefile, dockerfile = (REPO / "Makefile").read_text(), (REPO / "docker/Dockerfile").read_text()
+    venv_gpu = makefile.split("\nvenv-gpu:", 1)[1].split("\n\n", 1)[0]
+    assert "-m flashinfer download-kernels" in venv_gpu and "-m flashinfer download-kernels" in dockerfile
+    assert version("flashinfer-python") == _pins("requirements/cpu-lock.txt")["flashinfer-python"]

@@ -52,6 +52,14 @@ class ManagedProcess:
             return []
         return [pid for pid, state in _group_states(self.proc.pid).items() if state == "T"]
 
+    def commands(self) -> list[str]:
+        """The command names (/proc/<pid>/comm) of its group's live processes now, sorted: what the server is running
+        (a kernel compiler started by a JIT, say)."""
+        if self.proc is None:
+            return []
+        return sorted(name for pid, state in _group_states(self.proc.pid).items()
+                      if state != "Z" and (name := _command(pid)))
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -103,6 +111,13 @@ class ManagedProcess:
 def _group_alive(pgid: int) -> bool:
     """True while any non-zombie process of group `pgid` exists."""
     return any(state != "Z" for state in _group_states(pgid).values())
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # it exited meanwhile
+        return ""
 
 
 def _group_states(pgid: int) -> dict[int, str]:

@@ -169,6 +169,10 @@ class EngineProcess:
     def log_tail(self) -> str:
         return self.proc.log_tail() if self.proc is not None else ""
 
+    def commands(self) -> list[str]:
+        """The command names of the server's processes now (`ManagedProcess.commands`)."""
+        return self.proc.commands() if self.proc is not None else []
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
 

@@ -29,6 +29,7 @@ from slimish.engines.launch_router import API_KEY_ENV
 from slimish.engines.process import ManagedProcess
 from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
+from slimish.engines.startup import waiting_for
 from slimish.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,10 @@ class EngineServers:
             waiting = [part for part, ok in zip(waiting, ready, strict=True) if not ok]
             if waiting and time.monotonic() > deadline:
                 late = waiting[0]
-                raise TimeoutError(f"engine part {ray.get(late.info.remote())['log']} not ready after "
-                                   f"{timeout_s:.0f}s; its log ends:\n{ray.get(late.log_tail.remote())}")
+                info = ray.get(late.info.remote())
+                what = waiting_for(ray.get(late.commands.remote()), part=info["part"])
+                raise TimeoutError(f"engine part {info['log']} not ready after {timeout_s:.0f}s, waiting for {what}; "
+                                   f"its log ends:\n{ray.get(late.log_tail.remote())}")
             if waiting:
                 time.sleep(1.0)
 

@@ -34,3 +34,26 @@ def test_a_stopped_process_is_reported_until_it_is_continued(tmp_path):
     finally:
         proc.stop(grace_s=2)
     assert not proc.alive()
+
+
+def test_the_commands_of_its_group_are_listed(tmp_path):
+    """`commands` names what the server's group runs now: here a shell and the `sleep` it started (an engine's would
+    show `nvcc` or `ninja` while a JIT compiles kernels: slimish.engines.startup)."""
+    proc = ManagedProcess("shell", ["bash", "-c", "sleep 120 & wait"], env=dict(os.environ),
+                          log_path=tmp_path / "shell.log")
+    proc.start()
+    try:
+        assert wait_until(lambda: proc.commands() == ["bash", "sleep"]), proc.commands()
+    finally:
+        proc.stop(grace_s=2)
+    assert proc.commands() == []
+
+
+def test_an_engine_that_is_not_up_says_what_it_waits_for():
+    from slimish.engines.startup import waiting_for
+
+    compiling = waiting_for(["ninja", "nvcc", "python3", "sglang::schedul"], part=0)
+    assert compiling.startswith("compiling CUDA kernels (ninja, nvcc running in it")
+    assert "python -m flashinfer download-kernels" in compiling and "startup_timeout_s" in compiling
+    assert waiting_for(["python3", "sglang::schedul"], part=0).startswith("its first generation (/health_generate)")
+    assert waiting_for(["python3"], part=1).startswith("its schedulers (a node part's /health)")
