@@ -9,8 +9,12 @@ written last); anything else is ignored.
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+
+from slimish.errors import UserError
 
 DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
@@ -38,3 +42,43 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         if match and is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+class UnreadableMetrics(UserError, ValueError):
+    """A line of a metrics.jsonl that is not a record, before its last line: one line naming the file and line."""
+
+
+@dataclass(frozen=True)
+class MetricsLines:
+    """What a metrics.jsonl holds: its records (one JSON object with an integer "step" per line), each with the text
+    of its line, and the number of its last line when that one was cut (`read_metrics_lines`)."""
+    records: list[dict]
+    lines: list[str]
+    cut_line: int | None
+    ends_cleanly: bool  # the file ends with a newline (or is empty): the next record can be appended to it
+
+
+def read_metrics_lines(path: Path) -> MetricsLines:
+    """The records of the jsonl file `path`. A last line that is not a complete record (the job killed in the middle
+    of a write, a full disk) is left out and its number returned in `cut_line`: it never held a whole step. Any
+    other line that is not a JSON object with an integer "step" is `UnreadableMetrics` naming the file and line."""
+    text = Path(path).read_text(errors="replace")
+    raw = text.split("\n")
+    if raw and raw[-1] == "":
+        raw.pop()
+    records, lines, cut = [], [], None
+    for number, line in enumerate(raw, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a JSON object with an integer \"step\"")
+        except ValueError as exc:
+            if number == len(raw):
+                cut = number
+                break
+            raise UnreadableMetrics(f"{path}:{number}: cannot read this line ({exc}): fix or remove it") from None
+        records.append(record)
+        lines.append(line)
+    return MetricsLines(records, lines, cut, ends_cleanly=text == "" or text.endswith("\n"))

@@ -39,3 +39,18 @@ def test_a_directory_without_metrics_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no metrics.jsonl" in err and err.count("\n") == 1
+
+
+def test_a_cut_last_line_is_left_out_and_a_bad_line_is_named(tmp_path, capsys):
+    """A live or killed run's last line may be half written: the report is drawn from the whole lines. Any other line
+    it cannot read is one line naming the file and the line (on main at a706c6e: a JSONDecodeError naming neither)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    whole = "".join(json.dumps(record(s)) + "\n" for s in (1, 2))
+    (run / "metrics.jsonl").write_text(whole + '{"step": 3, "reward_me')
+    assert main(["report", str(run)]) == 0
+    (run / "metrics.jsonl").write_text(whole + "{oops\n" + json.dumps(record(3)) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"{run / 'metrics.jsonl'}:3: cannot read this line" in err

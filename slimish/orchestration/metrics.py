@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
+
+from slimish.run_layout import read_metrics_lines
+
+logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
@@ -83,12 +88,17 @@ def _wandb_run(run_dir: Path, project: str, name: str, config: dict, *, resume: 
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep only the records of steps <= `last_step` in the jsonl file `path` (if it exists)."""
+    """Keep only the records of steps <= `last_step` in the jsonl file `path` (if it exists). A last line cut by an
+    interrupted write is dropped with a warning (the next record is then appended to a whole line); another
+    unreadable line is a ValueError naming the file and line (`read_metrics_lines`)."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
-    if len(kept) != len(lines):
+    found = read_metrics_lines(path)
+    if found.cut_line is not None:
+        logger.warning("%s:%d: the last line was cut (the run was interrupted while writing it): dropped", path,
+                       found.cut_line)
+    kept = [line for line, record in zip(found.lines, found.records, strict=True) if record["step"] <= last_step]
+    if len(kept) != len(found.lines) or found.cut_line is not None or not found.ends_cleanly:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(path)

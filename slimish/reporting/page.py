@@ -6,19 +6,19 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from slimish.reporting.figures import draw
+from slimish.run_layout import read_metrics_lines
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: give the run directory (runs/<run.name>)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics_lines(path).records  # a line it cannot read: a ValueError naming the file and line
     if not records:
         raise ValueError(f"{path} is empty: the run has not finished a step yet")
     return records

@@ -71,6 +71,33 @@ def test_resumed_metrics_drop_steps_after_the_checkpoint(tmp_path):
     truncate_metrics(tmp_path / "absent.jsonl", 2)  # a fresh run directory: nothing to do
 
 
+def test_a_resume_drops_a_cut_last_metrics_line_with_a_warning(tmp_path, caplog):
+    """SIGKILL or a full disk in the middle of a record leaves half a line: the resume drops it (it never held a whole
+    step), says so, and leaves a file the next record is appended to as a line of its own. On main at a706c6e it
+    stopped the resume with a JSONDecodeError traceback."""
+    path = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2))
+    path.write_text(whole + '{"step": 3, "x": 0.12')
+    with caplog.at_level("WARNING"):
+        truncate_metrics(path, 2)
+    assert path.read_text() == whole
+    assert "metrics.jsonl:3: the last line was cut" in caplog.text
+    # Cut right before its newline: the record is whole and kept; the file gets its newline back.
+    path.write_text(whole + json.dumps({"step": 3, "x": 3}))
+    truncate_metrics(path, 5)
+    assert path.read_text().endswith('"x": 3}\n') and len(path.read_text().splitlines()) == 3
+
+
+def test_an_unreadable_metrics_line_before_the_last_names_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: cannot read this line"):
+        truncate_metrics(path, 5)
+    path.write_text('{"step": 1}\n["a list"]\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r'metrics\.jsonl:2: cannot read this line \(not a JSON object with'):
+        truncate_metrics(path, 5)
+
+
 def _dataset(path):
     return PromptDataset(str(path), tokenizer=lambda text: {"input_ids": [len(text)]}, prompt_key="prompt",
                          label_key="label", shuffle=True, seed=7)
