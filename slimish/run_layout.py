@@ -4,7 +4,9 @@ checks (an explicit `checkpoint.resume`), the driver and the tests read alike. W
 
 Layout: <run dir>/checkpoints/step_<N>/{trainer/ (Megatron dist checkpoint), rollout_buffer.jsonl, driver.json}. A
 step_<N> directory holding driver.json and trainer/ is complete (the writer renames it into place, driver.json
-written last); anything else is ignored.
+written last); anything else is ignored, except `.replaced-step_<N>`: the complete checkpoint a re-save of step N
+moved aside, which stands for step N until the new step_<N> is in place (a crash between the two renames leaves it
+the only copy).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
 ROLLOUT_BUFFER = "rollout_buffer.jsonl"
 STEP_DIR = re.compile(r"step_(\d+)")
+REPLACED = ".replaced-"  # a complete step_<N> moved aside while its re-save takes its place
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -36,12 +39,16 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
     for child in root.iterdir():
         match = STEP_DIR.fullmatch(child.name)
         if match and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+            found[int(match.group(1))] = child
+    for child in root.glob(f"{REPLACED}step_*"):
+        match = STEP_DIR.fullmatch(child.name.removeprefix(REPLACED))
+        if match and int(match.group(1)) not in found and is_complete(child):
+            found[int(match.group(1))] = child
+    return sorted(found.items())
 
 
 class UnreadableMetrics(UserError, ValueError):

@@ -1,11 +1,18 @@
-"""How an RL checkpoint is written so a crash never leaves a half-written checkpoint that looks complete, which one
-a run resumes from, and pruning (where they live and which are complete: `slimish.run_layout`).
+"""How an RL checkpoint is written so a crash never leaves a half-written checkpoint that looks complete, nor loses
+the last complete one; which one a run resumes from; and pruning (where they live and which are complete:
+`slimish.run_layout`).
 
 Layout: <run dir>/checkpoints/step_<N>/{trainer/ (Megatron dist checkpoint), rollout_buffer.jsonl (groups generated
 but not yet trained on: the partial-rollout buffer, one group per line), driver.json}. A checkpoint is written
-into checkpoints/.partial-step_<N>/, driver.json last, then renamed to step_<N> (an atomic rename on one
-filesystem): a step_<N> directory with driver.json and trainer/ is complete; anything else is ignored and
-`.partial-*` leftovers are deleted by the next save.
+into checkpoints/.partial-step_<N>/, every file and directory of it synced to disk, driver.json last, then renamed
+to step_<N> (an atomic rename on one filesystem): a step_<N> directory with driver.json and trainer/ is complete;
+anything else is ignored and `.partial-*` leftovers are deleted by the next save.
+
+Re-saving a step that has a checkpoint (a resumed run saving the step it resumed from, say) keeps a complete copy
+at every instant: the old step_<N> is renamed to `.replaced-step_<N>`, which `run_layout.complete_checkpoints`
+counts as step N while step_<N> is absent; the new one is renamed into place; only then is the old one deleted. A
+crash between the renames leaves the old one, which the next save (`begin`) puts back as step_<N> if it is still
+missing.
 """
 
 from __future__ import annotations
@@ -16,7 +23,14 @@ import shutil
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
-from slimish.run_layout import DRIVER_STATE, ROLLOUT_BUFFER, checkpoints_dir, complete_checkpoints, is_complete
+from slimish.run_layout import (
+    DRIVER_STATE,
+    REPLACED,
+    ROLLOUT_BUFFER,
+    checkpoints_dir,
+    complete_checkpoints,
+    is_complete,
+)
 
 _PARTIAL = ".partial-"
 
@@ -57,30 +71,50 @@ def read_rollout_buffer(path: Path) -> list[dict]:
 
 
 def begin(run_dir: Path, step: int) -> Path:
-    """A fresh, empty staging directory for step `step`'s checkpoint (stale staging directories are removed)."""
+    """A fresh, empty staging directory for step `step`'s checkpoint. Stale staging directories are removed; a
+    checkpoint moved aside by a re-save that crashed is put back as step_<N> when that is still missing, and
+    deleted when the new step_<N> made it."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_PARTIAL}*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for replaced in root.glob(f"{REPLACED}*"):
+        final = root / replaced.name.removeprefix(REPLACED)
+        if is_complete(final):
+            shutil.rmtree(replaced, ignore_errors=True)
+        elif is_complete(replaced):
+            if final.exists():  # an incomplete leftover under the name: never a checkpoint
+                shutil.rmtree(final)
+            replaced.rename(final)
+            _fsync_dir(root)
     staging = root / f"{_PARTIAL}step_{step}"
     staging.mkdir()
     return staging
 
 
 def commit(staging: Path, driver_state: dict) -> Path:
-    """Write driver.json into `staging` (fsynced), then rename it to step_<driver_state['step']>; returns that path.
-    An existing checkpoint of the same step is replaced."""
-    final = staging.parent / f"step_{driver_state['step']}"
+    """Sync everything in `staging` to disk, write driver.json into it (synced), then rename it to
+    step_<driver_state['step']>; returns that path. An existing checkpoint of the same step is replaced with a
+    complete copy of the step on disk at every instant (see the module docstring)."""
+    root = staging.parent
+    final = root / f"step_{driver_state['step']}"
+    _fsync_tree(staging)  # the trainer's files are complete on disk before anything is replaced
     with (staging / DRIVER_STATE).open("w") as f:
         json.dump(driver_state, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    _fsync_dir(staging)
+    replaced = None
     if final.exists():
-        old = staging.parent / f"{_PARTIAL}old-{final.name}"
-        final.rename(old)  # from here until the rename below, the older complete checkpoints remain
-        shutil.rmtree(old)
+        replaced = root / f"{REPLACED}{final.name}"
+        if replaced.exists():  # an older copy set aside by a crashed re-save, and step_<N> is complete: it goes
+            shutil.rmtree(replaced)
+        final.rename(replaced)  # from here, .replaced-step_<N> stands for step N (run_layout.complete_checkpoints)
+        _fsync_dir(root)
     staging.rename(final)
-    _fsync_dir(staging.parent)
+    _fsync_dir(root)
+    if replaced is not None:
+        shutil.rmtree(replaced)
     return final
 
 
@@ -92,6 +126,18 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     for path in old:
         shutil.rmtree(path)
     return old
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file and directory under `path` (Megatron's writers close their files without syncing them)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
 
 
 def _fsync_dir(path: Path) -> None:

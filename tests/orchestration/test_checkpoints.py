@@ -54,6 +54,49 @@ def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_5"]
 
 
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("crash_before,survivor", [(1, "first"), (2, "first"), (3, "second")],
+                         ids=["old-moved-aside", "new-renamed-in", "old-deleted"])
+def test_a_crash_while_a_step_is_resaved_always_leaves_a_complete_copy(tmp_path, monkeypatch, crash_before,
+                                                                       survivor):
+    """Re-saving step 5 is three operations (the old step_5 renamed aside, the new one renamed in, the old one
+    deleted); a crash before any of them leaves a complete step 5 that auto-resume finds, and the next save puts
+    things in order. On main at a706c6e a crash before the second left no step 5 at all (the old copy under a
+    `.partial-` name, which the next save deleted)."""
+    import pathlib
+    import shutil
+
+    _save(tmp_path, 5, note="first")
+    staging = checkpoints.begin(tmp_path, 5)
+    (staging / run_layout.TRAINER_DIR).mkdir()
+    (staging / run_layout.TRAINER_DIR / "shard.bin").write_bytes(b"new weights")
+    done = []
+
+    def counted(original):
+        def operation(*args, **kwargs):
+            if len(done) + 1 == crash_before:
+                raise Crash(f"the job died before operation {crash_before}")
+            done.append(original.__name__)
+            return original(*args, **kwargs)
+        return operation
+
+    monkeypatch.setattr(pathlib.Path, "rename", counted(pathlib.Path.rename))
+    monkeypatch.setattr(shutil, "rmtree", counted(shutil.rmtree))
+    with pytest.raises(Crash):
+        checkpoints.commit(staging, {"step": 5, "weight_version": 5, "note": "second"})
+    monkeypatch.undo()
+    (step, path), = run_layout.complete_checkpoints(tmp_path)
+    assert step == 5 and checkpoints.read_driver_state(path)["note"] == survivor
+    assert checkpoints.resume_path("auto", tmp_path) == path
+    _save(tmp_path, 6)  # the next save puts the survivor back under its name and clears what is left
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_5", "step_6"]
+    assert checkpoints.read_driver_state(root / "step_5")["note"] == survivor
+
+
 def test_prune_keeps_the_newest(tmp_path):
     for step in range(1, 6):
         _save(tmp_path, step)
