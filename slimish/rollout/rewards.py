@@ -5,7 +5,8 @@ The hook is called as TRL calls a reward function: the completions, then by keyw
 completion; None where a row lacks it). A column named like one of those keywords is left out.
 
 A hook that raises, returns the wrong shape or overruns its time limit does not stop the run: the affected samples
-get `failure_reward`, carry the error, and are counted in `reward_failures`.
+get `failure_reward`, carry the error, and are counted in `reward_failures`. A value that is not finite (NaN, inf) is
+such a failure of its own sample, never a reward: one inf reward would make a GRPO group's advantages NaN.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from slimish.sample import Sample
 
 
 class RewardContractError(ValueError):
-    """The hook returned something other than one finite float per completion."""
+    """The hook returned something other than one float per completion."""
+
+
+class NonFiniteReward(ValueError):
+    """The hook returned NaN or an infinity for a completion."""
 
 
 RESERVED = ("completions", "prompts", "labels", "samples")
@@ -37,8 +42,6 @@ def _call(fn: Callable, samples: list[Sample]) -> list[float]:
     rewards = [float(r) for r in rewards]
     if len(rewards) != len(samples):
         raise RewardContractError(f"reward fn returned {len(rewards)} values for {len(samples)} completions")
-    if any(math.isnan(r) for r in rewards):
-        raise RewardContractError("reward fn returned NaN")
     return rewards
 
 
@@ -46,7 +49,8 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout
     """Set `sample.reward` on every scored sample; returns how many samples' rewards failed.
 
     The hook is called once for the whole batch; if that raises, it is called per sample so that one bad
-    completion only fails itself. A broken contract (wrong length, NaN) fails the whole batch. With `timeout_s`
+    completion only fails itself. A broken contract (wrong length) fails the whole batch; a value that is not finite
+    fails its own sample. With `timeout_s`
     the hook runs on copies of the samples in a thread of its own: past the limit every sample fails and the call
     is abandoned (a Python thread cannot be stopped; it runs on in the background, and what it returns is dropped).
     """
@@ -71,9 +75,7 @@ def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int
     if not scored:
         return 0
     try:
-        for sample, reward in zip(scored, _call(fn, scored)):
-            sample.reward = reward
-        return 0
+        return sum(_set(sample, reward, failure_reward) for sample, reward in zip(scored, _call(fn, scored)))
     except RewardContractError as exc:
         return _fail(scored, exc, failure_reward)
     except Exception:
@@ -81,10 +83,18 @@ def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int
     failures = 0
     for sample in scored:
         try:
-            sample.reward = _call(fn, [sample])[0]
+            failures += _set(sample, _call(fn, [sample])[0], failure_reward)
         except Exception as exc:
             failures += _fail([sample], exc, failure_reward)
     return failures
+
+
+def _set(sample: Sample, reward: float, failure_reward: float) -> int:
+    """`sample.reward = reward` if it is finite (0 failures), else the sample fails (1)."""
+    if not math.isfinite(reward):
+        return _fail([sample], NonFiniteReward(f"reward fn returned {reward} for this completion"), failure_reward)
+    sample.reward = reward
+    return 0
 
 
 def _fail(samples: list[Sample], exc: Exception, failure_reward: float) -> int:

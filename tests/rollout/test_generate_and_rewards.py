@@ -262,3 +262,14 @@ def test_a_batched_request_fills_each_sample_or_none():
                                                                          "finish_reason": {"type": "abort"}}})
     with pytest.raises(ValueError, match="share a token budget"):
         batch_body([continued, _sample()], params, rid="g")
+
+
+def test_a_non_finite_reward_fails_its_own_sample():
+    """inf (and NaN) is a failure of the completion it was returned for, never a value: on main at a706c6e inf passed
+    as a reward and made its GRPO group's advantages NaN, and NaN failed the whole batch."""
+    samples = _scored(["7", "inf", "nan", "3"])
+    values = {"7": 1.0, "inf": float("inf"), "nan": float("nan"), "3": -float("inf")}
+    assert rewards.score(samples, lambda completions, **k: [values[c] for c in completions], failure_reward=-1.0) == 3
+    assert [s.reward for s in samples] == [1.0, -1.0, -1.0, -1.0]
+    assert samples[1].error == "reward failed: NonFiniteReward: reward fn returned inf for this completion"
+    assert "returned nan" in samples[2].error and "returned -inf" in samples[3].error and samples[0].error == ""
