@@ -128,6 +128,9 @@ class TrainerConfig:
     logprob_chunk_tokens: int = doc(4096, "Logits exist for at most this many tokens at a time (output layer and "
                                           "log-softmax applied chunk by chunk, recomputed in the backward pass).")
     num_minibatches: int = doc(1, "Optimizer steps per rollout batch (1 = strictly on-policy).")
+    max_skipped_steps: int = doc(3, "Stop the job after this many RL steps in a row that each skipped an optimizer "
+                                    "step because its loss or gradient was not finite (NaN or inf: such a step is "
+                                    "never applied); 0 = never stop for it.")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

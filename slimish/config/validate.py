@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def _shown(path: str) -> str:
 
 
 def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -90,6 +93,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _positive("sft.steps", cfg.sft.steps, allow_zero=True)
     _positive("trainer.loss.kl_coef", tr.loss.kl_coef, allow_zero=True)
     _positive("trainer.max_tokens_per_micro_batch", tr.max_tokens_per_micro_batch, allow_zero=True)
+    _positive("trainer.max_skipped_steps", tr.max_skipped_steps, allow_zero=True)
     _positive("ray.num_cpus", cfg.ray.num_cpus, allow_zero=True)
     _positive("ray.cpus_per_slot", cfg.ray.cpus_per_slot)
     for key in ("gpu_memory_gb", "gpu_tflops", "mfu", "nic_gbit_s", "fs_write_gbyte_s", "fs_read_gbyte_s",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from slimish import run_layout
 from slimish.config import JobConfig, save_config, to_dict
+from slimish.errors import UserError
 from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_job_key, read_key
 from slimish.orchestration import checkpoints
@@ -68,6 +69,7 @@ class RLJob:
         # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
         self.api_key = read_key(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach else new_job_key()
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
+        self.skipped_in_a_row = 0  # RL steps in a row that skipped an optimizer step (check_skipped_steps)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
         self.progress_bar = progress_bar
         self.turns: ColocatedTurns | None = None  # placement.colocate: trainer and engines take turns on the GPUs
@@ -365,6 +367,7 @@ class RLJob:
                 self.metrics.log(step, metrics)
                 if step % self.cfg.run.log_every == 0 or step == total:
                     self.say(format_line(step, total, metrics))
+                self.check_skipped_steps(step, metrics.get("skipped_steps", 0))
                 if save_every and (step % save_every == 0 or step == total):
                     self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
         finally:
@@ -376,6 +379,22 @@ class RLJob:
             finally:
                 signal.signal(signal.SIGTERM, previous)
         return self.run_dir
+
+    def check_skipped_steps(self, step: int, skipped: int) -> None:
+        """Say so when step `step` skipped optimizer steps (their loss or gradient was not finite: never applied,
+        `slimish.trainer.schedule.optimizer_step`), and stop the job with one line once trainer.max_skipped_steps
+        RL steps in a row have."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
+            return
+        self.say(f"step {step}: {skipped} optimizer step(s) skipped: the loss or gradient was not finite (NaN or "
+                 "inf); the weights are unchanged by them")
+        limit = self.cfg.trainer.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            first = step - self.skipped_in_a_row + 1
+            raise UserError(f"steps {first}-{step} each had a loss or gradient that was not finite, and none of "
+                            f"their bad optimizer steps was applied: check the rewards and trainer.optimizer.lr, "
+                            f"then resume from the last checkpoint (or raise trainer.max_skipped_steps)")
 
     def shutdown(self) -> None:
         """Stop engines, router, actors and Ray; safe to call on a half-started job. Ray is shut down even if

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from slimish import collectives
 from slimish.trainer.batch import MicroBatch
 from slimish.trainer.device import module_device
 
@@ -32,11 +35,38 @@ def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only
 def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn,
                    lr_schedule=None) -> tuple[list[dict], float]:
     """Zeroed grads, forward and backward over `microbatches`, one optimizer step: (metrics, grad norm). With
-    `lr_schedule` (`slimish.trainer.lr_schedule`), the step first advances it: step k trains at the schedule's lr(k)."""
-    if lr_schedule is not None:
-        lr_schedule.step(1)
+    `lr_schedule` (`slimish.trainer.lr_schedule`), the step advances it first: step k trains at the schedule's
+    lr(k). A step whose gradients are not finite on any rank (a NaN or inf loss, an overflow) is not applied: the
+    weights, the optimizer's moments and the schedule stay as they were, the grads are dropped, and the grad norm
+    returned is NaN (`step_applied` tells). Megatron's optimizers check this only with fp16's loss scaler."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(model, microbatches, loss_fn, forward_only=False)
+    if not grads_finite(model):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        return outputs, float("nan")
+    if lr_schedule is not None:
+        lr_schedule.step(1)
     _, grad_norm, _ = optimizer.step()
     return outputs, float(grad_norm or 0.0)
+
+
+def step_applied(grad_norm: float) -> bool:
+    """Whether the step `optimizer_step` returned `grad_norm` for changed the weights."""
+    return grad_norm == grad_norm  # NaN only for a step it did not apply
+
+
+def grads_finite(model) -> bool:
+    """Whether every gradient of the model is finite on every trainer rank: one check per gradient buffer of
+    Megatron's DDP (the reduced grads, or with the distributed optimizer this rank's reduced shard beside its own
+    unreduced rest: a non-finite value anywhere reaches some rank's buffer), then the worst over all ranks."""
+    buffers = [*getattr(model, "buffers", []), *getattr(model, "expert_parallel_buffers", [])]
+    grads = [b.grad_data for b in buffers] or [p.main_grad if hasattr(p, "main_grad") else p.grad
+                                              for p in model.parameters()]
+    device = module_device(model)
+    bad = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        if grad is not None:
+            bad = torch.maximum(bad, (~torch.isfinite(grad)).any().to(torch.float32))
+    return collectives.all_reduce(bad, op="max").item() == 0

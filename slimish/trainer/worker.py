@@ -30,6 +30,7 @@ from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, init_parallel, resolve_backend
 from slimish.trainer.roles import Policy, Reference
 from slimish.trainer.rollout_batch import RolloutBatch
+from slimish.trainer.schedule import step_applied
 
 
 class TrainerWorker:
@@ -290,6 +291,9 @@ class TrainerWorker:
             grad_norms.append(grad_norm)
         self.rollout = None
         metrics = {key: sum(values) / len(values) for key, values in sums.items()}
+        # Optimizer steps not applied (their gradients were not finite: `schedule.optimizer_step`), policy's and
+        # critic's: every rank agrees.
+        metrics["skipped_steps"] = sum(not step_applied(norm) for norm in grad_norms + critic_norms)
         if critic_norms:
             metrics["critic_grad_norm"] = critic_norms[-1]
         if sums:  # first minibatch: exactly 0 when on-policy; the last shows how far the minibatches went

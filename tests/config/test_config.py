@@ -88,6 +88,12 @@ BAD_CASES = [
      "'127.0.0.1:31000' is not an engine URL (http://HOST:PORT)"),
     ("rollout.engine.attach=[http://127.0.0.1:31000, http://127.0.0.1:31001]", "rollout.engine.attach_key_file",
      "is required with rollout.engine.attach"),
+    # Not finite (on main at a706c6e each passed check-config with exit 0)
+    ("trainer.optimizer.lr=.nan", "trainer.optimizer.lr", "must be a finite number, got nan"),
+    ("trainer.optimizer.lr=.inf", "trainer.optimizer.lr", "must be a finite number, got inf"),
+    ("rollout.temperature=.nan", "rollout.temperature", "must be a finite number, got nan"),
+    ("reward.timeout_s=.inf", "reward.timeout_s", "must be a finite number, got inf"),
+    ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps", "must be >= 0"),
 ]
 
 

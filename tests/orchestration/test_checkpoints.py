@@ -194,3 +194,30 @@ def test_rollout_manager_state_round_trips(tmp_path):
     finally:
         for manager in managers:
             manager.scheduler.close()
+
+
+def test_skipped_steps_are_said_and_too_many_in_a_row_stop_the_job():
+    """The driver's rule (`RLJob.check_skipped_steps`), on the metrics the trainer reports: a step that skipped an
+    optimizer step gets a console line; trainer.max_skipped_steps such steps in a row stop the job in one line; a
+    good step resets the count; 0 never stops."""
+    from types import SimpleNamespace
+
+    from slimish.errors import UserError
+    from slimish.orchestration.driver import RLJob
+
+    def job(limit):
+        said = []
+        return SimpleNamespace(skipped_in_a_row=0, say=said.append, said=said,
+                               cfg=SimpleNamespace(trainer=SimpleNamespace(max_skipped_steps=limit)))
+
+    three = job(3)
+    for step, skipped in ((1, 1), (2, 1), (3, 0), (4, 2), (5, 1)):
+        RLJob.check_skipped_steps(three, step, skipped)
+    assert three.said[0] == ("step 1: 1 optimizer step(s) skipped: the loss or gradient was not finite (NaN or inf); "
+                             "the weights are unchanged by them") and len(three.said) == 4
+    with pytest.raises(UserError, match=r"^steps 4-6 each had a loss or gradient that was not finite"):
+        RLJob.check_skipped_steps(three, 6, 1)
+    never = job(0)
+    for step in range(1, 20):
+        RLJob.check_skipped_steps(never, step, 1)
+    assert len(never.said) == 19

@@ -156,3 +156,22 @@ def test_ppo_critic_is_saved_beside_the_policy_and_resumes_exactly(task_assets, 
     resumed = ppo_worker()
     resumed.load_checkpoint(str(tmp_path / "step" / "trainer"))
     assert step(first) == step(resumed)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_step_with_non_finite_gradients_is_not_applied(task_assets, megatron_world, bad):
+    """A NaN or inf advantage makes the loss and every gradient non-finite: the step is skipped (counted in
+    `skipped_steps`, grad norm NaN), the weights and the optimizer are as before it, and the next good step is
+    the step an untouched worker takes. On main at a706c6e the NaN step was applied: every weight became NaN."""
+    import math
+
+    skipped, untouched = _worker(task_assets), _worker(task_assets)
+    before = skipped.export_state()
+    skipped.compute_logprobs(fixed_samples())
+    metrics = skipped.train([bad] + ADVANTAGES[1:])
+    assert metrics["skipped_steps"] == 1 and math.isnan(metrics["grad_norm"])
+    _assert_equal(before, skipped.export_state())
+    good = _step(skipped)
+    assert good["skipped_steps"] == 0 and math.isfinite(good["grad_norm"])
+    assert good == _step(untouched)
+    _assert_equal(skipped.export_state(), untouched.export_state())
