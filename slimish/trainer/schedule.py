@@ -61,7 +61,9 @@ def grads_finite(model) -> bool:
     """Whether every gradient of the model is finite on every trainer rank: one check per gradient buffer of
     Megatron's DDP (the reduced grads, or with the distributed optimizer this rank's reduced shard beside its own
     unreduced rest: a non-finite value anywhere reaches some rank's buffer), then the worst over all ranks."""
-    buffers = [*getattr(model, "buffers", []), *getattr(model, "expert_parallel_buffers", [])]
+    # Megatron's DDP keeps its buffers in lists under these names (shadowing nn.Module.buffers); a bare module has none.
+    buffers = [b for name in ("buffers", "expert_parallel_buffers")
+               if isinstance(found := getattr(model, name, None), list) for b in found]
     grads = [b.grad_data for b in buffers] or [p.main_grad if hasattr(p, "main_grad") else p.grad
                                               for p in model.parameters()]
     device = module_device(model)
