@@ -36,6 +36,7 @@ from slimish.orchestration.colocation import ColocatedTurns
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
+from slimish.orchestration.run_lock import RunLock
 from slimish.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,18 @@ class RLJob:
         self.report = report
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.resume_from = checkpoints.resume_path(cfg.checkpoint.resume, self.run_dir)
-        self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
-        self.timer = PhaseTimer()
-        self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
-                                     else None, wandb_project=cfg.run.wandb_project, run_name=cfg.run.name,
-                                     config=to_dict(cfg))
+        self.lock = RunLock(self.run_dir)  # before anything is written there: a second job refuses in one line
+        try:
+            save_config(cfg, self.run_dir / "config.yaml")
+            self.resume_from = checkpoints.resume_path(cfg.checkpoint.resume, self.run_dir)
+            self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
+            self.timer = PhaseTimer()
+            self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
+                                         else None, wandb_project=cfg.run.wandb_project, run_name=cfg.run.name,
+                                         config=to_dict(cfg))
+        except BaseException:
+            self.lock.release()
+            raise
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
         self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
@@ -310,6 +316,7 @@ class RLJob:
             self.say(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
                   f"{total}")
             self.metrics.close()
+            self.lock.release()
             signal.signal(signal.SIGTERM, previous)
             return self.run_dir
         save_every = self.cfg.checkpoint.save_every
@@ -377,6 +384,7 @@ class RLJob:
             try:
                 self.shutdown()
             finally:
+                self.lock.release()
                 signal.signal(signal.SIGTERM, previous)
         return self.run_dir
 
