@@ -23,6 +23,8 @@ TRAINER_DIR = "trainer"
 ROLLOUT_BUFFER = "rollout_buffer.jsonl"
 STEP_DIR = re.compile(r"step_(\d+)")
 REPLACED = ".replaced-"  # a complete step_<N> moved aside while its re-save takes its place
+LINEAGE_FILE = "lineage"  # <run dir>/lineage: the id of the run the directory continues (its checkpoints carry it)
+ARCHIVE = "archive"  # <run dir>/archive/<lineage>/: another run's checkpoints and metrics, moved aside
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -34,8 +36,21 @@ def is_complete(path: Path) -> bool:
     return (path / DRIVER_STATE).is_file() and (path / TRAINER_DIR).is_dir()
 
 
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete checkpoint of the run, oldest first."""
+def lineage_of(checkpoint: Path) -> str:
+    """The id of the run that wrote a complete checkpoint ("" for one written before runs had ids)."""
+    return str(json.loads((Path(checkpoint) / DRIVER_STATE).read_text()).get("lineage", ""))
+
+
+def complete_checkpoints(run_dir: Path, lineage: str | None = None) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint of the run directory (of run `lineage` only, when given),
+    oldest first."""
+    found = _complete_checkpoints(run_dir)
+    if lineage is None:
+        return found
+    return [(step, path) for step, path in found if lineage_of(path) == lineage]
+
+
+def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []

@@ -351,7 +351,13 @@ class CheckpointConfig:
                              "(0 = never).")
     resume: str = doc("auto", "'auto' = continue from the newest complete checkpoint of the run if any, 'never' = "
                               "start fresh, or the path of a step_<N> checkpoint directory.")
-    keep_last: int = doc(2, "Checkpoints kept in the run directory; older ones are deleted (0 = keep all).")
+    keep_last: int = doc(2, "Checkpoints of this run kept in the run directory; its older ones are deleted (0 = keep "
+                            "all). Another run's checkpoints are never counted or deleted by it.")
+    other_runs: Literal["refuse", "archive", "delete"] = doc(
+        "refuse", "What a job that starts a new run (resume 'never', or 'auto' with no checkpoint of the run the "
+                  "directory continues) does with checkpoints of another run found in its run directory: 'refuse' "
+                  "stops it in one line; 'archive' moves them, and the directory's metrics.jsonl, to "
+                  "archive/<their run id>/; 'delete' deletes them.")
 
 
 @dataclass(kw_only=True)

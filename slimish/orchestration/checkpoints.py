@@ -20,34 +20,101 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 from slimish.config.loader import ConfigError
+from slimish.errors import UserError
 from slimish.run_layout import (
+    ARCHIVE,
     DRIVER_STATE,
+    LINEAGE_FILE,
     REPLACED,
     ROLLOUT_BUFFER,
     checkpoints_dir,
     complete_checkpoints,
     is_complete,
+    lineage_of,
 )
 
 _PARTIAL = ".partial-"
 
 
-def resume_path(resume: str, run_dir: Path) -> Path | None:
+def resume_path(resume: str, run_dir: Path, lineage: str | None = None) -> Path | None:
     """The checkpoint to resume from for checkpoint.resume = `resume`: None for 'never' or for 'auto' with no
-    complete checkpoint in the run directory; an explicit path must be a complete checkpoint."""
+    complete checkpoint of run `lineage` (any run's, when None) in the run directory; an explicit path must be a
+    complete checkpoint."""
     if resume == "never":
         return None
     if resume == "auto":
-        found = complete_checkpoints(run_dir)
+        found = complete_checkpoints(run_dir, lineage)
         return found[-1][1] if found else None
     path = Path(resume)
     if not is_complete(path):
         raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete checkpoint (a step_<N> directory with "
                           "driver.json); use 'auto', 'never' or such a directory")
     return path
+
+
+def current_lineage(run_dir: Path) -> str | None:
+    """The run the directory continues: its lineage file, else (a directory from before lineages) the writer of
+    its newest complete checkpoint, else None (a new directory)."""
+    file = Path(run_dir) / LINEAGE_FILE
+    if file.is_file():
+        return file.read_text().strip()
+    found = complete_checkpoints(run_dir)
+    return lineage_of(found[-1][1]) if found else None
+
+
+def start_lineage(run_dir: Path, resume: str, *, other_runs: str) -> tuple[str, Path | None]:
+    """(the id of the run this job continues or starts, the checkpoint it resumes from). 'auto' continues the run
+    the directory holds, from its newest complete checkpoint; 'never', or 'auto' with none, starts a new run, and so
+    does an explicit checkpoint (under its writer's id). Checkpoints of any other run in the directory are never
+    pruned, resumed or overwritten by this one: with `other_runs` 'refuse' the job stops in one line naming them;
+    'archive' moves them (with the directory's metrics.jsonl, when this job starts fresh) to archive/<their id>/;
+    'delete' deletes them. The chosen id is written to the directory's lineage file."""
+    run_dir = Path(run_dir)
+    lineage = current_lineage(run_dir) if resume == "auto" else None
+    resume_from = resume_path(resume, run_dir, lineage) if lineage is not None or resume != "auto" else None
+    if resume_from is not None:
+        lineage = lineage_of(resume_from)
+    elif resume == "never" or lineage is None or not complete_checkpoints(run_dir, lineage):
+        lineage = uuid.uuid4().hex[:12]
+    others = [(step, path) for step, path in complete_checkpoints(run_dir) if lineage_of(path) != lineage]
+    if others:
+        _set_aside(run_dir, others, other_runs, fresh=resume_from is None)
+    (run_dir / LINEAGE_FILE).write_text(lineage + "\n")
+    return lineage, resume_from
+
+
+def _set_aside(run_dir: Path, others: list[tuple[int, Path]], how: str, *, fresh: bool) -> None:
+    steps = ", ".join(str(step) for step, _ in others)
+    if how == "refuse":
+        raise UserError(f"{run_dir} holds checkpoints of another run (steps {steps}), which this job would neither "
+                        "resume nor keep apart from its own: resume them (checkpoint.resume=auto), set "
+                        "checkpoint.other_runs=archive (moved to archive/) or =delete, or give this job another "
+                        "run.name")
+    newest = run_dir / ARCHIVE / (lineage_of(others[-1][1]) or "earlier")
+    for _, path in others:
+        if how == "delete":
+            shutil.rmtree(path)
+            continue
+        target = run_dir / ARCHIVE / (lineage_of(path) or "earlier")
+        target.mkdir(parents=True, exist_ok=True)
+        path.rename(_unused(target / path.name.removeprefix(REPLACED)))
+    metrics = run_dir / "metrics.jsonl"
+    if how == "archive" and fresh and metrics.is_file():  # the metrics of the run whose newest checkpoint it was
+        newest.mkdir(parents=True, exist_ok=True)
+        metrics.rename(_unused(newest / "metrics.jsonl"))
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or the first of path.1, path.2, ... that does not exist (an archive is never written over)."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
 
 
 def read_driver_state(path: Path) -> dict:
@@ -105,6 +172,9 @@ def commit(staging: Path, driver_state: dict) -> Path:
         os.fsync(f.fileno())
     _fsync_dir(staging)
     replaced = None
+    if is_complete(final) and lineage_of(final) != driver_state.get("lineage", ""):
+        raise UserError(f"{final} is a checkpoint of another run: it is not replaced (move it away, or set "
+                        "checkpoint.other_runs=archive)")
     if final.exists():
         replaced = root / f"{REPLACED}{final.name}"
         if replaced.exists():  # an older copy set aside by a crashed re-save, and step_<N> is complete: it goes
@@ -118,11 +188,12 @@ def commit(staging: Path, driver_state: dict) -> Path:
     return final
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); returns the deleted paths."""
+def prune(run_dir: Path, keep_last: int, lineage: str | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints of run `lineage` (of the directory, when None; 0
+    keeps all); returns the deleted paths. Another run's checkpoints are never counted or deleted."""
     if keep_last == 0:
         return []
-    old = [path for _, path in complete_checkpoints(run_dir)[:-keep_last]]
+    old = [path for _, path in complete_checkpoints(run_dir, lineage)[:-keep_last]]
     for path in old:
         shutil.rmtree(path)
     return old

@@ -56,8 +56,11 @@ class RLJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = RunLock(self.run_dir)  # before anything is written there: a second job refuses in one line
         try:
+            # Which run this job continues or starts (its id goes into every checkpoint it writes); another run's
+            # checkpoints are refused, archived or deleted here, before anything else is written.
+            self.lineage, self.resume_from = checkpoints.start_lineage(self.run_dir, cfg.checkpoint.resume,
+                                                                       other_runs=cfg.checkpoint.other_runs)
             save_config(cfg, self.run_dir / "config.yaml")
-            self.resume_from = checkpoints.resume_path(cfg.checkpoint.resume, self.run_dir)
             self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
             self.timer = PhaseTimer()
             self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
@@ -180,10 +183,11 @@ class RLJob:
         checkpoints.write_rollout_buffer(staging, groups_of(upcoming) + rollout["scheduler"].pop("groups"))
         path = checkpoints.commit(staging, {
             "step": step, "weight_version": step, "time_elapsed_s": elapsed_s, "rollout": rollout,
+            "lineage": self.lineage,
             "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
                        "pipeline_parallel": self.cfg.parallel.pipeline_parallel,
                        "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}})
-        checkpoints.prune(self.run_dir, self.cfg.checkpoint.keep_last)
+        checkpoints.prune(self.run_dir, self.cfg.checkpoint.keep_last, self.lineage)
         self.say(f"checkpoint {path} saved in {time.monotonic() - t0:.1f}s")
         return path
 

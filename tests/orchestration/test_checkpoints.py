@@ -9,6 +9,7 @@ import pytest
 
 from slimish import run_layout
 from slimish.config.loader import ConfigError
+from slimish.errors import UserError
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import truncate_metrics
 from slimish.rollout.data import PromptDataset
@@ -221,3 +222,58 @@ def test_skipped_steps_are_said_and_too_many_in_a_row_stop_the_job():
     for step in range(1, 20):
         RLJob.check_skipped_steps(never, step, 1)
     assert len(never.said) == 19
+
+
+def _run_saves(run_dir, resume: str, steps, *, other_runs: str = "refuse", keep_last: int = 2) -> str:
+    """A job's checkpoint calls, as the driver makes them: its run id from `start_lineage`, then a save (and a
+    prune) at each of `steps`; returns the run id."""
+    lineage, _ = checkpoints.start_lineage(run_dir, resume, other_runs=other_runs)
+    for step in steps:
+        _save(run_dir, step, lineage=lineage)
+        checkpoints.prune(run_dir, keep_last, lineage)
+    return lineage
+
+
+def test_a_new_run_never_prunes_or_resumes_another_runs_checkpoints(tmp_path):
+    """On main at a706c6e a run with resume=never saved step_2 in a directory holding another run's steps 9 and 10,
+    then pruned its own step_2 away (the highest steps were kept), and a later resume=auto went back to the other
+    run's step 10. Now the new run stops in one line, naming the other run's steps, and nothing is touched."""
+    old = _run_saves(tmp_path, "auto", [9, 10])
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n')
+    with pytest.raises(UserError) as refused:
+        _run_saves(tmp_path, "never", [2])
+    assert str(refused.value).startswith(f"{tmp_path} holds checkpoints of another run (steps 9, 10)")
+    assert "checkpoint.other_runs=archive" in str(refused.value) and "\n" not in str(refused.value)
+    assert [s for s, _ in run_layout.complete_checkpoints(tmp_path)] == [9, 10]
+    assert checkpoints.current_lineage(tmp_path) == old  # the directory still continues the old run
+
+
+def test_archived_another_runs_checkpoints_are_kept_apart_and_auto_follows_the_new_run(tmp_path):
+    old = _run_saves(tmp_path, "auto", [9, 10])
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n')
+    new = _run_saves(tmp_path, "never", [1, 2, 3], other_runs="archive")
+    assert new != old
+    archive = tmp_path / run_layout.ARCHIVE / old
+    assert sorted(p.name for p in archive.iterdir()) == ["metrics.jsonl", "step_10", "step_9"]
+    assert checkpoints.read_driver_state(archive / "step_10")["lineage"] == old
+    assert [s for s, _ in run_layout.complete_checkpoints(tmp_path)] == [2, 3]  # pruned to 2: the new run's own
+    lineage, resume_from = checkpoints.start_lineage(tmp_path, "auto", other_runs="refuse")
+    assert (lineage, resume_from) == (new, tmp_path / "checkpoints" / "step_3")
+
+
+def test_deleted_another_runs_checkpoints_are_gone_and_an_earlier_directory_is_continued(tmp_path):
+    _save(tmp_path, 4)  # a checkpoint from before run ids: no "lineage" in its driver.json
+    lineage, resume_from = checkpoints.start_lineage(tmp_path, "auto", other_runs="refuse")
+    assert (lineage, resume_from) == ("", tmp_path / "checkpoints" / "step_4")  # continued, not refused
+    new = _run_saves(tmp_path, "never", [1], other_runs="delete")
+    assert [(s, run_layout.lineage_of(p)) for s, p in run_layout.complete_checkpoints(tmp_path)] == [(1, new)]
+    assert not (tmp_path / run_layout.ARCHIVE).exists()
+
+
+def test_a_save_never_replaces_another_runs_checkpoint_of_the_same_step(tmp_path):
+    _save(tmp_path, 5, lineage="run-a")
+    staging = checkpoints.begin(tmp_path, 5)
+    (staging / run_layout.TRAINER_DIR).mkdir()
+    with pytest.raises(UserError, match="is a checkpoint of another run: it is not replaced"):
+        checkpoints.commit(staging, {"step": 5, "weight_version": 5, "lineage": "run-b"})
+    assert run_layout.lineage_of(tmp_path / "checkpoints" / "step_5") == "run-a"
