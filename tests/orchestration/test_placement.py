@@ -3,6 +3,9 @@ Engines spanning nodes are placed for real on the Slurm tier's two nodes (tests/
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 from tests.orchestration.ray_probe import run_probe
 
 
@@ -19,7 +22,14 @@ def test_trainer_groups_stay_inside_a_node_of_a_two_node_cluster():
     tensor-parallel group {2, 3} would cross nodes; reserved a group at a time, each group is on one node. A group
     larger than a node is refused in one line, and so is a colocated job with expert parallelism whose tensor
     transport would have to reach another node's engines by CUDA IPC (disk is left alone)."""
-    out = run_probe("two_node_placement_probe.py")
+    # Its cluster is started as `ray start` starts one, which records its address where any later `ray.init()` on
+    # this host looks first (RAY_TMPDIR/ray/ray_current_cluster): a Ray temp folder of its own, so that another
+    # test's local Ray, started meanwhile by the other pytest-xdist worker, does not join it.
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        out = run_probe("two_node_placement_probe.py", env={"RAY_TMPDIR": temp})
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert "one-gpu-bundles per node [1, 3] groups crossing nodes 1" in out, out
     assert "grouped ['n0', 'n0', 'n1', 'n1'] bundles=[0, 1, 0, 1] groups=2 groups crossing nodes 0" in out, out
     assert ("too-large parallel.tensor_parallel (x expert_parallel) puts 4 trainer ranks in a group that must share "
