@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from slimish.cli import main
 from slimish.orchestration.run_lock import RunDirectoryBusy, RunLock
 from tests.conftest import REPO
 
@@ -45,18 +44,22 @@ def test_a_lock_left_by_a_killed_job_is_taken_over(tmp_path):
     lock.release()
 
 
-def test_train_on_a_held_run_directory_exits_2_and_writes_nothing(task_assets, tmp_path, capsys):
+def test_train_on_a_held_run_directory_exits_2_and_writes_nothing(task_assets, tmp_path):
+    """`slimish train` as a user runs it (a process of its own: the CLI sets up logging for the whole process)."""
     run_dir = tmp_path / "runs" / "busy"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     lock = RunLock(run_dir)
     try:
-        code = main(["train", str(REPO / "configs/quickstart_cpu.yaml"), f"model.hf_path={task_assets['model']}",
-                     f"data.path={task_assets['train']}", f"run.output_dir={tmp_path / 'runs'}", "run.name=busy",
-                     "eval.every=0", "sft.steps=0"])
+        config = str(REPO / "configs/quickstart_cpu.yaml")
+        result = subprocess.run([sys.executable, "-m", "slimish.cli", "train", config,
+                                 f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}",
+                                 f"run.output_dir={tmp_path / 'runs'}", "run.name=busy", "eval.every=0",
+                                 "sft.steps=0"], cwd=REPO, capture_output=True, text=True, timeout=300)
     finally:
         lock.release()
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and "is in use by another job" in err and err.count("\n") == 1
+    err = result.stderr
+    assert result.returncode == 2, err[-3000:]
+    assert err.startswith("error: ") and "is in use by another job" in err and err.count("\n") == 1, err[-3000:]
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "metrics.jsonl"]
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
