@@ -341,6 +341,7 @@ class RLJob:
                 with self.timer("rollout"):
                     samples, rollout_metrics = upcoming or self.rollout(step)
                     upcoming = None
+                self.say_reward_failures(step, rollout_metrics.get("reward_failures", 0), samples)
                 # one_step_off: the next step's samples generate (by the weights this step started from) while
                 # this step trains; rollout_manager calls queue behind it, so none is made until it is collected.
                 generating = (self.rollout_manager.rollout.remote(policy_version=step)
@@ -391,6 +392,18 @@ class RLJob:
                 self.lock.release()
                 signal.signal(signal.SIGTERM, previous)
         return self.run_dir
+
+    def say_reward_failures(self, step: int, failures: int, samples: list[Sample]) -> None:
+        """One console line when step `step`'s rollout had reward failures (a hook that raised, overran
+        reward.timeout_s, returned the wrong shape or a value that is not finite: `slimish.rollout.rewards`): how
+        many, and the first error among the step's samples, so that a broken hook shows at step 1, not only in
+        metrics.jsonl."""
+        if not failures:
+            return
+        first = next((s.error for s in samples if s.error.startswith("reward failed")), "")
+        first = " ".join(first.split())[:300]  # one line, whatever the hook's message held
+        self.say(f"step {step}: {failures} sample(s) failed their reward and were scored reward.failure_reward"
+                 + (f"; the first: {first}" if first else ""))
 
     def check_skipped_steps(self, step: int, skipped: int) -> None:
         """Say so when step `step` skipped optimizer steps (their loss or gradient was not finite: never applied,

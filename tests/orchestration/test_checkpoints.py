@@ -277,3 +277,21 @@ def test_a_save_never_replaces_another_runs_checkpoint_of_the_same_step(tmp_path
     with pytest.raises(UserError, match="is a checkpoint of another run: it is not replaced"):
         checkpoints.commit(staging, {"step": 5, "weight_version": 5, "lineage": "run-b"})
     assert run_layout.lineage_of(tmp_path / "checkpoints" / "step_5") == "run-a"
+
+
+def test_a_step_with_reward_failures_says_how_many_and_the_first_error():
+    """`RLJob.say_reward_failures`: a hook with the wrong signature shows at step 1 in one console line (on main at
+    a706c6e only metrics.jsonl counted it); a step without failures says nothing."""
+    from types import SimpleNamespace
+
+    from slimish.orchestration.driver import RLJob
+    from slimish.sample import Sample
+
+    said = []
+    job = SimpleNamespace(say=said.append)
+    ok, bad = (Sample(group_id=0, index=i, prompt="p", prompt_ids=[1]) for i in range(2))
+    bad.error = "reward failed: TypeError: reward() got an unexpected keyword argument\n'labels'"
+    RLJob.say_reward_failures(job, 1, 0, [ok])
+    RLJob.say_reward_failures(job, 1, 3, [ok, bad, bad])
+    assert said == ["step 1: 3 sample(s) failed their reward and were scored reward.failure_reward; the first: "
+                    "reward failed: TypeError: reward() got an unexpected keyword argument 'labels'"]
