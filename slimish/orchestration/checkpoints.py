@@ -74,12 +74,9 @@ def start_lineage(run_dir: Path, resume: str, *, other_runs: str) -> tuple[str, 
     'archive' moves them (with the directory's metrics.jsonl, when this job starts fresh) to archive/<their id>/;
     'delete' deletes them. The chosen id is written to the directory's lineage file."""
     run_dir = Path(run_dir)
-    lineage = current_lineage(run_dir) if resume == "auto" else None
-    resume_from = resume_path(resume, run_dir, lineage) if lineage is not None or resume != "auto" else None
-    if resume_from is not None:
-        lineage = lineage_of(resume_from)
-    elif resume == "never" or lineage is None or not complete_checkpoints(run_dir, lineage):
-        lineage = uuid.uuid4().hex[:12]
+    # 'auto' in a directory without any run (current_lineage None) finds nothing either way.
+    resume_from = resume_path(resume, run_dir, current_lineage(run_dir) if resume == "auto" else None)
+    lineage = lineage_of(resume_from) if resume_from is not None else uuid.uuid4().hex[:12]
     others = [(step, path) for step, path in complete_checkpoints(run_dir) if lineage_of(path) != lineage]
     if others:
         _set_aside(run_dir, others, other_runs, fresh=resume_from is None)

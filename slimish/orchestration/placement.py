@@ -108,27 +108,34 @@ def reserve_grouped(name: str, *, count: int, group_size: int, gpus_each: int, t
                         f"must share a node, but the Ray cluster's largest node has {largest} GPUs: lower it, or use "
                         "nodes with more GPUs")
     bundle = {"GPU": gpus_each} if gpus_each else {"CPU": cpus_each}
-    groups: list[list[Slot]] = []
-    try:
-        for k in range(count // group_size):
-            group = placement_group([dict(bundle) for _ in range(group_size)], strategy="STRICT_PACK",
-                                    name=f"{name}-{k}")
-            groups.append([Slot(group, i, "", gpus_each, 0.0 if gpus_each else cpus_each) for i in range(group_size)])
-            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-            if not ready:
-                raise PlacementError(
-                    f"could not reserve {group_size} x {bundle} on one node for the {name} (group {k}) within "
-                    f"{timeout_s:.0f}s; the Ray cluster has {ray.cluster_resources()} in all and "
-                    f"{ray.available_resources()} free")
-    except BaseException:
-        release([slot for group in groups for slot in group])
-        raise
-    placed = []
-    for slots in groups:
-        node = placement_group_table(slots[0].group)["bundles_to_node_id"][0]
-        placed.append([replace(slot, node_id=node) for slot in slots])
+    groups = _placement_groups(count // group_size, bundle, group_size, strategy="STRICT_PACK",
+                               name=lambda k: f"{name}-{k}", timeout_s=timeout_s,
+                               what=lambda k: f"on one node for the {name} (group {k})")
+    placed = [[Slot(group, i, nodes[i], gpus_each, 0.0 if gpus_each else cpus_each) for i in range(group_size)]
+              for group, nodes in groups]
     placed.sort(key=lambda slots: slots[0].node_id)  # stable: groups keep their order within a node
     return [slot for slots in placed for slot in slots]
+
+
+def _placement_groups(count: int, bundle: dict, size: int, *, strategy: str, name, timeout_s: float,
+                      what) -> list[tuple[PlacementGroup, list[str]]]:
+    """`count` placement groups of `size` x `bundle` each under `strategy` (group k named `name(k)`), each ready
+    within `timeout_s`, with the node of each of its bundles; a PlacementError naming group k (`what(k)`: where
+    and for what it was asked) when one is not, and none of them kept."""
+    groups: list[PlacementGroup] = []
+    try:
+        for k in range(count):
+            groups.append(placement_group([dict(bundle) for _ in range(size)], strategy=strategy, name=name(k)))
+            ready, _ = ray.wait([groups[-1].ready()], timeout=timeout_s)
+            if not ready:
+                raise PlacementError(
+                    f"could not reserve {size} x {bundle} {what(k)} within {timeout_s:.0f}s; the Ray cluster has "
+                    f"{ray.cluster_resources()} in all and {ray.available_resources()} free")
+    except BaseException:
+        for group in groups:
+            remove_placement_group(group)
+        raise
+    return [(group, placement_group_table(group)["bundles_to_node_id"]) for group in groups]
 
 
 def colocated_sender_problem(bundles: list[Slot], *, transport: str, expert_parallel: int) -> str | None:
@@ -159,24 +166,11 @@ def reserve_engines(*, count: int, nodes_per_engine: int, gpus_each: int, timeou
                         f"node(s): run the job on at least {nodes_per_engine} nodes (sbatch -N), or lower it")
     part_gpus = gpus_each // nodes_per_engine
     bundle = {"GPU": part_gpus} if part_gpus else {"CPU": cpus_each}
-    groups: list[PlacementGroup] = []
-    try:
-        for i in range(count):
-            groups.append(placement_group([dict(bundle) for _ in range(nodes_per_engine)], strategy="STRICT_SPREAD",
-                                          name=f"slimish-engine{i}"))
-            ready, _ = ray.wait([groups[-1].ready()], timeout=timeout_s)
-            if not ready:
-                raise PlacementError(
-                    f"could not reserve {nodes_per_engine} x {bundle} on {nodes_per_engine} distinct nodes for "
-                    f"engine {i} within {timeout_s:.0f}s; the Ray cluster has {ray.cluster_resources()} in all and "
-                    f"{ray.available_resources()} free")
-    except BaseException:
-        for group in groups:
-            remove_placement_group(group)
-        raise
-    nodes = [placement_group_table(group)["bundles_to_node_id"] for group in groups]
+    groups = _placement_groups(count, bundle, nodes_per_engine, strategy="STRICT_SPREAD",
+                               name=lambda i: f"slimish-engine{i}", timeout_s=timeout_s,
+                               what=lambda i: f"on {nodes_per_engine} distinct nodes for engine {i}")
     return [[Slot(group, r, where[r], part_gpus, 0.0 if part_gpus else cpus_each) for r in range(nodes_per_engine)]
-            for group, where in zip(groups, nodes, strict=True)]
+            for group, where in groups]
 
 
 class GpuUnusable(UserError):

@@ -4,6 +4,7 @@ pipeline-parallel size: the same calls on every rank; outputs on the last stage 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -35,10 +36,10 @@ def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only
 def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn,
                    lr_schedule=None) -> tuple[list[dict], float]:
     """Zeroed grads, forward and backward over `microbatches`, one optimizer step: (metrics, grad norm). With
-    `lr_schedule` (`slimish.trainer.lr_schedule`), the step advances it first: step k trains at the schedule's
-    lr(k). A step whose gradients are not finite on any rank (a NaN or inf loss, an overflow) is not applied: the
-    weights, the optimizer's moments and the schedule stay as they were, the grads are dropped, and the grad norm
-    returned is NaN (`step_applied` tells). Megatron's optimizers check this only with fp16's loss scaler."""
+    `lr_schedule` (`slimish.trainer.lr_schedule`), it is advanced right before the optimizer step: step k trains at
+    the schedule's lr(k). A step whose gradients are not finite on any rank (a NaN or inf loss, an overflow) is not
+    applied: the weights, the optimizer's moments and the schedule stay as they were, the grads are dropped, and the
+    grad norm returned is NaN (`step_applied` tells). Megatron's optimizers check this only with fp16's loss scaler."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(model, microbatches, loss_fn, forward_only=False)
@@ -54,7 +55,7 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn,
 
 def step_applied(grad_norm: float) -> bool:
     """Whether the step `optimizer_step` returned `grad_norm` for changed the weights."""
-    return grad_norm == grad_norm  # NaN only for a step it did not apply
+    return not math.isnan(grad_norm)  # NaN only for a step it did not apply
 
 
 def grads_finite(model) -> bool:
