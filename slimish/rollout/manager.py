@@ -16,27 +16,12 @@ from slimish.engines.generation import GenerationClient
 from slimish.engines.servers import EngineServers
 from slimish.engines.watchdog import EngineWatchdog
 from slimish.hooks import load_function
-from slimish.rollout import overlong, rewards
+from slimish.rollout import overlong, reward_workers
 from slimish.rollout.data import PromptDataset, sft_samples
 from slimish.rollout.evaluation import EvalSet, evaluate
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.scheduler import RolloutScheduler
 from slimish.sample import Sample, Status
-
-
-def build_reward_fn(reward):
-    """The reward hook of `reward` (RewardConfig): its one hook, or the weighted sum of its terms (reward.fn,
-    reward.fns, reward.url, in that order)."""
-    from slimish.rollout.remote_reward import RemoteReward
-
-    names = ([reward.fn] if reward.fn else []) + list(reward.fns)
-    fns = [load_function(dotted) for dotted in names]
-    if reward.url:
-        names.append("remote")
-        fns.append(RemoteReward(reward.url, max_concurrency=reward.max_concurrency, retries=reward.retries,
-                                timeout_s=reward.request_timeout_s, batch_size=reward.batch_size))
-    weights = list(reward.weights) or [1.0] * len(fns)
-    return rewards.weighted_sum(list(zip(names, fns, weights)))
 
 
 def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[list[dict]], api_key: str | None = None) -> dict:
@@ -55,7 +40,7 @@ def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[list[dict]]
     servers = EngineServers(rollout=cfg.rollout, model=cfg.model, log_dir=Path(log_dir), seed=cfg.run.seed,
                             engine_options=engine_options, api_key=api_key, colocated=cfg.placement.colocate)
     program = load_function(cfg.rollout.generate_fn) if cfg.rollout.generate_fn else None
-    return {"tokenizer": tokenizer, "dataset": dataset, "reward_fn": build_reward_fn(cfg.reward),
+    return {"tokenizer": tokenizer, "dataset": dataset, "reward": reward_workers.build(cfg.reward),
             "program": program, "eval_sets": eval_sets, "servers": servers}
 
 
@@ -65,13 +50,13 @@ class RolloutManager:
     config says; a job's Ray actor is a `ConfiguredRolloutManager`). `start()` starts the servers and builds the
     scheduler and the watchdog on them."""
 
-    def __init__(self, cfg: JobConfig, *, tokenizer, dataset: PromptDataset, reward_fn: Callable,
+    def __init__(self, cfg: JobConfig, *, tokenizer, dataset: PromptDataset, reward,
                  program: Callable | None, eval_sets: list[EvalSet], servers: EngineServers,
                  progress_bar: bool = False):
         """`progress_bar`: draw a bar of the step's scored groups on the driver's terminal (only where the driver's
         output is one: redrawn into a file or a pipe, a bar turns into a line per refresh among the step lines)."""
         self.cfg = cfg
-        self.tokenizer, self.dataset, self.reward_fn, self.program = tokenizer, dataset, reward_fn, program
+        self.tokenizer, self.dataset, self.reward, self.program = tokenizer, dataset, reward, program
         self.eval_sets, self.servers = eval_sets, servers
         ro = cfg.rollout  # training rollouts and evaluation sample alike
         self.sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
@@ -129,8 +114,7 @@ class RolloutManager:
                        columns=prompt.columns) for i in range(self.cfg.rollout.samples_per_prompt)]
 
     def _score(self, samples: list[Sample]) -> int:
-        failures = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
-                                 timeout_s=self.cfg.reward.timeout_s)
+        failures = self.reward.score(samples)
         overlong.apply(samples, self.cfg.rollout.overlong, max_tokens=self.cfg.rollout.max_new_tokens)
         if self._progress is not None:
             self._progress.update(1)
@@ -192,8 +176,7 @@ class RolloutManager:
         failures = Counter()
 
         def score(samples: list[Sample]) -> int:
-            failed = rewards.score(samples, self.reward_fn, failure_reward=self.cfg.reward.failure_reward,
-                                   timeout_s=self.cfg.reward.timeout_s)
+            failed = self.reward.score(samples)
             failures["eval_reward_failures"] += failed
             return failed
 
@@ -300,6 +283,8 @@ class RolloutManager:
         if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
             self.watchdog.stop()
         self.servers.stop()
+        if self.reward is not None:
+            self.reward.close()
 
 
 def _call_engine(url: str, api_key: str | None, call: Callable[[EngineClient], None]) -> None:

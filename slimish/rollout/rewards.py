@@ -63,7 +63,7 @@ def score(samples: list[Sample], fn: Callable, *, failure_reward: float, timeout
     worker.start()
     worker.join(timeout_s)
     if not result:
-        return _fail([s for s in samples if s.scored], TimeoutError(f"no answer within {timeout_s:g}s "
+        return fail([s for s in samples if s.scored], TimeoutError(f"no answer within {timeout_s:g}s "
                                                                     "(reward.timeout_s)"), failure_reward)
     for sample, scored in zip(samples, copies):
         sample.reward, sample.error = scored.reward, scored.error
@@ -77,7 +77,7 @@ def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int
     try:
         return sum(_set(sample, reward, failure_reward) for sample, reward in zip(scored, _call(fn, scored)))
     except RewardContractError as exc:
-        return _fail(scored, exc, failure_reward)
+        return fail(scored, exc, failure_reward)
     except Exception:
         pass
     failures = 0
@@ -85,23 +85,39 @@ def _score(samples: list[Sample], fn: Callable, *, failure_reward: float) -> int
         try:
             failures += _set(sample, _call(fn, [sample])[0], failure_reward)
         except Exception as exc:
-            failures += _fail([sample], exc, failure_reward)
+            failures += fail([sample], exc, failure_reward)
     return failures
 
 
 def _set(sample: Sample, reward: float, failure_reward: float) -> int:
     """`sample.reward = reward` if it is finite (0 failures), else the sample fails (1)."""
     if not math.isfinite(reward):
-        return _fail([sample], NonFiniteReward(f"reward fn returned {reward} for this completion"), failure_reward)
+        return fail([sample], NonFiniteReward(f"reward fn returned {reward} for this completion"), failure_reward)
     sample.reward = reward
     return 0
 
 
-def _fail(samples: list[Sample], exc: Exception, failure_reward: float) -> int:
+def fail(samples: list[Sample], exc: Exception, failure_reward: float) -> int:
     for sample in samples:
         sample.reward = failure_reward
         sample.error = f"reward failed: {type(exc).__name__}: {exc}"
     return len(samples)
+
+
+def build_reward_fn(reward):
+    """The reward hook of `reward` (RewardConfig): its one hook, or the weighted sum of its terms (reward.fn,
+    reward.fns, reward.url, in that order)."""
+    from slimish.hooks import load_function
+    from slimish.rollout.remote_reward import RemoteReward
+
+    names = ([reward.fn] if reward.fn else []) + list(reward.fns)
+    fns = [load_function(dotted) for dotted in names]
+    if reward.url:
+        names.append("remote")
+        fns.append(RemoteReward(reward.url, max_concurrency=reward.max_concurrency, retries=reward.retries,
+                                timeout_s=reward.request_timeout_s, batch_size=reward.batch_size))
+    weights = list(reward.weights) or [1.0] * len(fns)
+    return weighted_sum(list(zip(names, fns, weights)))
 
 
 def weighted_sum(terms: list[tuple[str, Callable, float]]) -> Callable:

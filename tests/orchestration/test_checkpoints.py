@@ -174,7 +174,7 @@ def test_rollout_manager_state_round_trips(tmp_path):
     managers = []
     cfg = JobConfig()  # the schema's defaults: only the rollout's sampling settings are read here
     for _ in range(2):  # without engines (the scheduler only contacts them to generate): the state it covers
-        manager = RolloutManager(cfg, tokenizer=None, dataset=_dataset(path), reward_fn=None, program=None,
+        manager = RolloutManager(cfg, tokenizer=None, dataset=_dataset(path), reward=None, program=None,
                                  eval_sets=[], servers=None)
         engines = GenerationClient("http://127.0.0.1:9", request_timeout_s=1, max_concurrency=1)
         manager.scheduler = RolloutScheduler(
@@ -295,3 +295,23 @@ def test_a_step_with_reward_failures_says_how_many_and_the_first_error():
     RLJob.say_reward_failures(job, 1, 3, [ok, bad, bad])
     assert said == ["step 1: 3 sample(s) failed their reward and were scored reward.failure_reward; the first: "
                     "reward failed: TypeError: reward() got an unexpected keyword argument 'labels'"]
+
+
+def test_a_dead_jobs_disk_sync_directories_are_removed_at_the_next_start_and_no_other_runs(tmp_path):
+    """A job killed in the middle of a disk-transport sync leaves a whole model copy (sync-*/); the next job of the
+    run removes it (under the run directory's lock). Under a shared weight_sync.disk_dir each run has a directory
+    of its own, so another run's shards are never touched."""
+    from slimish.run_layout import remove_sync_leftovers, weight_sync_root
+
+    run_a, run_b = tmp_path / "out" / "a", tmp_path / "other" / "a"  # same run name, two output directories
+    assert weight_sync_root("", run_a) == run_a / "weight_sync"
+    shared = tmp_path / "shared"
+    root_a, root_b = weight_sync_root(str(shared), run_a), weight_sync_root(str(shared), run_b)
+    assert root_a.parent == root_b.parent == shared and root_a != root_b
+    for root in (root_a, root_b):
+        (root / "sync-x1y2").mkdir(parents=True)
+        (root / "sync-x1y2" / "model-00001.safetensors").write_bytes(b"0" * 64)
+    (root_a / "notes.txt").write_text("not a sync directory")
+    assert remove_sync_leftovers(root_a) == 1
+    assert sorted(p.name for p in root_a.iterdir()) == ["notes.txt"] and (root_b / "sync-x1y2").is_dir()
+    assert remove_sync_leftovers(tmp_path / "missing") == 0

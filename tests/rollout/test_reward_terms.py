@@ -10,9 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from slimish.rollout.data import PromptDataset
-from slimish.rollout.manager import build_reward_fn
 from slimish.rollout.remote_reward import RemoteReward
-from slimish.rollout.rewards import score, weighted_sum
+from slimish.rollout.rewards import build_reward_fn, score, weighted_sum
 from slimish.sample import Sample, Status
 
 ROWS = [{"prompt": "what is 3+4?", "label": "7", "solution": "7", "difficulty": 1},
