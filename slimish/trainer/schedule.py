@@ -9,6 +9,7 @@ import math
 import torch
 
 from slimish import collectives
+from slimish.errors import UserError
 from slimish.trainer.batch import MicroBatch
 from slimish.trainer.device import module_device
 
@@ -56,6 +57,24 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch], loss_fn,
 def step_applied(grad_norm: float) -> bool:
     """Whether the step `optimizer_step` returned `grad_norm` for changed the weights."""
     return not math.isnan(grad_norm)  # NaN only for a step it did not apply
+
+
+class NonFiniteWeights(UserError):
+    """The model's weights hold NaN or inf: they must not reach the engines or a checkpoint."""
+
+
+def check_weights_finite(model, *, doing: str) -> None:
+    """Raise `NonFiniteWeights` on every trainer rank if any rank's parameters of `model` hold a NaN or an inf
+    (collective: every rank calls it). `doing` says what was refused ("saving checkpoint step_3"). Guarded steps
+    (`optimizer_step`) keep non-finite gradients out; this catches what still gets through (an optimizer's own
+    overflow, a weight loaded from a bad file) before it is synced or saved over the good checkpoints."""
+    bad_names = [name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()]
+    count = torch.tensor(float(len(bad_names)), device=module_device(model))
+    total = int(collectives.all_reduce(count, op="sum").item())
+    if total:
+        first = f" (first here: {bad_names[0]})" if bad_names else ""
+        raise NonFiniteWeights(f"{total} weight tensor(s) hold NaN or inf{first}: not {doing}. The last good "
+                               "checkpoint is untouched: resume from it with a lower trainer.optimizer.lr")
 
 
 def grads_finite(model) -> bool:

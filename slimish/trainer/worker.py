@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +31,7 @@ from slimish.trainer.packing import pack_ranks
 from slimish.trainer.parallel import ParallelLayout, init_parallel, resolve_backend
 from slimish.trainer.roles import Policy, Reference
 from slimish.trainer.rollout_batch import RolloutBatch
-from slimish.trainer.schedule import step_applied
+from slimish.trainer.schedule import check_weights_finite, step_applied
 
 
 class TrainerWorker:
@@ -335,6 +336,7 @@ class TrainerWorker:
         parts = tuple(self._offloaded_parts)
         if parts:  # saved from the device (Megatron's dist checkpoint), and offloaded again after
             self.onload()
+        check_weights_finite(self.policy.module, doing=f"saving the checkpoint {Path(path).parent.name}")
         self.policy.save(path)
         if self.critic is not None:
             self.critic.save(checkpoint.critic_path(path))
@@ -456,7 +458,7 @@ class TrainerWorker:
         from slimish.weight_sync.sync import WeightSync
 
         ws = self.cfg.weight_sync
-        port = ws.master_port if self._groups_made == 1 else free_port()
+        port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
         context = self._transport_context(engine_tp, master_addr, port, self._group_name())
         self._stage_links = stages
         self._sender = WeightSync(transport=ws.transport, context=context, engine_urls=engine_urls,
@@ -469,11 +471,11 @@ class TrainerWorker:
         return {"time_connect_s": time.monotonic() - t0}
 
     def weight_sync_dir(self) -> str:
-        """weight_sync.disk_dir, by default <run dir>/weight_sync (the disk transport's shards)."""
-        from pathlib import Path
+        """Where the disk transport writes this run's shards (`slimish.run_layout.weight_sync_root`)."""
+        from slimish.run_layout import weight_sync_root
 
         run = self.cfg.run
-        return self.cfg.weight_sync.disk_dir or str(Path(run.output_dir) / run.name / "weight_sync")
+        return str(weight_sync_root(self.cfg.weight_sync.disk_dir, Path(run.output_dir) / run.name))
 
     def sync_weights(self, version: int) -> dict:
         """Send the current weights to every engine as weight version `version`. Rank 0 sends the whole model
@@ -481,6 +483,7 @@ class TrainerWorker:
         its own stage while every later stage's leader sends its own (`export_stage_hf_tensors`); the TP / EP
         gathers involve every rank of the replica. Other data-parallel replicas hold the same weights and sit out,
         unless every replica sends to its own engines (`_replica_senders`)."""
+        check_weights_finite(self.policy.module, doing=f"sending weight version {version} to the engines")
         if not (in_source_replica() or self._replica_senders()):
             return {}
         if not self._stage_senders():

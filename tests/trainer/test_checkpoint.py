@@ -175,3 +175,21 @@ def test_a_step_with_non_finite_gradients_is_not_applied(task_assets, megatron_w
     assert good["skipped_steps"] == 0 and math.isfinite(good["grad_norm"])
     assert good == _step(untouched)
     _assert_equal(skipped.export_state(), untouched.export_state())
+
+
+def test_non_finite_weights_are_neither_saved_nor_synced(task_assets, megatron_world, tmp_path):
+    """Weights that hold a NaN (whatever put it there) stop the save and the sync with one line on every rank;
+    nothing is written where the checkpoint would go."""
+    from slimish.trainer.schedule import NonFiniteWeights
+
+    worker = _worker(task_assets)
+    worker.save_checkpoint(str(tmp_path / "step_1" / "trainer"))  # finite: saved as usual
+    name, param = next(iter(worker.policy.module.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    with pytest.raises(NonFiniteWeights, match=r"^1 weight tensor\(s\) hold NaN or inf .*not saving the checkpoint "
+                                               r"step_2\. The last good checkpoint is untouched"):
+        worker.save_checkpoint(str(tmp_path / "step_2" / "trainer"))
+    assert not (tmp_path / "step_2").exists()
+    with pytest.raises(NonFiniteWeights, match="not sending weight version 2 to the engines"):
+        worker.sync_weights(2)
