@@ -42,6 +42,8 @@
 set -euo pipefail
 
 BASE=${SLIMISH_RAY_PORT_BASE:-20000}
+# What the job's actors write (checkpoints, engine logs, weight-sync shards in the run directory) is the user's only.
+umask 077
 # slimish sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in a process that runs a local Ray (see above); a job submitted
 # from such a process inherits it through sbatch's environment export, and a worker would then refuse to join.
 unset RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER

@@ -18,6 +18,7 @@ reported as one line, `error: <what is wrong and what to do>`, with exit status 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -26,10 +27,11 @@ from slimish.errors import UserError, find_user_error
 
 
 def _load(config: str | None, overrides: list[str]):
+    """The config as `train` and `check-config` read it: the hooks imported in a process of their own."""
     from slimish.config import load_config
 
     try:
-        return load_config(config, overrides)
+        return load_config(config, overrides, isolate_hooks=True)
     except FileNotFoundError as exc:
         raise UserError(f"config file not found: {exc.filename}") from None
 
@@ -60,14 +62,21 @@ def cmd_train(args) -> int:
     _config_argument(args)
     cfg = _load(args.config, args.overrides)
     from slimish import log
-    from slimish.orchestration.driver import stopping_signal, train
+    from slimish.orchestration.driver import train
+    from slimish.orchestration.graceful_stop import REQUEUE_EXIT, StoppedOnSignal, stopping_signal
 
     log.setup(cfg.run.log_level)
+    # Everything the job writes (the run directory's checkpoints, rollouts, logs) is its user's only; the local Ray
+    # that ray.init starts here, and so every actor, inherits this (under Slurm launch/ray_node.sh sets it too).
+    os.umask(0o077)
     # One rollout bar on a terminal; none when the output goes to a file or a pipe (as under sbatch or tee), where
     # each redraw of a bar would be a line of its own among the step lines.
     progress_bar = sys.stdout.isatty()
     try:
         run_dir = train(cfg, report=_job_output(progress_bar), progress_bar=progress_bar)
+    except StoppedOnSignal as exc:  # SIGTERM / SIGUSR1 at a safe point: saved; exit code 75 asks for a requeue
+        print(str(exc), file=sys.stderr)
+        return REQUEUE_EXIT
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the job stopped everything it started
         signum = int(stopping_signal(exc))
         print(f"stopped by signal {signum}; everything the job started is stopped (checkpoint.resume continues it "

@@ -11,8 +11,10 @@ the only copy).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,3 +106,26 @@ def read_metrics_lines(path: Path) -> MetricsLines:
         records.append(record)
         lines.append(line)
     return MetricsLines(records, lines, cut, ends_cleanly=text == "" or text.endswith("\n"))
+
+
+SYNC_PREFIX = "sync-"  # the disk transport's directory per sync (slimish/weight_sync/disk.py)
+
+
+def weight_sync_root(disk_dir: str, run_dir: Path) -> Path:
+    """Where the run at `run_dir` writes its sync directories: <run dir>/weight_sync, or under a shared
+    weight_sync.disk_dir a directory of its own (<run name>-<hash of the run dir's path>), so that a job's start
+    removes what a dead job of the same run left (`remove_sync_leftovers`) and never another run's shards."""
+    if not disk_dir:
+        return run_dir / "weight_sync"
+    tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return Path(disk_dir) / f"{run_dir.name}-{tag}"
+
+
+def remove_sync_leftovers(root: Path) -> int:
+    """Remove the sync directories under `root` (a run's `weight_sync_root`) that a job left when it died in the middle
+    of a sync: a whole model copy each. Only safe while the run directory's lock is held (no sync of the run can be
+    running). Returns how many were removed."""
+    leftovers = sorted(root.glob(f"{SYNC_PREFIX}*")) if root.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(leftovers)

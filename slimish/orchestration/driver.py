@@ -10,8 +10,9 @@ retract) never stops generating and syncs every rl.sync_every steps. Every token
 it, so staleness and the off-policy corrections work alike in all three.
 
 Run with `slimish train CONFIG [key=value ...]`. Everything started here (Ray, actors, engines, router)
-is stopped in `shutdown()`, also on Ctrl-C / SIGTERM. SIGTERM does not save a checkpoint: the job resumes from the
-last periodic one (checkpoint.save_every), so a kill during a save costs at most that interval.
+is stopped in `shutdown()`, also on Ctrl-C / SIGTERM. SIGTERM or SIGUSR1 (scancel, a Slurm time limit or preemption)
+first finishes the step, saves it and stops with the exit code that asks for a requeue (`graceful_stop.py`); Ctrl-C
+stops at once, and the job resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_job_key, read_key
 from slimish.orchestration import checkpoints
 from slimish.orchestration.colocation import ColocatedTurns
+from slimish.orchestration.graceful_stop import GracefulStop, StoppedOnSignal, stopping_signal  # noqa: F401 (CLI)
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
@@ -54,6 +56,9 @@ class RLJob:
         self.report = report
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Weights, rollouts, metrics and keys: the job's user's only. A directory no one else may enter hides what it
+        # holds whatever the files' own modes (those the job writes are 0600 too: `slimish train` sets umask 077).
+        self.run_dir.chmod(0o700)
         self.lock = RunLock(self.run_dir)  # before anything is written there: a second job refuses in one line
         try:
             # Which run this job continues or starts (its id goes into every checkpoint it writes); another run's
@@ -61,6 +66,11 @@ class RLJob:
             self.lineage, self.resume_from = checkpoints.start_lineage(self.run_dir, cfg.checkpoint.resume,
                                                                        other_runs=cfg.checkpoint.other_runs)
             save_config(cfg, self.run_dir / "config.yaml")
+            removed = run_layout.remove_sync_leftovers(run_layout.weight_sync_root(cfg.weight_sync.disk_dir,
+                                                                                      self.run_dir))
+            if removed:
+                self.say(f"removed {removed} weight-sync director(y/ies) of the disk transport that an earlier job "
+                         "of this run left behind")
             self.resume_state = checkpoints.read_driver_state(self.resume_from) if self.resume_from else None
             self.timer = PhaseTimer()
             self.metrics = MetricsLogger(self.run_dir, resume_after=self.resume_state["step"] if self.resume_state
@@ -82,6 +92,7 @@ class RLJob:
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
         self.progress_bar = progress_bar
         self.turns: ColocatedTurns | None = None  # placement.colocate: trainer and engines take turns on the GPUs
+        self.stop = GracefulStop(enabled=cfg.checkpoint.save_on_signal, grace_s=cfg.checkpoint.signal_grace_s)
 
     def say(self, line: str) -> None:
         self.report(line)
@@ -91,8 +102,8 @@ class RLJob:
         self._write_job_key()
         init_ray(self.cfg)
         # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
-        # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        # SIGTERM (scancel, kill) stops the job at its next safe point and shutdown() stops everything it started.
+        self.stop.install()
         self.slots = reserve_slots(self.cfg)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
                                              engine_slots=self.slots["engines"], api_key=self.api_key,
@@ -113,8 +124,8 @@ class RLJob:
             info.update(ray.get(engines))
         self.rollout_started = True
         (self.run_dir / "pids.json").write_text(json.dumps({"servers": info["pids"]}))
-        (self.run_dir / "placement.json").write_text(json.dumps(placement_record(self.slots, info["engines"]),
-                                                                indent=1))
+        placement = placement_record(self.slots, info["engines"], router_url=info["router_url"])
+        (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         self.trainer_master_addr = info["trainer_master_addr"]
         self.engine_urls = list(info["engine_urls"])  # engine i's URL (colocated: on trainer rank i's GPU)
         info.update(self.connect_engines(info["engine_urls"]))
@@ -314,14 +325,17 @@ class RLJob:
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = {signum: signal.getsignal(signum) for signum in GracefulStop.SIGNALS}
+        self.stop.install()
         total = self.cfg.rl.num_steps
         if self.resume_state and self.resume_state["step"] >= total:
             self.say(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
                   f"{total}")
             self.metrics.close()
             self.lock.release()
-            signal.signal(signal.SIGTERM, previous)
+            self.stop.cancel()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             return self.run_dir
         save_every = self.cfg.checkpoint.save_every
         try:
@@ -336,6 +350,7 @@ class RLJob:
                 self.warmup()
             mode = self.cfg.rl.mode
             upcoming = None  # one_step_off: the next step's batch, generated while this step trained
+            self.stop_if_asked(done, saved=True)  # nothing trained yet: the checkpoint resumed from (if any) stands
             for step in range(done + 1, total + 1):
                 self.phase_begins("rollout", step)
                 with self.timer("rollout"):
@@ -380,18 +395,36 @@ class RLJob:
                 if step % self.cfg.run.log_every == 0 or step == total:
                     self.say(format_line(step, total, metrics))
                 self.check_skipped_steps(step, metrics.get("skipped_steps", 0))
-                if save_every and (step % save_every == 0 or step == total):
+                saved = bool(save_every) and (step % save_every == 0 or step == total)
+                if saved:
                     self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
+                if step < total:
+                    self.stop_if_asked(step, saved=saved, elapsed_s=metrics["time_elapsed_s"],
+                                       upcoming=upcoming[0] if upcoming else [])
         finally:
             # A second SIGTERM would raise inside shutdown() and cut it short: under scancel, Slurm signals every
             # process of the job and the sbatch teardown the driver's group, within milliseconds.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.stop.restore()
             try:
                 self.shutdown()
             finally:
                 self.lock.release()
-                signal.signal(signal.SIGTERM, previous)
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
         return self.run_dir
+
+    def stop_if_asked(self, step: int, *, saved: bool, elapsed_s: float = 0.0, upcoming: list[Sample] = ()) -> None:
+        """A safe point, after step `step` (0: before the first): if a stop was asked for (`GracefulStop`), save
+        the step unless `saved` and raise `StoppedOnSignal` (the job then shuts down as usual)."""
+        signum = self.stop.requested
+        if signum is None:
+            return
+        self.say(f"{signal.Signals(signum).name} {self.stop.waited_s():.0f}s ago: stopping after step {step}"
+                 + ("" if saved else ", saving it first"))
+        if not saved:
+            self.save_checkpoint(step, elapsed_s, upcoming=upcoming)
+        latest = checkpoints.resume_path("auto", self.run_dir, self.lineage)
+        raise StoppedOnSignal(signum, step, latest, saved=not saved)
 
     def say_reward_failures(self, step: int, failures: int, samples: list[Sample]) -> None:
         """One console line when step `step`'s rollout had reward failures (a hook that raised, overran
@@ -461,29 +494,6 @@ def groups_of(samples: list[Sample]) -> list[dict]:
     for sample in samples:
         groups.setdefault(sample.group_id, []).append(sample.to_dict())
     return [{"group_id": group_id, "samples": members} for group_id, members in groups.items()]
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (scancel, kill) as an exception, so that the job unwinds through shutdown() like on Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-_TERMINATED_BY: list[int] = []  # the signals _raise_terminated turned into Terminated, in order
-
-
-def _raise_terminated(signum, frame):
-    _TERMINATED_BY.append(signum)
-    raise Terminated(signum)
-
-
-def stopping_signal(exc: KeyboardInterrupt) -> int:
-    """The signal that stopped the job with `exc`: Terminated's own, else the last one `_raise_terminated` took (a
-    Terminated raised while `ray.get` waits comes out of it as a plain KeyboardInterrupt, its signal number lost),
-    else SIGINT (Ctrl-C)."""
-    return getattr(exc, "signum", None) or (_TERMINATED_BY[-1] if _TERMINATED_BY else signal.SIGINT)
 
 
 def train(cfg: JobConfig, *, report: Callable[[str], None], progress_bar: bool = False) -> Path:

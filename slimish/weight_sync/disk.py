@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from slimish import run_layout
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket
 from slimish.weight_sync.transport import Transport
@@ -29,7 +30,7 @@ class DiskTransport(Transport):
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="sync-", dir=self.context.disk_dir))
+            self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
         self._shards += 1
         # Bucket tensors may be views into larger ones: safetensors wants each contiguous and owning its storage.
         with self.phase("write"):

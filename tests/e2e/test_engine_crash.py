@@ -5,8 +5,9 @@ tests/slurm/test_sbatch.py.) Each time the job goes on with the other engine: th
 that were on the dead one are retried, the interrupted sync starts over to the survivor, the engine is restarted,
 rejoins the weight-sync group and the router at the next weight sync, and then serves the trained weights (every
 sync verifies every engine's parameters, and the engines' logprobs keep matching the trainer's). No sample is lost.
-Then the job, mid-run, gets SIGTERM: it stops engines, router, actors and Ray, exits 143, and leaves nothing running
-(an interrupt test until 2026-11-26, which started a job of its own for it).
+Then the job, mid-run, gets SIGTERM: it finishes its step, saves a checkpoint of it (`checkpoint.save_on_signal`),
+stops engines, router, actors and Ray, exits 75 (the code launch/train.sbatch requeues on), and leaves nothing
+running (an interrupt test until 2026-11-26, which started a job of its own for it).
 
 Where each fault lands is deterministic. Mid-rollout: the engine is paused in place (its requests freeze, so none
 can finish and the rollout cannot end) and killed only once it holds requests; otherwise it is resumed and asked
@@ -35,9 +36,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -121,14 +124,18 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         # 2. Engine 1 (its restarted server) frozen between two buckets of the next sync.
         hooks.arm_fault_between_buckets(run_dir, engine=1, signal_name="SIGSTOP")
         records = wait_for(proc, rejoined_after(metrics, 2), timeout_s=900, log=log)
-        # 3. SIGTERM mid-run (the job is set for 1000 steps): the driver stops engines, router, actors and Ray, and
-        # exits 143 (128 + SIGTERM), leaving nothing.
+        # 3. SIGTERM mid-run (the job is set for 1000 steps): the driver finishes the step, saves it, stops
+        # engines, router, actors and Ray, and exits 75 (requeue), leaving nothing.
         servers = json.loads((run_dir / "pids.json").read_text())["servers"]
     finally:
         proc.send_signal(signal.SIGTERM)
-        exit_code = proc.wait(timeout=180)
-    assert exit_code == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    assert "stopped by signal 15" in log.read_text()
+        exit_code = proc.wait(timeout=400)
+    text = log.read_text()
+    assert exit_code == 75, text[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved checkpoint (\S+):", text)
+    assert stopped, text[-3000:]
+    assert Path(stopped[2]).name == f"step_{stopped[1]}" and (Path(stopped[2]) / "driver.json").is_file()
+    assert int(stopped[1]) >= len(records)
     assert not leftovers(), "processes left running after SIGTERM"
     for pid in servers:
         with pytest.raises(ProcessLookupError):

@@ -10,22 +10,22 @@ import signal
 
 import pytest
 
-from slimish.orchestration import driver
+from slimish.orchestration import graceful_stop
 
 
 @pytest.fixture
 def sigterm_raises():
-    previous = signal.signal(signal.SIGTERM, driver._raise_terminated)
-    driver._TERMINATED_BY.clear()
+    previous = signal.signal(signal.SIGTERM, graceful_stop.raise_terminated)
+    graceful_stop.TERMINATED_BY.clear()
     yield
     signal.signal(signal.SIGTERM, previous)
-    driver._TERMINATED_BY.clear()
+    graceful_stop.TERMINATED_BY.clear()
 
 
 def test_sigterm_is_named_as_itself(sigterm_raises):
     with pytest.raises(KeyboardInterrupt) as caught:
         os.kill(os.getpid(), signal.SIGTERM)
-    assert driver.stopping_signal(caught.value) == signal.SIGTERM
+    assert graceful_stop.stopping_signal(caught.value) == signal.SIGTERM
 
 
 def test_sigterm_whose_exception_was_replaced_on_the_way_is_still_sigterm(sigterm_raises):
@@ -35,8 +35,8 @@ def test_sigterm_whose_exception_was_replaced_on_the_way_is_still_sigterm(sigter
         except KeyboardInterrupt:
             raise KeyboardInterrupt from None  # what ray.get does with it
     assert not hasattr(caught.value, "signum")
-    assert driver.stopping_signal(caught.value) == signal.SIGTERM
+    assert graceful_stop.stopping_signal(caught.value) == signal.SIGTERM
 
 
 def test_ctrl_c_is_sigint(sigterm_raises):
-    assert driver.stopping_signal(KeyboardInterrupt()) == signal.SIGINT
+    assert graceful_stop.stopping_signal(KeyboardInterrupt()) == signal.SIGINT
