@@ -142,22 +142,42 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, *, files: bool = True) -> JobConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, files: bool = True,
+                isolate_hooks: bool = False) -> JobConfig:
     """Load YAML `path` (may be None), apply dotted `overrides`, build and validate the config (files=False: read
-    no file but the model's config.json)."""
+    no file but the model's config.json; isolate_hooks: import the hooks in a process of their own)."""
     from slimish.config.validate import validate
 
     data: dict = {}
     if path is not None:
-        text = Path(path).read_text()
-        try:
-            data = _yaml_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError("<file>", f"{path} is not valid YAML: {exc}") from None
+        data = _read_mapping(Path(path))
     data = _merge(data, parse_overrides(overrides or []))
     cfg = build_dataclass(JobConfig, data)
-    validate(cfg, files=files)
+    validate(cfg, files=files, isolate_hooks=isolate_hooks)
     return cfg
+
+
+def _read_mapping(path: Path) -> dict:
+    """The YAML mapping in config file `path`; a ConfigError in one line for anything else (a directory, an
+    unreadable or non-UTF-8 file, invalid YAML, a list or a scalar). A missing file raises FileNotFoundError."""
+    if path.is_dir():
+        raise ConfigError("<file>", f"{path} is a directory: give a YAML config file (configs/quickstart_cpu.yaml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<file>", f"{path} is not UTF-8 text (byte {exc.start}): give a YAML config file") from None
+    except PermissionError:
+        raise ConfigError("<file>", f"{path} cannot be read (permission denied)") from None
+    try:
+        data = _yaml_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", f"{path} holds a YAML {type(data).__name__}, not a mapping of sections "
+                                    "(run:, model:, rollout:, ...)")
+    return data
 
 
 def save_config(cfg: JobConfig, path: str | Path) -> None:

@@ -173,9 +173,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = doc(0, "SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph "
                                     "(0 = SGLang's choice).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "SGLang --device; auto = cuda when available, else cpu.")
-    base_port: int = doc(31000, "First HTTP port; engine i listens on base_port + i on its node's address "
-                                 "(loopback on a local Ray); part r > 0 of an engine spanning nodes on base_port + "
-                                 "r * num_engines + i (its health only).")
+    base_port: int = doc(0, "0 = each engine listens on a free port of its node, picked at its start (so jobs "
+                            "run side by side); else engine i listens on base_port + i on its node's address "
+                            "(loopback on a local Ray), and part r > 0 of an engine spanning nodes on base_port + "
+                            "r * num_engines + i (its health only).")
     max_total_tokens: int = doc(4096, "SGLang KV-cache size in tokens.")
     startup_timeout_s: float = doc(300.0, "Seconds to wait for an engine to become healthy.")
     restart_dead: bool = doc(True, "Restart an engine whose process died; it rejoins at the next weight sync.")
@@ -196,8 +197,8 @@ class EngineConfig:
 
 @dataclass(kw_only=True)
 class RouterConfig:
-    port: int = doc(30999, "sglang-router HTTP port (loopback).")
-    prometheus_port: int = doc(30998, "sglang-router Prometheus port (loopback).")
+    port: int = doc(0, "sglang-router HTTP port (loopback); 0 = a free one, picked at the start.")
+    prometheus_port: int = doc(0, "sglang-router Prometheus port (loopback); 0 = a free one, picked at the start.")
     policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = doc(
         "round_robin", "sglang-router load-balancing policy."
     )
@@ -280,8 +281,13 @@ class RewardConfig:
     request_timeout_s: float = doc(30.0, "reward.url: seconds one request may take.")
     batch_size: int = doc(16, "reward.url: completions per request.")
     failure_reward: float = doc(0.0, "Reward given when the reward function raises (the failure is counted).")
-    timeout_s: float = doc(0.0, "Seconds one reward call may take; past it its samples get failure_reward (counted) "
-                                "and the call is abandoned (0 = no limit).")
+    timeout_s: float = doc(60.0, "Seconds one reward call (a group's completions) may take; past it the worker "
+                                 "process running it is killed and its samples get failure_reward (counted). "
+                                 "0 = no limit.")
+    workers: int = doc(2, "Worker processes that run the reward hook (slimish/rollout/reward_workers.py): a hook "
+                          "that hangs, holds the GIL or crashes is killed there and the job goes on. 0 = call it "
+                          "in the rollout process (a thread-based time limit that cannot stop a hook holding the "
+                          "GIL; for debugging a hook).")
 
 
 @dataclass(kw_only=True)
@@ -292,15 +298,16 @@ class WeightSyncConfig:
         "(shared memory on CPU, CUDA IPC on GPU); 'disk' = safetensors shards in weight_sync.disk_dir that the "
         "engines load (a shared filesystem, no network group).")
     disk_dir: str = doc("", "Directory of the disk transport's shards, readable by every engine; '' = "
-                            "<run dir>/weight_sync.")
+                            "<run dir>/weight_sync. A run writes under a directory of its own there "
+                            "(<run name>-<hash>), whose leftovers from a killed job the next start removes.")
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
     stage_senders: bool = doc(True, "With the 'broadcast' transport and parallel.pipeline_parallel > 1, every "
                                     "pipeline stage broadcasts its own layers over a group of its own (the stages take "
                                     "turns on the wire); false = the later stages send theirs through trainer rank 0. "
                                     "The other transports always send through rank 0.")
-    master_port: int = doc(29650, "TCP port of the store of the first trainer<->engines weight-update group, on "
-                                  "trainer rank 0's node address (loopback on a local Ray); groups rebuilt after an "
-                                  "engine restart, and pipeline stage senders' groups, take free ports.")
+    master_port: int = doc(0, "TCP port of the store of the first trainer<->engines weight-update group, on "
+                              "trainer rank 0's node address (loopback on a local Ray); 0 = a free one. Groups "
+                              "rebuilt after an engine restart, and pipeline stage senders' groups, take free ports.")
     verify: bool = doc(True, "After every sync check that each engine reports the new weight version and holds, in "
                              "every parameter, the values the trainer sent (SGLang /weights_checker checksums); a "
                              "mismatch names the parameter and stops the job.")
@@ -358,6 +365,12 @@ class CheckpointConfig:
                   "directory continues) does with checkpoints of another run found in its run directory: 'refuse' "
                   "stops it in one line; 'archive' moves them, and the directory's metrics.jsonl, to "
                   "archive/<their run id>/; 'delete' deletes them.")
+    save_on_signal: bool = doc(True, "SIGTERM or SIGUSR1 (scancel, a Slurm time limit with --signal, preemption) "
+                                     "lets the step finish, saves it and stops with exit code 75, which "
+                                     "launch/train.sbatch answers with a requeue; false = stop at once.")
+    signal_grace_s: float = doc(240.0, "With save_on_signal: seconds to wait for the step to end; past them the job "
+                                       "stops where it is (resuming from its last checkpoint). Keep it under the "
+                                       "warning time of sbatch --signal (launch/train.sbatch asks for 300 s).")
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -62,8 +62,49 @@ def _check_lr_schedule(cfg: JobConfig) -> None:
                           f"{where}: lower the warm-up, raise the decay steps, or use lr_decay_style=constant")
 
 
-def validate(cfg: JobConfig, *, files: bool = True) -> None:
-    """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`)."""
+# Numeric keys that may be negative; every other one must be >= 0 (and every one finite: `_check_numbers`).
+MAY_BE_NEGATIVE = {"reward.failure_reward"}
+# Numeric keys that are fractions: (low, high, whether high itself is allowed).
+FRACTIONS = {
+    "trainer.optimizer.adam_beta1": (0.0, 1.0, False), "trainer.optimizer.adam_beta2": (0.0, 1.0, False),
+    "trainer.critic.gamma": (0.0, 1.0, True), "trainer.critic.lam": (0.0, 1.0, True),
+    "eval.pass_threshold": (0.0, 1.0, True), "plan.mfu": (0.0, 1.0, True),
+}
+
+
+def _numbers(node, prefix: str = ""):
+    """(dotted key, value) of every int and float field of a config dataclass tree."""
+    for field in dataclasses.fields(node):
+        value, key = getattr(node, field.name), f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, f"{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield key, value
+        elif isinstance(value, list):
+            for k, item in enumerate(value):
+                if isinstance(item, (int, float)) and not isinstance(item, bool):
+                    yield f"{key}[{k}]", item
+
+
+def _check_numbers(cfg: JobConfig) -> None:
+    """Every numeric key finite (a NaN or an inf learning rate, temperature or timeout never reaches the job) and,
+    but for MAY_BE_NEGATIVE, >= 0; the fractions in their range. What must be > 0 is checked by each key's rule."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
+        base = key.split("[")[0]
+        if value < 0 and base not in MAY_BE_NEGATIVE:
+            raise ConfigError(key, f"must be >= 0, got {value}")
+        if base in FRACTIONS:
+            low, high, closed = FRACTIONS[base]
+            if not (low <= value <= high if closed else low <= value < high):
+                raise ConfigError(key, f"must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
+
+
+def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False) -> None:
+    """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`).
+    `isolate_hooks`: import the hooks in a process of their own (the CLI's check-config and train), not here."""
+    _check_numbers(cfg)
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [
         ("rollout.prompts_per_step", ro.prompts_per_step),
@@ -103,12 +144,14 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
         _positive(f"plan.{key}", getattr(cfg.plan, key), allow_zero=True)
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
+    _positive("checkpoint.signal_grace_s", cfg.checkpoint.signal_grace_s)
     _positive("rollout.partial.over_sampling", ro.partial.over_sampling, allow_zero=True)
     _positive("rollout.max_retries", ro.max_retries, allow_zero=True)
     _positive("rollout.engine.watch_interval_s", ro.engine.watch_interval_s)
     _positive("rollout.partial.max_staleness", ro.partial.max_staleness, allow_zero=True)
     _positive("trainer.loss.tis_cap", tr.loss.tis_cap, allow_zero=True)
     _positive("reward.timeout_s", cfg.reward.timeout_s, allow_zero=True)
+    _positive("reward.workers", cfg.reward.workers, allow_zero=True)
     if ro.overlong.mode == "penalty" and not 0 < ro.overlong.buffer_tokens <= ro.max_new_tokens:
         raise ConfigError("rollout.overlong.buffer_tokens",
                           f"got {ro.overlong.buffer_tokens}; with rollout.overlong.mode 'penalty' it must be in "
@@ -164,15 +207,7 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
 
     _check_attach(ro.engine, files=files)
     _check_colocate(cfg)
-    engine_ports = range(ro.engine.base_port, ro.engine.base_port + ro.engine.num_engines)
-    for key, port in [("rollout.router.port", ro.router.port),
-                      ("rollout.router.prometheus_port", ro.router.prometheus_port),
-                      ("weight_sync.master_port", cfg.weight_sync.master_port)]:
-        if port in engine_ports:
-            raise ConfigError(key, f"port {port} collides with the engine ports {engine_ports.start}-"
-                                   f"{engine_ports.stop - 1} (rollout.engine.base_port + i)")
-    if ro.router.port == ro.router.prometheus_port:
-        raise ConfigError("rollout.router.prometheus_port", "must differ from rollout.router.port")
+    _check_ports(cfg)
 
     if files:
         _check_paths(cfg)
@@ -181,22 +216,17 @@ def validate(cfg: JobConfig, *, files: bool = True) -> None:
     _check_resume(cfg.checkpoint.resume)
     _check_expert_parallel(cfg, data_parallel)
     _check_serving(cfg)
-    _check_reward(cfg.reward)
+    _check_reward(cfg.reward, isolate_hooks)
     _positive("eval.every", cfg.eval.every, allow_zero=True)
     _positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
     _positive("eval.max_prompts", cfg.eval.max_prompts, allow_zero=True)
     if cfg.run.phase_hook:
-        _check_hook("run.phase_hook", cfg.run.phase_hook)
-    for key in ("after_bucket_hook", "in_flight_hook"):
+        _check_hook("run.phase_hook", cfg.run.phase_hook, "phase", isolate_hooks)
+    for key, kind in (("after_bucket_hook", "after_bucket"), ("in_flight_hook", "in_flight")):
         if getattr(cfg.weight_sync, key):
-            _check_hook(f"weight_sync.{key}", getattr(cfg.weight_sync, key))
+            _check_hook(f"weight_sync.{key}", getattr(cfg.weight_sync, key), kind, isolate_hooks)
     if cfg.rollout.generate_fn:
-        _check_hook("rollout.generate_fn", cfg.rollout.generate_fn)
-        from slimish.hooks import load_function
-
-        if not inspect.iscoroutinefunction(load_function(cfg.rollout.generate_fn)):
-            raise ConfigError("rollout.generate_fn", f"{cfg.rollout.generate_fn!r} is not an async function: define "
-                                                     "it with `async def program(sample, client)`")
+        _check_hook("rollout.generate_fn", cfg.rollout.generate_fn, "program", isolate_hooks)
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -336,14 +366,14 @@ def _check_nodes_per_engine(cfg: JobConfig) -> None:
                                                 "nodes cannot be: set rollout.engine.nodes_per_engine=1")
 
 
-def _check_reward(reward) -> None:
+def _check_reward(reward, isolate_hooks: bool) -> None:
     if not (reward.fn or reward.fns or reward.url):
         raise ConfigError("reward.fn", "is required (or reward.fns / reward.url): a dotted path such as "
                                        "'package.module.function'")
     if reward.fn:
-        _check_hook("reward.fn", reward.fn)
+        _check_hook("reward.fn", reward.fn, "reward", isolate_hooks)
     for k, dotted in enumerate(reward.fns):
-        _check_hook(f"reward.fns[{k}]", dotted)
+        _check_hook(f"reward.fns[{k}]", dotted, "reward", isolate_hooks)
     terms = bool(reward.fn) + len(reward.fns) + bool(reward.url)
     if reward.weights and len(reward.weights) != terms:
         raise ConfigError("reward.weights", f"got {len(reward.weights)} weights for {terms} reward terms (reward.fn, "
@@ -355,13 +385,18 @@ def _check_reward(reward) -> None:
     _positive("reward.retries", reward.retries, allow_zero=True)
 
 
-def _check_hook(key: str, dotted: str) -> None:
-    from slimish.hooks import HookError, load_function
+def _check_hook(key: str, dotted: str, kind: str, isolate: bool) -> None:
+    """The hook `dotted` imports and can be called as a hook of `kind` is (`slimish.hooks.check_signature`);
+    `isolate`: checked in a process of its own (`check_in_subprocess`), so that nothing of it runs here."""
+    from slimish.hooks import HookError, check_in_subprocess, check_signature, load_function
 
     if not dotted:
         raise ConfigError(key, "is required: a dotted path such as 'package.module.function'")
     try:
-        load_function(dotted)
+        if isolate:
+            check_in_subprocess(dotted, kind)
+        else:
+            check_signature(load_function(dotted), kind, dotted)
     except HookError as exc:
         raise ConfigError(key, str(exc)) from None
 
@@ -418,3 +453,31 @@ def _check_attach(engine, *, files: bool) -> None:
                                                             "holding the key the engines were started with")
     if files and not Path(engine.attach_key_file).is_file():
         raise ConfigError("rollout.engine.attach_key_file", f"{_shown(engine.attach_key_file)} does not exist")
+
+
+def _check_ports(cfg) -> None:
+    """Every port 0 (a free one, picked at the start) or in 1..65535; the ports set by hand distinct, the engines'
+    range (base_port + r * num_engines + i) included."""
+    ro = cfg.rollout
+    single = [("rollout.router.port", ro.router.port),
+              ("rollout.router.prometheus_port", ro.router.prometheus_port),
+              ("weight_sync.master_port", cfg.weight_sync.master_port),
+              ("rollout.engine.base_port", ro.engine.base_port)]
+    for key, port in single:
+        if isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(key, f"got {port}; a TCP port is 1..65535 (0 = a free one, picked at the start)")
+    base, count = ro.engine.base_port, ro.engine.num_engines * ro.engine.nodes_per_engine
+    engine_ports = range(base, base + count) if base else range(0)
+    if engine_ports and engine_ports.stop - 1 > 65535:
+        raise ConfigError("rollout.engine.base_port", f"got {base}: the {count} engine ports (base_port + r * "
+                                                      f"num_engines + i) would run past 65535")
+    seen: dict[int, str] = {}
+    for key, port in single[:3]:
+        if not port:
+            continue
+        if port in engine_ports:
+            raise ConfigError(key, f"port {port} collides with the engine ports {engine_ports.start}-"
+                                   f"{engine_ports.stop - 1} (rollout.engine.base_port + i)")
+        if port in seen:
+            raise ConfigError(key, f"port {port} is also {seen[port]}: give each its own (or 0 for a free one)")
+        seen[port] = key

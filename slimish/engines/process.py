@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from slimish.engines import timeouts
+from slimish.engines.listener import check_listener
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,21 +67,36 @@ class ManagedProcess:
         except OSError:
             return ""
 
-    def http_ok(self, url: str) -> bool:
-        """Whether GET `url` answers 200 now; a RuntimeError (with the log tail) if the process exited."""
+    def raise_if_exited(self) -> None:
+        """A RuntimeError (with the log tail) if the process exited."""
         if not self.alive():
             raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before becoming ready; "
                                f"log {self.log_path}:\n{self.log_tail()}")
+
+    def listening(self, port: int, *, key: str) -> bool:
+        """Whether this process (or a child of it) listens on `port` now; `ForeignListener` if another process does
+        (`slimish.engines.listener`), whether or not this one is still running (one that found the port taken
+        exits); a RuntimeError if this one exited."""
+        if check_listener(port, owner_pid=self.proc.pid, what=self.name, key=key):
+            return True
+        self.raise_if_exited()
+        return False
+
+    def http_ok(self, url: str) -> bool:
+        """Whether GET `url` answers 200 now; a RuntimeError (with the log tail) if the process exited."""
+        self.raise_if_exited()
         try:
             return httpx.get(url, timeout=timeouts.HTTP_READY_POLL_S).status_code == 200
         except httpx.HTTPError:
             return False
 
-    def wait_http_ok(self, url: str, timeout_s: float, interval_s: float = 1.0) -> None:
-        """Poll GET `url` until it answers 200; fail early (with the log tail) if the process died."""
+    def wait_http_ok(self, url: str, timeout_s: float, interval_s: float = 1.0, *,
+                     own_port: tuple[int, str] | None = None) -> None:
+        """Poll GET `url` until it answers 200; fail early (with the log tail) if the process died. `own_port`
+        (port, config key): GET only once this process listens there, `ForeignListener` if another one does."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.http_ok(url):
+            if (own_port is None or self.listening(own_port[0], key=own_port[1])) and self.http_ok(url):
                 return
             time.sleep(interval_s)
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout_s:.0f}s; log {self.log_path}:\n"

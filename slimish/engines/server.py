@@ -27,7 +27,7 @@ from slimish.compat import sglang_cpu
 from slimish.config.engine_flags import serving_args
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
-from slimish.network import hosted_store, node_ip
+from slimish.network import free_port, hosted_store, node_ip
 
 ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
 # Variables set for the trainer's processes (launch/train.sbatch exports them to every Ray process) that an engine must
@@ -93,7 +93,8 @@ class EngineProcess:
         self.log_path = Path(log_dir) / f"{self.name}.log"
         self.host = node_ip()  # what other nodes reach this engine at (loopback on a local Ray)
         # Parts of one engine are on distinct nodes, but simulated nodes share one host: no two listen on one port.
-        self.port = eng.base_port + index + part * eng.num_engines
+        # base_port 0: a free port of this node, kept for restarts (ready() checks it is still this server's).
+        self.port = eng.base_port + index + part * eng.num_engines if eng.base_port else free_port()
         self.proc: ManagedProcess | None = None
         self._store = None  # part 0: the SGLang server's rendezvous store (a fresh one per start)
         self._rendezvous: tuple[str, int] | None = None  # where the engine's ranks meet (part 0's store)
@@ -161,6 +162,10 @@ class EngineProcess:
         """Whether the server is up now: part 0 answers /health_generate (a generation, so every rank of the engine
         is up); a part r > 0 answers its stand-in /health (its own schedulers are up). A RuntimeError (with the log
         tail) once its process exited."""
+        # Only once this server holds its port: until then a probe (and then the job's key) could reach another
+        # process that took it (a ForeignListener stops the job).
+        if not self.proc.listening(self.port, key="rollout.engine.base_port"):
+            return False
         ok = self.proc.http_ok(f"{self.url}/{'health_generate' if self.part == 0 else 'health'}")
         if ok:
             self._remove_secret_file()

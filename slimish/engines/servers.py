@@ -31,6 +31,7 @@ from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
 from slimish.engines.startup import waiting_for
 from slimish.errors import UserError
+from slimish.network import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,10 @@ class EngineServers:
         self.engine_options = engine_options
         self.api_key, self.colocated = api_key, colocated
         self.engine_urls: list[str] = []
-        self.router_url = f"http://{HOST}:{rollout.router.port}"
+        # Port 0: free ones of this node (the router runs beside this process), so that jobs run side by side.
+        self.router_port = rollout.router.port or free_port()
+        self.prometheus_port = rollout.router.prometheus_port or free_port()
+        self.router_url = f"http://{HOST}:{self.router_port}"
         self.router_client = RouterClient(self.router_url, api_key=api_key)
         self.engines: list[list] = []  # per engine, the EngineProcess actors of its node parts
         self.router: ManagedProcess | None = None
@@ -98,13 +102,14 @@ class EngineServers:
                 self._wait_healthy(indices)
             router = self.rollout.router
             self.router = ManagedProcess(
-                "router", router_argv(worker_urls=self.engine_urls, port=router.port,
-                                      prometheus_port=router.prometheus_port, policy=router.policy),
+                "router", router_argv(worker_urls=self.engine_urls, port=self.router_port,
+                                      prometheus_port=self.prometheus_port, policy=router.policy),
                 env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.api_key} if self.api_key else {})},
                 log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=timeouts.ROUTER_READY_S,
-                                     interval_s=timeouts.ROUTER_POLL_S)
+                                     interval_s=timeouts.ROUTER_POLL_S,
+                                     own_port=(self.router_port, "rollout.router.port"))
             self.router_client.wait_registered(len(self.engine_urls))
         except BaseException:
             self.stop()

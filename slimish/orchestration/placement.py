@@ -221,10 +221,11 @@ def node_names() -> dict[str, str]:
     return {node["NodeID"]: node.get("NodeName") or node.get("NodeManagerAddress") for node in ray.nodes()}
 
 
-def placement_record(slots: dict, engines: list[dict]) -> dict:
+def placement_record(slots: dict, engines: list[dict], router_url: str) -> dict:
     """What ran where (placement.json in the run directory): the node of every trainer rank and engine, with the
     GPUs Ray gave each engine (attached engines: their URLs); an engine spanning nodes: its first part's node,
-    GPUs and URL, and each part's under "parts" (a part beyond the first serves only SGLang's stand-in health)."""
+    GPUs and URL, and each part's under "parts" (a part beyond the first serves only SGLang's stand-in health); the
+    router's URL (its port is picked at the start unless rollout.router.port sets it)."""
     names = node_names()
 
     def part(slot: Slot, info: dict) -> dict:
@@ -241,4 +242,4 @@ def placement_record(slots: dict, engines: list[dict]) -> dict:
     return {"gpus": cluster_gpus(),
             "trainer": [{"rank": rank, "node": names.get(slot.node_id, slot.node_id), "gpus": slot.gpus}
                         for rank, slot in enumerate(slots["trainer"])],
-            "engines": placed}
+            "engines": placed, "router": {"url": router_url}}

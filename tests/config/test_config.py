@@ -51,7 +51,9 @@ BAD_CASES = [
     ("rollout.top_p=0.9", "rollout.top_p", "only 1.0 is supported"),
     ("rollout.temperature=0", "rollout.temperature", "must be > 0"),
     ("trainer.loss.clip_eps_high=1.5", "trainer.loss.clip_eps_high", "(0, 1)"),
-    ("rollout.router.port=31001", "rollout.router.port", "collides with the engine ports"),
+    ("rollout.router.port=65536", "rollout.router.port", "a TCP port is 1..65535 (0 = a free one"),
+    ("rollout.engine.base_port=-1", "rollout.engine.base_port", "must be >= 0, got -1"),
+    ("rollout.engine.base_port=65535", "rollout.engine.base_port", "would run past 65535"),
     ("parallel.num_trainer_ranks=3", "parallel.num_trainer_ranks", "split evenly"),
     ("parallel.tensor_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel"),
     ("reward.fn=slimish.tasks.echo_digit.no_such_fn", "reward.fn", "has no attribute"),
@@ -104,6 +106,28 @@ def test_bad_config_names_key_and_allowed(base, override, key, fragment):
     assert err.value.key == key
     assert fragment in str(err.value)
     assert str(err.value).startswith(f"config key '{key}'")
+
+
+PORT_CASES = [
+    # (overrides, key named in the error, a fragment of the explanation); 0 (the default) = a free port at the start
+    (["rollout.engine.base_port=31000", "rollout.router.port=31001"], "rollout.router.port",
+     "collides with the engine ports 31000-31001"),
+    (["rollout.router.port=30000", "weight_sync.master_port=30000"], "weight_sync.master_port",
+     "port 30000 is also rollout.router.port"),
+    (["rollout.router.port=30000", "rollout.router.prometheus_port=30000"], "rollout.router.prometheus_port",
+     "is also rollout.router.port"),
+    (["rollout.engine.base_port=31000", "rollout.router.port=31002", "weight_sync.master_port=29650"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", PORT_CASES, ids=[" ".join(c[0]) for c in PORT_CASES])
+def test_ports_are_in_range_and_distinct(base, overrides, key, fragment):
+    if key is None:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
+    assert err.value.key == key and fragment in str(err.value)
 
 
 RL_MODE_CASES = [

@@ -183,7 +183,7 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
     out = run_dir / SECURITY_PROBE
     if out.exists() or bucket != 1:
         return
-    router = "http://127.0.0.1:30999"
+    router = json.loads((run_dir / "placement.json").read_text())["router"]["url"]  # a free port, picked at start
     engine = engine_urls[0]
     bearer = auth_headers(job_key(run_dir))
     # A connection per call: the router answers a keyless POST with 401 as soon as it has read the headers, and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 import psutil
@@ -65,3 +66,30 @@ def hook_env(run_dir) -> dict:
 
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "SLIMISH_TEST_RUN_DIR": str(run_dir), "PYTHONPATH": pythonpath}
+
+
+class Reaper:
+    """Reaps this process's zombie children while it runs, as PID 1 reaps orphans. A subreaper (`become_subreaper`)
+    inherits the orphans of a job whose driver was killed: its raylet among them. Unreaped, a dead raylet stays a
+    zombie whose pid still exists, and Ray's workers and agents, which watch that pid, wait on for it."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="reaper", daemon=True)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
+            self._stop.wait(interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()

@@ -62,8 +62,9 @@ def test_two_real_rl_steps(task_assets, tmp_path):
                                             for s in evaluated), "sampled at the step's weights"
         assert record["eval/held_out/reward_mean"] == pytest.approx(sum(s["reward"] for s in evaluated) / 32)
     placement = json.loads((run_dir / "placement.json").read_text())
-    assert [e["url"] for e in placement["engines"]] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"], \
-        "a local Ray stays on loopback, and so do the engines it places"
+    urls = [e["url"] for e in placement["engines"]] + [placement["router"]["url"]]
+    assert all(url.startswith("http://127.0.0.1:") for url in urls) and len(set(urls)) == 3, \
+        "a local Ray stays on loopback, and so do the engines it places (each on a free port of its own)"
     assert placement["gpus"] == 0 and [t["rank"] for t in placement["trainer"]] == [0]
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -108,7 +109,9 @@ def assert_strangers_refused(run_dir):
     assert calls["engine_model_info_with_key"] == calls["router_workers_with_key"] == 200, calls
     servers = set(json.loads((run_dir / "pids.json").read_text())["servers"])
     server_listeners = [x for x in probe["listeners"] if x["pid"] in servers or not _is_ray_process(x)]
-    assert {31000, 31001, 30999} <= {x["port"] for x in server_listeners}, listing
+    placement = json.loads((run_dir / "placement.json").read_text())
+    ports = {int(x["url"].rsplit(":", 1)[1]) for x in placement["engines"] + [placement["router"]]}
+    assert len(ports) == 3 and ports <= {x["port"] for x in server_listeners}, listing
     assert all(_loopback(x["ip"]) for x in server_listeners), listing
     trainer = {x["port"]: x["ip"] for x in probe["listeners"] if x["pid"] == probe["pid"]}
     assert len(probe["store_ports"]) >= 2, "the trainer's rendezvous and the weight-sync group's"
