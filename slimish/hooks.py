@@ -95,7 +95,7 @@ def check_in_subprocess(dotted: str, kind: str, *, timeout_s: float = 120.0) -> 
                                 timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise HookError(f"importing {dotted!r} took more than {timeout_s:g}s") from None
-    if result.returncode == 0:
+    if result.returncode == 0 and "hook ok" in result.stdout.splitlines():
         return
     lines = [line for line in result.stdout.splitlines() if line.startswith("hook error: ")]
     if lines:
@@ -108,9 +108,11 @@ def check_in_subprocess(dotted: str, kind: str, *, timeout_s: float = 120.0) -> 
 def _main(kind: str, dotted: str) -> int:
     try:
         check_signature(load_function(dotted), kind, dotted)
+    # The answer to `check_in_subprocess` on stdout (a protocol line, not a log line).
     except HookError as exc:
-        print(f"hook error: {exc}", flush=True)
+        sys.stdout.write(f"hook error: {exc}\n")
         return 2
+    sys.stdout.write("hook ok\n")  # a module that exits at import (even with status 0) never gets here
     return 0
 
 

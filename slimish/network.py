@@ -5,8 +5,10 @@ Every socket the job listens on binds the job's chosen interface (the node's Ray
 interfaces whatever host it is given, so the stores we host (the trainer's rendezvous, the weight-sync groups'
 rendezvous, each engine's internal one) are given a socket we bound ourselves (`master_listen_fd`).
 
-Control endpoints refuse strangers: each job draws a key (`new_job_key`); engines run with SGLang's `--api-key`, the
-router with its own `--api-key`, and every client of either sends `auth_headers(key)`.
+Endpoints refuse strangers: each job draws two keys (`new_engine_keys`): an admin key, which the engines' weight
+updates and control calls need (SGLang's `--admin-api-key`), and an API key, which generation and reads need
+(SGLang's `--api-key`, the router's `--api-key`). The router holds only the API key. Clients pick the key by
+endpoint (`slimish.engines.client.EngineAuth`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,49 @@ from __future__ import annotations
 import secrets
 import socket
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 STORE_TIMEOUT = timedelta(minutes=10)  # a store's wait for a key another rank has not set yet
 JOB_KEY_FILE = "job_key"  # in the run directory, mode 0600: for an operator's own calls to the engines
+
+
+@dataclass(frozen=True)
+class EngineKeys:
+    """The keys an engine takes: `admin` for weight updates and control calls (SGLang's --admin-api-key: pause,
+    abort, memory, weight updates and checks), `api` for generation and reads (its --api-key; the router's too).
+    Engines started with one key (attached engines given a one-line key file) have both the same."""
+
+    admin: str
+    api: str
+
+    @property
+    def separate(self) -> bool:
+        return self.admin != self.api
+
+
+def new_engine_keys() -> EngineKeys:
+    """Two fresh, independent keys: what holds the API key (the router) cannot update weights."""
+    return EngineKeys(admin=new_job_key(), api=new_job_key())
+
+
+def engine_keys(key: EngineKeys | str | None) -> EngineKeys | None:
+    """`key` as EngineKeys: a single key serves as both."""
+    if key is None or isinstance(key, EngineKeys):
+        return key
+    return EngineKeys(admin=key, api=key)
+
+
+def read_keys(path: str) -> EngineKeys:
+    """The keys in file `path`: the admin key on its first line and the API key on its second, or one key for both
+    (a UserError naming the file when it holds none)."""
+    from slimish.errors import UserError
+
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"{path} holds no key: write the engines' API key on its first line")
+    return EngineKeys(admin=lines[0], api=lines[1] if len(lines) > 1 else lines[0])
 
 
 def new_job_key() -> str:

@@ -59,3 +59,29 @@ def test_job_keys_parse_as_option_values():
         assert parser.parse_args(["--model-path", "m", "--api-key", key]).api_key == key
     with pytest.raises(argparse.ArgumentError):
         parser.parse_args(["--model-path", "m", "--api-key", "-starts-with-a-dash"])
+
+
+def test_a_job_has_two_keys_and_each_request_carries_the_one_its_endpoint_needs(tmp_path):
+    """The admin key (weight updates, pause, abort) and the API key (generation, reads; the router's) are drawn
+    independently; `EngineAuth` picks by path; a key file of one line serves as both (attached engines)."""
+    import httpx
+
+    from slimish.engines.client import EngineAuth
+    from slimish.network import engine_keys, new_engine_keys, read_keys
+
+    keys = new_engine_keys()
+    assert keys.separate and keys.admin != keys.api
+
+    def sent(path: str, key) -> str:
+        request = httpx.Request("POST", f"http://127.0.0.1:1{path}")
+        return next(EngineAuth(key).auth_flow(request)).headers.get("Authorization", "")
+
+    assert sent("/update_weights_from_distributed", keys) == f"Bearer {keys.admin}"
+    assert sent("/pause_generation", keys) == f"Bearer {keys.admin}"
+    assert sent("/generate", keys) == sent("/model_info", keys) == f"Bearer {keys.api}"
+    assert sent("/generate", "one") == sent("/pause_generation", "one") == "Bearer one"
+    assert sent("/generate", None) == ""
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.write_text(f"{keys.admin}\n{keys.api}\n")
+    one.write_text("single\n")
+    assert read_keys(str(two)) == keys and read_keys(str(one)) == engine_keys("single")

@@ -49,3 +49,48 @@ def flags_set_twice(engine: EngineConfig) -> list[tuple[str, str]]:
     """(key, flag) for every flag in `extra_args` that a key owns (whatever the key's value)."""
     given = {str(arg).split("=", 1)[0] for arg in engine.extra_args if str(arg).startswith("-")}
     return [(key, flag) for key, flags in FLAGS.items() for flag in (*flags, *ALIASES.get(key, ())) if flag in given]
+
+
+# Flags `extra_args` may not carry: the job sets the address and ports itself (and checks who listens there), and a
+# key on the command line is readable by every local user in /proc (the job passes its key in a 0600 file).
+JOB_OWNED = {
+    "--host": "the job binds each engine to its node's address (a listener on all interfaces would open the engine "
+              "to the network)",
+    "--port": "the job picks each engine's port (rollout.engine.base_port)",
+    "--api-key": "a key on the command line is readable by every local user; the job gives the engines its own key",
+    "--admin-api-key": "a key on the command line is readable by every local user",
+    "--dist-init-addr": "the job hosts each engine's rendezvous",
+    "--nccl-port": "the job hosts each engine's rendezvous",
+    "--model-path": "set model.hf_path",
+    "--tp-size": "set rollout.engine.tensor_parallel",
+    "--tensor-parallel-size": "set rollout.engine.tensor_parallel",
+}
+
+
+def extra_args_problem(extra_args: list) -> str | None:
+    """What is wrong with `rollout.engine.extra_args`, as SGLang's own parser (`ServerArgs.add_cli_args`) and
+    JOB_OWNED see it; None if nothing. Imports SGLang (seconds): call it only for a non-empty list."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    args = [str(a) for a in extra_args]
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in JOB_OWNED:
+            return f"sets {flag}: {JOB_OWNED[flag]}"
+    parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        _, unknown = parser.parse_known_args(["--model-path", "m", *args])
+    except argparse.ArgumentError as exc:
+        return f"SGLang's parser refuses them: {exc}"
+    if unknown:
+        return f"SGLang {_sglang_version()} has no option {unknown[0]!r}"
+    return None
+
+
+def _sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")

@@ -37,6 +37,21 @@ _Yaml12Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def _no_duplicate_keys(loader, node, deep=False):
+    """A mapping whose key appears twice is an error (PyYAML keeps the last one silently)."""
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Yaml12Loader.construct_mapping = _no_duplicate_keys
+
+
 def _yaml_load(text: str):
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
@@ -113,6 +128,9 @@ def _check_value(key: str, tp, value):
     if tp is list or origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        (item_type,) = get_args(tp) or (None,)
+        if item_type is not None:
+            return [_check_value(f"{key}[{k}]", item_type, item) for k, item in enumerate(value)]
         return list(value)
     raise ConfigError(key, f"unsupported schema type {_type_name(tp)}")
 

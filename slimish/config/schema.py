@@ -186,13 +186,14 @@ class EngineConfig:
     hang_timeout_s: float = doc(60.0, "Seconds a /health_generate probe may take before its engine counts as hung "
                                       "(SGLang itself answers 503 after 20 s without scheduler progress).")
     extra_args: list = doc([], "Extra command-line arguments passed verbatim to sglang.launch_server.")
-    attach: list = doc([], "URLs of running SGLang engines to use instead of starting num_engines (num_engines "
+    attach: list[str] = doc([], "URLs of running SGLang engines to use instead of starting num_engines (num_engines "
                            "must equal their count): engines kept up between jobs, e.g. while iterating on a "
                            "reward. At the job's start each is reset (the checkpoint in model.hf_path reloaded, "
                            "requests aborted, caches flushed); at its end each is left running. The job cannot "
                            "restart them: no watchdog runs for attached engines.")
-    attach_key_file: str = doc("", "File holding the API key the attached engines were started with (SGLang "
-                                    "--api-key); the job's router and clients use it. Required with attach.")
+    attach_key_file: str = doc("", "File holding the key the attached engines were started with (SGLang "
+                                    "--api-key): one line, or their admin key (--admin-api-key) then their API key; "
+                                    "the job's router and clients use it. Required with attach.")
 
 
 @dataclass(kw_only=True)
@@ -243,7 +244,7 @@ class RolloutConfig:
     temperature: float = doc(1.0, "Sampling temperature T (> 0). The trainer's logprobs (old, new, reference, "
                                   "parity) are of softmax(logits / T), the distribution the engines sample from.")
     top_p: float = doc(1.0, "Nucleus sampling threshold; only 1.0 (SGLang's logprobs ignore the truncation).")
-    stop: list = doc([], "Stop strings: a response ends (status completed) after the first one it produces.")
+    stop: list[str] = doc([], "Stop strings: a response ends (status completed) after the first one it produces.")
     generate_fn: str = doc("", "Dotted path of a rollout program, async fn(sample, client) -> Sample | list[Sample] "
                                "(multi-turn, tools; slimish/rollout/programs.py); empty = one generation per sample.")
     max_concurrency: int = doc(64, "Maximum in-flight /generate requests (one carries a group's samples).")

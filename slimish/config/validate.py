@@ -101,10 +101,31 @@ def _check_numbers(cfg: JobConfig) -> None:
                 raise ConfigError(key, f"must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False) -> None:
     """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`).
     `isolate_hooks`: import the hooks in a process of their own (the CLI's check-config and train), not here."""
     _check_numbers(cfg)
+    if not RUN_NAME.fullmatch(cfg.run.name) or cfg.run.name in (".", ".."):
+        raise ConfigError("run.name", f"got {cfg.run.name!r}; a plain name (letters, digits, '.', '_', '-'), the "
+                                      "run directory under run.output_dir")
+    if not cfg.run.output_dir:
+        raise ConfigError("run.output_dir", "is required: the directory the run directory goes under")
+    if Path(cfg.run.output_dir).exists() and not Path(cfg.run.output_dir).is_dir():
+        raise ConfigError("run.output_dir", f"{_shown(cfg.run.output_dir)} is a file, not a directory")
+    if not cfg.data.prompt_key:
+        raise ConfigError("data.prompt_key", "is required: the dataset column that holds the prompt")
+    for key, value in (("sft.lr", cfg.sft.lr), ("trainer.critic.lr", cfg.trainer.critic.lr),
+                       ("rollout.request_timeout_s", cfg.rollout.request_timeout_s),
+                       ("rollout.engine.startup_timeout_s", cfg.rollout.engine.startup_timeout_s),
+                       ("rollout.engine.hang_timeout_s", cfg.rollout.engine.hang_timeout_s),
+                       ("ray.placement_timeout_s", cfg.ray.placement_timeout_s)):
+        if value == 0:
+            raise ConfigError(key, "must be > 0, got 0")
+    if cfg.sft.steps and cfg.sft.batch_size == 0:
+        raise ConfigError("sft.batch_size", "must be > 0 with sft.steps > 0, got 0")
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [
         ("rollout.prompts_per_step", ro.prompts_per_step),
@@ -214,6 +235,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
     elif not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_resume(cfg.checkpoint.resume)
+    _check_layout(cfg)
     _check_expert_parallel(cfg, data_parallel)
     _check_serving(cfg)
     _check_reward(cfg.reward, isolate_hooks)
@@ -229,25 +251,103 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
         _check_hook("rollout.generate_fn", cfg.rollout.generate_fn, "program", isolate_hooks)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+ROWS_CHECKED = 64  # the first rows of each jsonl dataset that check-config reads
+
+
 def _check_paths(cfg: JobConfig) -> None:
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path", "is required: a Hugging Face checkpoint directory")
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_model(cfg.model.hf_path)
+    if not any((Path(cfg.model.hf_path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no tokenizer ({', '.join(TOKENIZER_FILES)}"
+                                           "): copy the model's tokenizer files beside its weights")
     if not cfg.data.path:
         raise ConfigError("data.path", "is required: a jsonl file of prompts")
     if not Path(cfg.data.path).exists():
         raise ConfigError("data.path", f"{_shown(cfg.data.path)} does not exist")
+    _check_rows("data.path", cfg.data.path, prompt_key=cfg.data.prompt_key)
     if cfg.eval.every > 0 and not cfg.eval.data_path:
         raise ConfigError("eval.data_path", "is required when eval.every > 0: a file of held-out prompts")
     for key, path in [("eval.data_path", cfg.eval.data_path)] + [
             (f"eval.more_data_paths[{k}]", p) for k, p in enumerate(cfg.eval.more_data_paths)]:
         if cfg.eval.every > 0 and path and not Path(path).exists():
             raise ConfigError(key, f"{_shown(path)} does not exist")
+        if cfg.eval.every > 0 and path:
+            _check_rows(key, path, prompt_key=cfg.data.prompt_key)
     if cfg.sft.steps > 0 and not Path(cfg.sft.data_path).is_file():
         raise ConfigError("sft.data_path", f"sft.steps > 0 needs a jsonl file, {_shown(cfg.sft.data_path)} does not "
                                            "exist")
+    if cfg.sft.steps > 0:
+        _check_rows("sft.data_path", cfg.sft.data_path, prompt_key="prompt", sft=True)
+
+
+def _check_rows(key: str, path: str, *, prompt_key: str, sft: bool = False) -> None:
+    """The first ROWS_CHECKED rows of a jsonl dataset as the job will read them (`slimish.rollout.data`): JSON
+    objects whose prompt is text or a list of chat messages; SFT rows with their "response" (or "turns"). Other
+    formats (Parquet, a saved dataset) are read by the job at its start, which checks every row the same way."""
+    from slimish.data_rows import DataError, check_prompt_row, check_sft_row, first_jsonl_rows
+
+    if Path(path).is_dir():
+        if not any((Path(path) / name).is_file() for name in ("dataset_dict.json", "dataset_info.json")):
+            raise ConfigError(key, f"{_shown(path)} is a directory but not a dataset saved with save_to_disk (no "
+                                   "dataset_dict.json or dataset_info.json)")
+        return
+    if Path(path).suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(path)
+        except Exception as exc:  # noqa: BLE001 - whatever pyarrow finds wrong with the file
+            raise ConfigError(key, f"{_shown(path)} is not a readable Parquet file: {exc}") from None
+        return
+    if Path(path).suffix != ".jsonl":
+        return
+    try:
+        rows = first_jsonl_rows(path, ROWS_CHECKED)
+        if not rows:
+            raise DataError(f"{path}: no rows")
+        for lineno, row in rows:
+            (check_sft_row if sft else check_prompt_row)(row, f"{path}:{lineno}", prompt_key)
+    except DataError as exc:
+        raise ConfigError(key, str(exc)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, f"{path} is not UTF-8 text") from None
+
+
+def _check_layout(cfg: JobConfig) -> None:
+    """What Megatron and SGLang can split: attention heads and KV heads by tensor parallelism (trainer and
+    engines), layers by pipeline parallelism (no uneven stages yet)."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+
+    arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
+    ro = cfg.rollout
+    if ro.max_new_tokens >= arch.max_position_embeddings:
+        raise ConfigError("rollout.max_new_tokens", f"got {ro.max_new_tokens}; the model takes at most "
+                                                    f"{arch.max_position_embeddings} positions, prompt included")
+    if ro.engine.max_total_tokens <= ro.max_new_tokens:
+        raise ConfigError("rollout.engine.max_total_tokens", f"got {ro.engine.max_total_tokens}; an engine's KV cache "
+                                                             f"must hold a prompt and rollout.max_new_tokens "
+                                                             f"({ro.max_new_tokens}) at least")
+    heads, kv = arch.num_attention_heads, arch.num_query_groups
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    if heads % tp:
+        raise ConfigError("parallel.tensor_parallel", f"got {tp}; it must divide the model's {heads} attention heads")
+    if arch.mla is None and kv % tp:
+        raise ConfigError("parallel.tensor_parallel", f"got {tp}; it must divide the model's {kv} KV heads "
+                                                      "(num_key_value_heads)")
+    if arch.num_layers % pp:
+        raise ConfigError("parallel.pipeline_parallel", f"got {pp}; it must divide the model's {arch.num_layers} "
+                                                        "layers (uneven pipeline stages are not supported)")
+    engine_tp = cfg.rollout.engine.tensor_parallel
+    if heads % engine_tp:
+        raise ConfigError("rollout.engine.tensor_parallel", f"got {engine_tp}; it must divide the model's {heads} "
+                                                            "attention heads")
+    if arch.mla is None and kv % engine_tp and engine_tp % kv:
+        raise ConfigError("rollout.engine.tensor_parallel", f"got {engine_tp}; with the model's {kv} KV heads it must "
+                                                            "divide them or be a multiple of them (SGLang replicates)")
 
 
 def _check_model(path: str) -> None:
@@ -328,6 +428,12 @@ def _check_serving(cfg: JobConfig) -> None:
     for key, flag in flags_set_twice(engine):
         raise ConfigError("rollout.engine.extra_args",
                           f"sets {flag}, which rollout.engine.{key} sets: drop it from extra_args and set the key")
+    if engine.extra_args and not engine.attach:
+        from slimish.config.engine_flags import extra_args_problem
+
+        problem = extra_args_problem(engine.extra_args)
+        if problem:
+            raise ConfigError("rollout.engine.extra_args", problem)
     if ep > 1 or engine.moe_a2a_backend != "none":
         from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 

@@ -12,7 +12,33 @@ import time
 import httpx
 
 from slimish.engines import timeouts
-from slimish.network import auth_headers
+from slimish.network import EngineKeys, engine_keys
+
+# SGLang 0.5.23's endpoints that need the admin key when the engine has one (`@auth_level(ADMIN_OPTIONAL)` in
+# sglang/srt/entrypoints/http_server.py; tests/engines/test_sglang_api_contract.py pins the list): the rest take the
+# API key. Health, readiness and metrics need neither.
+ADMIN_PATHS = frozenset({
+    "/abort_request", "/begin_weight_update", "/continue_generation", "/destroy_weights_update_group",
+    "/end_weight_update", "/flush_cache", "/init_weights_update_group", "/pause_generation",
+    "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
+    "/update_weights_from_distributed", "/update_weights_from_tensor", "/weights_checker", "/get_weights_by_name",
+})
+
+
+class EngineAuth(httpx.Auth):
+    """Each request carries the key its endpoint needs: the admin key for ADMIN_PATHS, else the API key (an
+    engine's /generate, /model_info, /server_info, /v1/loads; every router endpoint). `keys`: EngineKeys, one key
+    for both, or None (no header)."""
+
+    def __init__(self, keys: EngineKeys | str | None):
+        self.keys = engine_keys(keys)
+
+    def auth_flow(self, request):
+        if self.keys is not None:
+            key = self.keys.admin if request.url.path in ADMIN_PATHS else self.keys.api
+            request.headers["Authorization"] = f"Bearer {key}"
+        yield request
+
 
 # Control calls are few (per sync, per bucket) and short: each takes a new connection, closed after the reply,
 # so that none is ever sent on a kept connection the engine is closing (see timeouts.py).
@@ -31,12 +57,14 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    """`api_key`: the job's key, which engines started by a job require (None for an engine started without one).
-    `timeout_s` bounds each call (a weight update's by default)."""
+    """`api_key`: the job's keys (EngineKeys; one key for both), which engines started by a job require (None for
+    an engine started without one); each call carries the one its endpoint needs (`EngineAuth`). `timeout_s`
+    bounds each call (a weight update's by default)."""
 
-    def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *, api_key: str | None = None):
+    def __init__(self, url: str, timeout_s: float = timeouts.WEIGHT_UPDATE_S, *,
+                 api_key: EngineKeys | str | None = None):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key),
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, auth=EngineAuth(api_key),
                                   limits=CONTROL_LIMITS)
 
     def close(self) -> None:

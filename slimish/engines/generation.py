@@ -14,8 +14,8 @@ import asyncio
 import httpx
 
 from slimish.engines import timeouts
-from slimish.engines.client import CONTROL_LIMITS
-from slimish.network import auth_headers
+from slimish.engines.client import CONTROL_LIMITS, EngineAuth
+from slimish.network import EngineKeys
 
 
 class RequestError(RuntimeError):
@@ -34,13 +34,13 @@ class GenerationClient:
     Create and use it on one event loop; `aclose()` it there."""
 
     def __init__(self, router_url: str, *, request_timeout_s: float, max_concurrency: int,
-                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
+                 api_key: EngineKeys | str | None = None, transport: httpx.AsyncBaseTransport | None = None):
         self.router_url = router_url.rstrip("/")
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        headers = auth_headers(api_key)
-        self._http = httpx.AsyncClient(timeout=request_timeout_s, limits=limits, headers=headers, transport=transport)
+        auth = EngineAuth(api_key)  # /generate: the API key; abort, pause, continue: the admin key
+        self._http = httpx.AsyncClient(timeout=request_timeout_s, limits=limits, auth=auth, transport=transport)
         # Control calls go to the engines themselves, a new connection each (client.CONTROL_LIMITS).
-        self._control = httpx.AsyncClient(timeout=timeouts.CONTROL_S, headers=headers, transport=transport,
+        self._control = httpx.AsyncClient(timeout=timeouts.CONTROL_S, auth=auth, transport=transport,
                                           limits=CONTROL_LIMITS)
 
     async def generate(self, body: dict) -> list[dict] | dict:

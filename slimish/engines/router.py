@@ -8,13 +8,15 @@ import time
 import httpx
 
 from slimish.engines import timeouts
-from slimish.network import auth_headers
+from slimish.network import EngineKeys, auth_headers, engine_keys
 
 
 class RouterClient:
-    def __init__(self, url: str, *, api_key: str | None = None):
+    def __init__(self, url: str, *, api_key: EngineKeys | str | None = None):
+        """`api_key`: the job's keys (the router takes the API key) or one key."""
         self.url = url.rstrip("/")
-        self._headers = auth_headers(api_key)
+        keys = engine_keys(api_key)
+        self._headers = auth_headers(keys.api if keys else None)
 
     def workers(self) -> list[dict]:
         """The engines the router routes to, as it lists them (each with its "url" and "id")."""

@@ -27,7 +27,7 @@ from slimish.compat import sglang_cpu
 from slimish.config.engine_flags import serving_args
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
-from slimish.network import free_port, hosted_store, node_ip
+from slimish.network import engine_keys, free_port, hosted_store, node_ip
 
 ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
 # Variables set for the trainer's processes (launch/train.sbatch exports them to every Ray process) that an engine must
@@ -145,12 +145,13 @@ class EngineProcess:
     def _secret_args(self) -> list[str]:
         """The key goes in through SGLang's `--config` YAML, in a file only this user can read, not on the command
         line, which every local user can read; the file is removed once the server is up."""
-        if not self.api_key:
+        keys = engine_keys(self.api_key)
+        if not keys:
             return []
         self._remove_secret_file()
         fd, self._secret_file = tempfile.mkstemp(prefix=f"slimish-engine{self.index}-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump({"api-key": self.api_key}, f)  # the option's own spelling: "--" + key
+        with os.fdopen(fd, "w") as f:  # the options' own spelling: "--" + key
+            yaml.safe_dump({"api-key": keys.api, **({"admin-api-key": keys.admin} if keys.separate else {})}, f)
         return ["--config", self._secret_file]
 
     def _remove_secret_file(self) -> None:

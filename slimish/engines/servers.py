@@ -31,7 +31,7 @@ from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
 from slimish.engines.startup import waiting_for
 from slimish.errors import UserError
-from slimish.network import free_port
+from slimish.network import engine_keys, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class EngineServers:
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
         self.api_key, self.colocated = api_key, colocated
+        self.keys = engine_keys(api_key)  # the router gets the API key only: it cannot update weights
         self.engine_urls: list[str] = []
         # Port 0: free ones of this node (the router runs beside this process), so that jobs run side by side.
         self.router_port = rollout.router.port or free_port()
@@ -104,7 +105,7 @@ class EngineServers:
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=self.router_port,
                                       prometheus_port=self.prometheus_port, policy=router.policy),
-                env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.api_key} if self.api_key else {})},
+                env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.keys.api} if self.keys else {})},
                 log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=timeouts.ROUTER_READY_S,

@@ -31,7 +31,7 @@ from slimish import run_layout
 from slimish.config import JobConfig, save_config, to_dict
 from slimish.errors import UserError
 from slimish.hooks import load_function
-from slimish.network import JOB_KEY_FILE, new_job_key, read_key
+from slimish.network import JOB_KEY_FILE, new_engine_keys, read_keys
 from slimish.orchestration import checkpoints
 from slimish.orchestration.colocation import ColocatedTurns
 from slimish.orchestration.graceful_stop import GracefulStop, StoppedOnSignal, stopping_signal  # noqa: F401 (CLI)
@@ -86,7 +86,9 @@ class RLJob:
         self.engine_urls: list[str] = []  # engine i's URL, in engine order (from start())
         self.slots: dict[str, list] = {}  # "trainer": a Slot per rank; "engines": per engine, a Slot per node part
         # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
-        self.api_key = read_key(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach else new_job_key()
+        # Two keys: the admin key (weight updates, control) and the API key (generation; all the router holds).
+        self.api_key = (read_keys(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach
+                        else new_engine_keys())
         self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
         self.skipped_in_a_row = 0  # RL steps in a row that skipped an optimizer step (check_skipped_steps)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
@@ -141,13 +143,14 @@ class RLJob:
                                  engines_by_rank=by_rank)
 
     def _write_job_key(self) -> None:
-        """The key, readable by the job's user only, for their own calls to the engines (curl -H "Authorization:
-        Bearer $(cat RUN_DIR/job_key)"). A new job (also a resumed one) draws a new key."""
+        """The keys, readable by the job's user only, for their own calls to the engines: the admin key on the first
+        line, the API key on the second (`slimish.network.read_keys`; curl -H "Authorization: Bearer $(sed -n 2p
+        RUN_DIR/job_key)" for /generate or /model_info). A new job (also a resumed one) draws new keys."""
         path = self.run_dir / JOB_KEY_FILE
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(self.api_key + "\n")
+            f.write(f"{self.api_key.admin}\n{self.api_key.api}\n")
 
     def warmup(self) -> None:
         """Optional SFT warm-up in Megatron at the constant sft.lr (each RL step then sets its own lr from

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimish.data_rows import DataError, check_prompt_row, is_messages
 from slimish.sample import Sample, Status
 
 
@@ -42,7 +43,7 @@ def _read_table(path: Path, split: str) -> list[dict]:
         data = datasets.load_from_disk(str(path))
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
-                raise ValueError(f"{path}: no split {split!r} (data.split); it has {sorted(data)}")
+                raise DataError(f"{path}: no split {split!r} (data.split); it has {sorted(data)}")
             data = data[split]
         return data.to_list()
     if path.suffix == ".parquet":
@@ -79,10 +80,6 @@ def sft_samples(path: str | Path, tokenizer) -> list[Sample]:
     return samples
 
 
-def is_messages(prompt) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-
-
 def read_jsonl(path: str | Path) -> list[dict]:
     rows = []
     with Path(path).open() as f:
@@ -92,7 +89,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON: {exc}") from None
     return rows
 
 
@@ -101,16 +98,12 @@ class PromptDataset:
                  chat_template: bool = False, split: str = "train"):
         rows = read_rows(path, split=split)
         if not rows:
-            raise ValueError(f"{path}: no prompts")
+            raise DataError(f"{path}: no prompts")
         for lineno, row in enumerate(rows, 1):
-            if prompt_key not in row:
-                raise ValueError(f"{path}: row {lineno} has no key {prompt_key!r} (data.prompt_key)")
-            if not isinstance(row[prompt_key], str) and not is_messages(row[prompt_key]):
-                raise ValueError(f"{path}: row {lineno}: {prompt_key!r} is neither text nor a list of chat messages "
-                                 "({'role', 'content'})")
+            check_prompt_row(row, f"{path}: row {lineno}", prompt_key)
         needs_template = chat_template or any(is_messages(row[prompt_key]) for row in rows)
         if needs_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template (tokenizer_config.json / chat_template.jinja):"
+            raise DataError("the model's tokenizer has no chat template (tokenizer_config.json / chat_template.jinja):"
                              " set data.apply_chat_template to false and give prompts as text")
 
         def encode(prompt) -> tuple[str, list[int]]:

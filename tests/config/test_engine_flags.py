@@ -64,6 +64,7 @@ def _recipe_argv(name: str, model_dir, overrides: tuple[str, ...] = (), node_ran
     hf_config = RECIPES[name]
     (model_dir / "config.json").write_text(json.dumps(hf_config))
     save_file({}, model_dir / "model.safetensors")  # validation reads headers only
+    (model_dir / "tokenizer.json").write_text("{}")  # and asks that a tokenizer is there
     data = model_dir / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1? Put the final answer in \\boxed{}.", "label": "2"}) + "\n")
     cfg = load_config(REPO / "configs" / "recipes" / f"{name}.yaml", [f"model.hf_path={model_dir}",

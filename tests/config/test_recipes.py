@@ -31,6 +31,7 @@ def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config))
     save_file({}, model_dir / "model.safetensors")  # stands in for the weights: validation reads headers only
+    (model_dir / "tokenizer.json").write_text("{}")  # stands in for the tokenizer: validation asks that it is there
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1? Put the final answer in \\boxed{}.", "label": "2"}) + "\n")
     path = REPO / "configs" / "recipes" / f"{name}.yaml"

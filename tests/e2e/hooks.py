@@ -11,7 +11,8 @@ import signal
 import time
 from pathlib import Path
 
-from slimish.network import JOB_KEY_FILE, auth_headers
+from slimish.engines.client import EngineAuth
+from slimish.network import JOB_KEY_FILE, EngineKeys, auth_headers, read_keys
 
 # {"engine": i, "signal": "SIGKILL" | "SIGSTOP"[, "part": r]}: the test writes it to arm the hook (part r of an engine
 # spanning nodes; else the engine's server)
@@ -19,9 +20,10 @@ TRIGGER = "fault_between_buckets"
 DONE = "faults_between_buckets.jsonl"  # the hook appends {"version", "engine", "signal"} for each fault it made
 
 
-def job_key(run_dir: Path) -> str:
-    """The key a job wrote to its run directory (its engines and router refuse calls without it)."""
-    return (run_dir / JOB_KEY_FILE).read_text().strip()
+def job_keys(run_dir: Path) -> EngineKeys:
+    """The keys a job wrote to its run directory (admin, then API: its engines and router refuse calls without
+    them). An httpx client given `auth=EngineAuth(keys)` sends each endpoint the one it needs."""
+    return read_keys(str(run_dir / JOB_KEY_FILE))
 
 
 def arm_fault_between_buckets(run_dir: Path, *, engine: int, signal_name: str, part: int | None = None) -> None:
@@ -154,7 +156,7 @@ def hold_requests_for_syncs(phase: str, step: int, engine_urls: list[str]) -> No
     if phase not in ("train", "sync"):
         return
     run_dir = Path(os.environ["SLIMISH_TEST_RUN_DIR"])
-    with httpx.Client(timeout=30, headers=auth_headers(job_key(run_dir))) as http:
+    with httpx.Client(timeout=30, auth=EngineAuth(job_keys(run_dir))) as http:
         freezer = EngineFreezer(http)
         if phase == "train":
             freezer.freeze(engine_urls)
@@ -185,7 +187,8 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
         return
     router = json.loads((run_dir / "placement.json").read_text())["router"]["url"]  # a free port, picked at start
     engine = engine_urls[0]
-    bearer = auth_headers(job_key(run_dir))
+    keys = job_keys(run_dir)
+    bearer = auth_headers(keys.api)
     # A connection per call: the router answers a keyless POST with 401 as soon as it has read the headers, and
     # when the body arrives after that answer (a busy machine) it closes the connection without saying so; a pooled
     # connection would then fail the next call ("Server disconnected without sending a response"). Timeout: mid-sync
@@ -196,6 +199,10 @@ def probe_security(version: str, bucket: int, engine_urls: list[str]) -> None:
             "engine_update_weights_wrong_key": http.post(f"{engine}/update_weights_from_disk",
                                                          json={"model_path": "/x"}, headers=auth_headers("wrong")),
             "engine_pause_no_key": http.post(f"{engine}/pause_generation", json={"mode": "abort"}),
+            # The API key (what the router holds) opens generation and reads, never weight updates or pauses.
+            "engine_pause_api_key": http.post(f"{engine}/pause_generation", json={"mode": "abort"}, headers=bearer),
+            "engine_update_weights_api_key": http.post(f"{engine}/update_weights_from_disk", json={"model_path": "/x"},
+                                                       headers=bearer),
             "router_generate_no_key": http.post(f"{router}/generate", json={"text": "1", "sampling_params": {}}),
             "router_workers_no_key": http.get(f"{router}/workers"),
             "engine_model_info_with_key": http.get(f"{engine}/model_info", headers=bearer),

@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slimish.network import auth_headers
+from slimish.engines.client import EngineAuth
 from tests.e2e import hooks
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
@@ -67,14 +67,14 @@ def wait_for(proc, predicate, *, timeout_s: float, log) -> list[dict]:
     raise AssertionError(f"timed out; driver log:\n{log.read_text()[-4000:]}")
 
 
-def kill_while_generating(url: str, engine_pid: int, *, api_key: str, timeout_s: float) -> int:
+def kill_while_generating(url: str, engine_pid: int, *, api_key, timeout_s: float) -> int:
     """SIGKILL the engine's process group at a moment it holds rollout requests; returns how many it held. Two at
     least: a lone one may be the watchdog's /health_generate probe, which an idle engine queues like any request and
     whose loss fails no rollout request (the test asks for retried ones). It is paused in place (so that what it
     holds stays held until the kill) only once it was seen generating, and for one /v1/loads call: an engine kept
     paused would fail the watchdog's /health_generate probe, a hang this test does not mean to cause here."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, timeout=30, headers=auth_headers(api_key)) as http:
+    with httpx.Client(base_url=url, timeout=30, auth=EngineAuth(api_key)) as http:
         while time.monotonic() < deadline:
             if hooks.engine_requests(http, url, waiting=True) >= 2:
                 http.post("/pause_generation", json={"mode": "in_place"}).raise_for_status()
@@ -118,7 +118,7 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
         # 1. Engine 1, mid-rollout.
         engine_pid = json.loads((run_dir / "pids.json").read_text())["servers"][1]
         engine_url = json.loads((run_dir / "placement.json").read_text())["engines"][1]["url"]
-        held = kill_while_generating(engine_url, engine_pid, api_key=hooks.job_key(run_dir), timeout_s=300)
+        held = kill_while_generating(engine_url, engine_pid, api_key=hooks.job_keys(run_dir), timeout_s=300)
         killed_at = len(read_metrics(metrics))
         wait_for(proc, rejoined_after(metrics, 1), timeout_s=900, log=log)
         # 2. Engine 1 (its restarted server) frozen between two buckets of the next sync.

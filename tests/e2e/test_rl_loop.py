@@ -105,6 +105,7 @@ def assert_strangers_refused(run_dir):
     calls = probe["calls"]
     assert {name: code for name, code in calls.items() if "with_key" not in name} == {
         "engine_abort_no_key": 401, "engine_update_weights_wrong_key": 401, "engine_pause_no_key": 401,
+        "engine_pause_api_key": 401, "engine_update_weights_api_key": 401,
         "router_generate_no_key": 401, "router_workers_no_key": 401}, calls
     assert calls["engine_model_info_with_key"] == calls["router_workers_with_key"] == 200, calls
     servers = set(json.loads((run_dir / "pids.json").read_text())["servers"])

@@ -92,6 +92,37 @@ def test_the_endpoints_we_call_exist():
     assert called <= set(paths(app.routes))
 
 
+def test_the_admin_key_goes_exactly_to_the_endpoints_that_need_it():
+    """`EngineAuth` sends the admin key to ADMIN_PATHS and the API key elsewhere: every endpoint the clients call
+    that SGLang marks ADMIN_OPTIONAL (with both keys set, it takes the admin key only) is in ADMIN_PATHS, and every
+    one in ADMIN_PATHS is so marked; /generate, /model_info, /server_info and /v1/loads take the API key."""
+    import inspect
+    import re
+
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel
+
+    from slimish.engines import client, generation
+
+    def routes(items):
+        for route in items:
+            if hasattr(route, "path"):
+                yield route
+            else:
+                yield from routes(route.original_router.routes)
+
+    level = {route.path: getattr(route.endpoint, "_auth_level", AuthLevel.NORMAL) for route in routes(app.routes)
+             if hasattr(route, "endpoint")}
+    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(client.EngineClient)))
+    called |= {"/pause_generation", "/continue_generation", "/abort_request"}  # the scheduler's control_all
+    admin = {path for path in called if level.get(path) == AuthLevel.ADMIN_OPTIONAL}
+    assert admin == called & client.ADMIN_PATHS, sorted(admin ^ (called & client.ADMIN_PATHS))
+    assert all(level[path] == AuthLevel.ADMIN_OPTIONAL for path in client.ADMIN_PATHS), client.ADMIN_PATHS
+    for path in ("/generate", "/model_info", "/server_info", "/v1/loads"):
+        assert level.get(path, AuthLevel.NORMAL) == AuthLevel.NORMAL and path not in client.ADMIN_PATHS
+    assert generation.EngineAuth is client.EngineAuth
+
+
 def test_no_connection_to_an_engine_is_kept_idle_between_control_calls():
     """A kept idle connection races the engine's keep-alive close (SGLang's SGLANG_TIMEOUT_KEEP_ALIVE, uvicorn's
     timeout_keep_alive): a call sent on it as the engine closes it fails with 'Connection reset by peer' (a

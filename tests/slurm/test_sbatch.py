@@ -335,6 +335,12 @@ def test_a_job_warned_of_its_time_limit_saves_its_step_and_its_requeue_resumes_f
                what="the job's second step", interval=1)
     assert cluster.in_queue(job), "the job ended:\n" + job_output(tmp_path, job)
     cluster.script("run", "scancel", "--batch", "--signal=USR1", job)
+    bootstrap_log = run_dir / f"slurm-{job}" / "bootstrap.log"
+    wait_until(lambda: f"requeueing job {job}" in bootstrap_log.read_text() or not cluster.in_queue(job),
+               timeout=400, what="the job to stop and requeue itself", interval=1)
+    # Slurm holds a requeued job back for a while (BeginTime, about two minutes here): let it start now.
+    wait_until(lambda: cluster.state(job)[0] != "RUNNING", timeout=120, what="the requeue", interval=1)
+    cluster.script("run", "scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     state, exit_code = cluster.wait_done(job, timeout=900)
     text = job_output(tmp_path, job)
     assert state == "COMPLETED" and exit_code == "0:0", text
