@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from slimish.hooks import HookError
@@ -115,13 +116,18 @@ class RewardWorkers:
         self.reward_cfg, self.timeout_s, self.failure_reward = reward_cfg, timeout_s, failure_reward
         self._idle: queue.Queue[_Worker | None] = queue.Queue()
         self._closed = threading.Event()
+        # Every worker is started from this one thread, which lives as long as the pool: Linux sends a worker its
+        # PR_SET_PDEATHSIG when the *thread* that forked it ends, and a caller's thread (asyncio.to_thread's, under
+        # an event loop that is closed after an evaluation) may end long before the worker should.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-spawner")
         started: list[_Worker] = []
         try:
             for _ in range(workers):  # started now: a bad hook fails the job's start with its one line
-                started.append(_Worker(reward_cfg, failure_reward))
+                started.append(self._spawn())
         except BaseException:
             for worker in started:
                 worker.kill()
+            self._spawner.shutdown()
             raise
         for worker in started:
             self._idle.put(worker)
@@ -134,7 +140,7 @@ class RewardWorkers:
         worker = self._idle.get()
         try:
             if worker is None:  # its predecessor was killed: a fresh one before the call (not on the call's clock)
-                worker = _Worker(self.reward_cfg, self.failure_reward)
+                worker = self._spawn()
             failures = worker.score(scored, self.timeout_s)
         except (TimeoutError, RewardWorkerError, HookError) as exc:
             log.warning("reward hook failed %d sample(s): %s", len(scored), exc)
@@ -148,6 +154,9 @@ class RewardWorkers:
                 self._idle.put(worker)
         return failures
 
+    def _spawn(self) -> _Worker:
+        return self._spawner.submit(_Worker, self.reward_cfg, self.failure_reward).result()
+
     def pids(self) -> list[int]:
         """The idle workers' pids (for tests and `ps`)."""
         workers = list(self._idle.queue)
@@ -160,9 +169,10 @@ class RewardWorkers:
             try:
                 worker = self._idle.get_nowait()
             except queue.Empty:
-                return
+                break
             if worker is not None:
                 worker.close()
+        self._spawner.shutdown(wait=False)
 
 
 class InProcessReward:

@@ -116,3 +116,20 @@ def test_workers_zero_calls_the_hook_in_process():
     scorer = build(RewardConfig(fn=f"{HOOKS}.pid", workers=0))
     samples = _scored(["a"])
     assert scorer.score(samples) == 0 and samples[0].reward == os.getpid()
+
+
+def test_a_worker_started_from_a_thread_that_ends_lives_on(workers):
+    """A replacement worker is started inside a scoring call, on the caller's thread (asyncio.to_thread's, whose
+    event loop an evaluation closes). Linux kills a child with PR_SET_PDEATHSIG when the thread that forked it
+    ends: the pool forks from a thread of its own, so the worker outlives the caller's thread."""
+    import threading
+
+    pool = workers(f"{HOOKS}.sleeps", timeout_s=0.5)
+    caller = threading.Thread(target=lambda: pool.score(_scored(["slow"])))  # killed: replaced on the next call
+    caller.start()
+    caller.join()
+    replacing = threading.Thread(target=lambda: pool.score(_scored(["7"])))
+    replacing.start()
+    replacing.join()  # the thread that asked for the replacement is gone
+    samples = _scored(["7"])
+    assert pool.score(samples) == 0 and samples[0].reward == 1.0 and pool.restarts == 1
