@@ -55,7 +55,10 @@ class _Worker:
         self.conn = Connection(parent.detach())
         # The worker imports what the rollout process could import (a hook beside the config, a test's module).
         self.conn.send({"sys_path": list(sys.path), "reward": reward_cfg, "failure_reward": failure_reward})
-        reply = self._receive(START_TIMEOUT_S, "starting")
+        try:
+            reply = self._receive(START_TIMEOUT_S, "starting")
+        except (TimeoutError, RewardWorkerError) as exc:  # a hook module that hangs or kills its process at import
+            raise HookError(f"reward hook: {exc}") from None
         if "error" in reply:
             self.kill()
             raise HookError(reply["error"])
@@ -69,7 +72,8 @@ class _Worker:
             ready = True
         if not ready:
             self.kill()
-            raise TimeoutError(f"no answer within {timeout_s:g}s (reward.timeout_s); the reward worker was killed")
+            limit = "reward.timeout_s" if doing == "scoring" else "importing the hook"
+            raise TimeoutError(f"no answer within {timeout_s:g}s ({limit}); the reward worker was killed")
         try:
             return self.conn.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
@@ -77,7 +81,12 @@ class _Worker:
             raise RewardWorkerError(f"the reward worker died while {doing} ({_describe(status)})") from exc
 
     def score(self, samples: list[Sample], timeout_s: float) -> int:
-        self.conn.send(samples)
+        try:
+            self.conn.send(samples)
+        except Exception as exc:  # noqa: BLE001 - a worker gone since its last call, or a sample that does not pickle
+            status = self.kill()
+            raise RewardWorkerError(f"the samples could not be sent to the reward worker ({_describe(status)}): "
+                                    f"{type(exc).__name__}: {exc}") from exc
         reply = self._receive(timeout_s if timeout_s > 0 else None, "scoring")
         for sample, (reward, error, meta) in zip(samples, reply["samples"]):
             sample.reward, sample.error, sample.meta = reward, error, meta

@@ -133,3 +133,16 @@ def test_a_worker_started_from_a_thread_that_ends_lives_on(workers):
     replacing.join()  # the thread that asked for the replacement is gone
     samples = _scored(["7"])
     assert pool.score(samples) == 0 and samples[0].reward == 1.0 and pool.restarts == 1
+
+
+def test_a_worker_killed_between_calls_fails_only_the_next_call_and_is_replaced(workers):
+    """A worker that died while idle (the OOM killer, an operator's kill): the next call fails its samples with
+    what happened, and the call after it is scored by a fresh worker."""
+    import signal
+
+    pool = workers(f"{HOOKS}.pid")
+    os.kill(pool.pids()[0], signal.SIGKILL)
+    samples = _scored(["a"])
+    assert pool.score(samples) == 1 and "reward worker" in samples[0].error
+    again = _scored(["a"])
+    assert pool.score(again) == 0 and again[0].reward == pool.pids()[0]
