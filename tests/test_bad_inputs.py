@@ -87,7 +87,12 @@ CASES = [
     (["trainer.optimizer.lr=.nan"], ["'trainer.optimizer.lr'", "finite"]),
     (["trainer.optimizer.lr=.inf"], ["'trainer.optimizer.lr'", "finite"]),
     (["rollout.temperature=.inf"], ["'rollout.temperature'", "finite"]),
-    (["sft.lr=-1"], ["'sft.lr'", ">= 0"]),
+    (["sft.lr=-1"], ["'sft.lr'", "> 0"]),
+    (["trainer.optimizer.lr=-1e-3"], ["'trainer.optimizer.lr'", "must be > 0, got -0.001"]),
+    (["rollout.temperature=-1"], ["'rollout.temperature'", "must be > 0"]),
+    (["rollout.top_p=-1"], ["'rollout.top_p'", "only 1.0"]),
+    (["trainer.micro_batch_size=-1"], ["'trainer.micro_batch_size'", "must be > 0"]),
+    (["rollout.partial.max_staleness=-1"], ["'rollout.partial.max_staleness'", ">= 0"]),
     (["sft.lr=0"], ["'sft.lr'", "> 0"]),
     (["trainer.critic.lr=.nan"], ["'trainer.critic.lr'", "finite"]),
     (["reward.timeout_s=-5"], ["'reward.timeout_s'", ">= 0"]),
@@ -106,7 +111,7 @@ CASES = [
     (["rollout.max_new_tokens=100000"], ["'rollout.max_new_tokens'", "512 positions"]),
     # ports: 0 (a free one) or 1..65535, distinct
     (["rollout.router.port=65536"], ["'rollout.router.port'", "1..65535"]),
-    (["weight_sync.master_port=-1"], ["'weight_sync.master_port'", ">= 0"]),
+    (["weight_sync.master_port=-1"], ["'weight_sync.master_port'", "1..65535 (0 = a free one"]),
     (["rollout.engine.base_port=65535"], ["'rollout.engine.base_port'", "past 65535"]),
     (["rollout.engine.base_port=31000", "rollout.router.port=31001"], ["'rollout.router.port'", "collides"]),
     (["rollout.router.port=30000", "weight_sync.master_port=30000"], ["'weight_sync.master_port'", "is also"]),
@@ -130,6 +135,7 @@ CASES = [
     # model directories
     (["model.hf_path={model_without_tokenizer}"], ["'model.hf_path'", "no tokenizer"]),
     (["model.hf_path={model_without_weights}"], ["'model.hf_path'", "model.safetensors"]),
+    (["model.hf_path={a_file}"], ["'model.hf_path'", "is a file: give the model's directory"]),
     # run names and the output directory
     (["run.name=/"], ["'run.name'", "plain name"]),
     (["run.name=.."], ["'run.name'", "plain name"]),
@@ -162,6 +168,8 @@ CASES = [
     (["rollout.stop=[1, 2]"], ["'rollout.stop[0]'", "expected a string"]),
     (["reward.weights=[a]", "reward.fns=[]"], ["'reward.weights[0]'", "expected a float"]),
     (["rollout.samples_per_prompt"], ["must look like section.key=value"]),
+    (["rollout..temperature=1"], ["'rollout..temperature=1'", "no empty part"]),
+    (["=5"], ["'=5'", "must look like section.key=value"]),
 ]
 
 

@@ -71,6 +71,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(item, "an override must look like section.key=value")
         dotted, raw = item.split("=", 1)
+        if not all(dotted.strip().split(".")):
+            raise ConfigError(item, "an override must look like section.key=value (a dotted key, no empty part)")
         try:
             value = _yaml_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:

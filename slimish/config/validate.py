@@ -87,14 +87,13 @@ def _numbers(node, prefix: str = ""):
 
 
 def _check_numbers(cfg: JobConfig) -> None:
-    """Every numeric key finite (a NaN or an inf learning rate, temperature or timeout never reaches the job) and,
-    but for MAY_BE_NEGATIVE, >= 0; the fractions in their range. What must be > 0 is checked by each key's rule."""
+    """Every numeric key finite (a NaN or an inf learning rate, temperature or timeout never reaches the job) and
+    the fractions in their range. Run first; `_check_not_negative` runs last, so that a key with a rule of its own
+    (> 0, a port's range) reports a negative value by that rule."""
     for key, value in _numbers(cfg):
         if not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number, got {value}")
         base = key.split("[")[0]
-        if value < 0 and base not in MAY_BE_NEGATIVE:
-            raise ConfigError(key, f"must be >= 0, got {value}")
         if base in FRACTIONS:
             low, high, closed = FRACTIONS[base]
             if not (low <= value <= high if closed else low <= value < high):
@@ -102,6 +101,13 @@ def _check_numbers(cfg: JobConfig) -> None:
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _check_not_negative(cfg: JobConfig) -> None:
+    """Every numeric key but MAY_BE_NEGATIVE >= 0 (those without a rule of their own: `_check_numbers`)."""
+    for key, value in _numbers(cfg):
+        if value < 0 and key.split("[")[0] not in MAY_BE_NEGATIVE:
+            raise ConfigError(key, f"must be >= 0, got {value}")
 
 
 def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False) -> None:
@@ -122,8 +128,8 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
                        ("rollout.engine.startup_timeout_s", cfg.rollout.engine.startup_timeout_s),
                        ("rollout.engine.hang_timeout_s", cfg.rollout.engine.hang_timeout_s),
                        ("ray.placement_timeout_s", cfg.ray.placement_timeout_s)):
-        if value == 0:
-            raise ConfigError(key, "must be > 0, got 0")
+        if value <= 0:
+            raise ConfigError(key, f"must be > 0, got {value}")
     if cfg.sft.steps and cfg.sft.batch_size == 0:
         raise ConfigError("sft.batch_size", "must be > 0 with sft.steps > 0, got 0")
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
@@ -249,6 +255,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
             _check_hook(f"weight_sync.{key}", getattr(cfg.weight_sync, key), kind, isolate_hooks)
     if cfg.rollout.generate_fn:
         _check_hook("rollout.generate_fn", cfg.rollout.generate_fn, "program", isolate_hooks)
+    _check_not_negative(cfg)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
@@ -258,6 +265,9 @@ ROWS_CHECKED = 64  # the first rows of each jsonl dataset that check-config read
 def _check_paths(cfg: JobConfig) -> None:
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path", "is required: a Hugging Face checkpoint directory")
+    if Path(cfg.model.hf_path).is_file():
+        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} is a file: give the model's directory (the "
+                                           "one holding config.json)")
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_model(cfg.model.hf_path)

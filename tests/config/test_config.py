@@ -52,7 +52,7 @@ BAD_CASES = [
     ("rollout.temperature=0", "rollout.temperature", "must be > 0"),
     ("trainer.loss.clip_eps_high=1.5", "trainer.loss.clip_eps_high", "(0, 1)"),
     ("rollout.router.port=65536", "rollout.router.port", "a TCP port is 1..65535 (0 = a free one"),
-    ("rollout.engine.base_port=-1", "rollout.engine.base_port", "must be >= 0, got -1"),
+    ("rollout.engine.base_port=-1", "rollout.engine.base_port", "got -1; a TCP port is 1..65535"),
     ("rollout.engine.base_port=65535", "rollout.engine.base_port", "would run past 65535"),
     ("parallel.num_trainer_ranks=3", "parallel.num_trainer_ranks", "split evenly"),
     ("parallel.tensor_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel"),
