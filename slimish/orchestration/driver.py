@@ -104,8 +104,8 @@ class RLJob:
         self._write_job_key()
         init_ray(self.cfg)
         # ray.init installs its own SIGTERM handler (it logs and dies without unwinding): take it back, so that
-        # SIGTERM (scancel, kill) stops the job at its next safe point and shutdown() stops everything it started.
-        self.stop.install()
+        # SIGTERM (scancel, kill) runs shutdown() and stops everything this job started.
+        self.stop.install_immediate()
         self.slots = reserve_slots(self.cfg)
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
                                              engine_slots=self.slots["engines"], api_key=self.api_key,
@@ -329,7 +329,7 @@ class RLJob:
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
         previous = {signum: signal.getsignal(signum) for signum in GracefulStop.SIGNALS}
-        self.stop.install()
+        self.stop.install_immediate()
         total = self.cfg.rl.num_steps
         if self.resume_state and self.resume_state["step"] >= total:
             self.say(f"nothing to do: {self.resume_from} is at step {self.resume_state['step']} >= rl.num_steps "
@@ -353,7 +353,7 @@ class RLJob:
                 self.warmup()
             mode = self.cfg.rl.mode
             upcoming = None  # one_step_off: the next step's batch, generated while this step trained
-            self.stop_if_asked(done, saved=True)  # nothing trained yet: the checkpoint resumed from (if any) stands
+            self.stop.install()  # from here a signal asks for a stop at the end of a step, with a checkpoint
             for step in range(done + 1, total + 1):
                 self.phase_begins("rollout", step)
                 with self.timer("rollout"):

@@ -4,8 +4,8 @@ Slurm sends SIGTERM on scancel and preemption, and (with `--signal=B:USR1@N`, as
 seconds before the time limit. The first such signal does not interrupt anything: the job finishes the step it is in
 (its rollout, training and sync), saves a checkpoint of it unless that step was just saved, and stops with
 `REQUEUE_EXIT` (75, EX_TEMPFAIL: "try again"), the code launch/train.sbatch answers with `scontrol requeue`; the
-requeued job resumes from that checkpoint (checkpoint.resume auto). A signal before the first step stops the job
-at once, with nothing new to save. Repeated signals (Slurm signals every process of the job; the batch script
+requeued job resumes from that checkpoint (checkpoint.resume auto). While the job starts (engines, the trainer, the
+SFT warm-up, a resume's load), before its first RL step, a signal stops it at once: nothing new to save. Repeated signals (Slurm signals every process of the job; the batch script
 forwards) are the same request. If no safe point comes within `checkpoint.signal_grace_s`, the job is interrupted
 where it is, as without this module: shut down, and resumed later from its last periodic checkpoint.
 
@@ -65,11 +65,18 @@ class GracefulStop:
         self._grace_over = False
         self._timer: threading.Timer | None = None
 
+    def install_immediate(self) -> None:
+        """While the job starts (nothing of it to save yet): SIGTERM and SIGUSR1 interrupt at once (`Terminated`),
+        and the job unwinds through its shutdown. Again after ray.init, which installs a SIGTERM handler of its
+        own."""
+        for signum in self.SIGNALS:
+            signal.signal(signum, raise_terminated)
+
     def install(self) -> None:
-        """Take the signals (again: ray.init installs a SIGTERM handler of its own). Without `enabled`, SIGTERM
-        interrupts at once (`Terminated`) and SIGUSR1 keeps its default."""
+        """From the first RL step on: a signal is a request to stop at the next safe point (without `enabled`, it
+        interrupts at once as while starting)."""
         if not self.enabled:
-            signal.signal(signal.SIGTERM, raise_terminated)
+            self.install_immediate()
             return
         for signum in self.SIGNALS:
             signal.signal(signum, self._handle)

@@ -41,12 +41,14 @@ def test_past_the_grace_the_main_thread_is_interrupted(restore_handlers):
     assert caught.value.signum == signal.SIGTERM
 
 
-def test_disabled_sigterm_interrupts_at_once(restore_handlers):
-    stop = GracefulStop(enabled=False, grace_s=3600)
-    stop.install()
-    with pytest.raises(Terminated):
-        os.kill(os.getpid(), signal.SIGTERM)
-        threading.Event().wait(60)
+@pytest.mark.parametrize("enabled", [True, False], ids=["while-starting", "disabled"])
+def test_sigterm_interrupts_at_once_while_starting_or_when_disabled(restore_handlers, enabled):
+    stop = GracefulStop(enabled=enabled, grace_s=3600)
+    stop.install_immediate() if enabled else stop.install()
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signum)
+            threading.Event().wait(60)
     assert stop.requested is None
 
 
