@@ -5,9 +5,10 @@ seconds before the time limit. The first such signal does not interrupt anything
 (its rollout, training and sync), saves a checkpoint of it unless that step was just saved, and stops with
 `REQUEUE_EXIT` (75, EX_TEMPFAIL: "try again"), the code launch/train.sbatch answers with `scontrol requeue`; the
 requeued job resumes from that checkpoint (checkpoint.resume auto). While the job starts (engines, the trainer, the
-SFT warm-up, a resume's load), before its first RL step, a signal stops it at once: nothing new to save. Repeated signals (Slurm signals every process of the job; the batch script
-forwards) are the same request. If no safe point comes within `checkpoint.signal_grace_s`, the job is interrupted
-where it is, as without this module: shut down, and resumed later from its last periodic checkpoint.
+SFT warm-up, a resume's load), before its first RL step, a signal stops it at once: nothing new to save.
+Repeated signals (Slurm signals every process of the job; the batch script forwards) are the same request. If no
+safe point comes within `checkpoint.signal_grace_s`, the job is interrupted where it is, as without this module:
+shut down, and resumed later from its last periodic checkpoint.
 
 Signal handlers here only set a flag and, past the grace, raise; they print nothing (a print in a handler that
 interrupts a print raises "reentrant call"): the driver says what happened at the safe point.
