@@ -13,6 +13,7 @@ endpoint (`slimish.engines.client.EngineAuth`).
 
 from __future__ import annotations
 
+import random
 import secrets
 import socket
 import sys
@@ -99,6 +100,42 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1" if node_ip().startswith("127.") else "", 0))
         return sock.getsockname()[1]
+
+
+# Where `service_port` looks: above Ray's worker ports (10002-19999 by default) and launch/ray_node.sh's plan
+# (20000-20099), below the kernel's ephemeral range (ip_local_port_range), which bind(port 0) and outgoing
+# connections draw from: a port picked there could be taken by any process's next socket before the server binds it
+# (an engine's scheduler took the router's that way).
+SERVICE_PORTS_FROM = 20100
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def service_port(attempts: int = 200) -> int:
+    """A port free now for a server that binds it later (an engine, the router): drawn at random outside the
+    kernel's ephemeral range, so that no process's next socket is given it meanwhile (only one that names it could
+    take it, and the listener check catches that: `slimish.engines.listener`). Falls back to `free_port` when the
+    ephemeral range leaves no room below it."""
+    low, high = SERVICE_PORTS_FROM, ephemeral_range()[0] - 1
+    if high - low < 1000:
+        return free_port()
+    host = "127.0.0.1" if node_ip().startswith("127.") else ""
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        port = rng.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:

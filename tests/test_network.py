@@ -85,3 +85,18 @@ def test_a_job_has_two_keys_and_each_request_carries_the_one_its_endpoint_needs(
     two.write_text(f"{keys.admin}\n{keys.api}\n")
     one.write_text("single\n")
     assert read_keys(str(two)) == keys and read_keys(str(one)) == engine_keys("single")
+
+
+def test_a_service_port_is_free_and_outside_the_ephemeral_range():
+    """Engines and the router bind their port some time after it is drawn; a port from the kernel's ephemeral range
+    could meanwhile be given to any process's next socket (an engine's scheduler took the router's that way)."""
+    import socket
+
+    from slimish.network import SERVICE_PORTS_FROM, ephemeral_range, service_port
+
+    low, _ = ephemeral_range()
+    for _ in range(20):
+        port = service_port()
+        assert SERVICE_PORTS_FROM <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -27,7 +27,7 @@ from slimish.compat import sglang_cpu
 from slimish.config.engine_flags import serving_args
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
-from slimish.network import engine_keys, free_port, hosted_store, node_ip
+from slimish.network import engine_keys, hosted_store, node_ip, service_port
 
 ENGINE_PATH = Path(__file__).with_name("engine_path")  # no __init__.py: not a package of slimish
 # Variables set for the trainer's processes (launch/train.sbatch exports them to every Ray process) that an engine must
@@ -94,7 +94,7 @@ class EngineProcess:
         self.host = node_ip()  # what other nodes reach this engine at (loopback on a local Ray)
         # Parts of one engine are on distinct nodes, but simulated nodes share one host: no two listen on one port.
         # base_port 0: a free port of this node, kept for restarts (ready() checks it is still this server's).
-        self.port = eng.base_port + index + part * eng.num_engines if eng.base_port else free_port()
+        self.port = eng.base_port + index + part * eng.num_engines if eng.base_port else service_port()
         self.proc: ManagedProcess | None = None
         self._store = None  # part 0: the SGLang server's rendezvous store (a fresh one per start)
         self._rendezvous: tuple[str, int] | None = None  # where the engine's ranks meet (part 0's store)

@@ -31,7 +31,7 @@ from slimish.engines.router import RouterClient
 from slimish.engines.server import EngineProcess
 from slimish.engines.startup import waiting_for
 from slimish.errors import UserError
-from slimish.network import engine_keys, free_port
+from slimish.network import engine_keys, service_port
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,9 @@ class EngineServers:
         self.api_key, self.colocated = api_key, colocated
         self.keys = engine_keys(api_key)  # the router gets the API key only: it cannot update weights
         self.engine_urls: list[str] = []
-        # Port 0: free ones of this node (the router runs beside this process), so that jobs run side by side.
-        self.router_port = rollout.router.port or free_port()
-        self.prometheus_port = rollout.router.prometheus_port or free_port()
-        self.router_url = f"http://{HOST}:{self.router_port}"
-        self.router_client = RouterClient(self.router_url, api_key=api_key)
+        self.router_port, self.prometheus_port = rollout.router.port, rollout.router.prometheus_port  # 0: at start
+        self.router_url = ""
+        self.router_client: RouterClient | None = None
         self.engines: list[list] = []  # per engine, the EngineProcess actors of its node parts
         self.router: ManagedProcess | None = None
 
@@ -102,6 +100,12 @@ class EngineServers:
                 self.engine_urls = self._start(indices, sender_gpus)
                 self._wait_healthy(indices)
             router = self.rollout.router
+            # Port 0: free ones of this node (the router runs beside this process), so that jobs run side by side,
+            # drawn now (the engines are up, every port of theirs bound) and outside the ephemeral range.
+            self.router_port = router.port or service_port()
+            self.prometheus_port = router.prometheus_port or service_port()
+            self.router_url = f"http://{HOST}:{self.router_port}"
+            self.router_client = RouterClient(self.router_url, api_key=self.api_key)
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=self.router_port,
                                       prometheus_port=self.prometheus_port, policy=router.policy),
