@@ -101,9 +101,10 @@ def test_an_engine_whose_port_an_impostor_holds_is_never_probed(tmp_path, task_a
     from slimish.engines.server import EngineProcess
     from tests.conftest import REPO
 
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [f"model.hf_path={task_assets['model']}",
-                                                             f"rollout.engine.base_port={impostor.port}",
-                                                             "rollout.engine.num_engines=1"])
+    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
+        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
+        f"sft.data_path={task_assets['sft']}", f"rollout.engine.base_port={impostor.port}",
+        "rollout.engine.num_engines=1"])
     engine = EngineProcess(index=0, rollout=cfg.rollout, model=cfg.model, log_dir=str(tmp_path), seed=0,
                            api_key="the-job-key")
     engine.start()
