@@ -152,6 +152,7 @@ CASES = [
     (["rollout.engine.extra_args=[--port, '1234']"], ["'rollout.engine.extra_args'", "--port"]),
     (["rollout.engine.extra_args=[--no-such-flag]"], ["'rollout.engine.extra_args'", "no option '--no-such-flag'"]),
     (["rollout.engine.extra_args=[--chunked-prefill-size, lots]"], ["'rollout.engine.extra_args'", "parser"]),
+    (["reward.url=http://"], ["'reward.url'", "with a host"]),
     # hooks, imported in a process of their own
     (["reward.fn=bad_no_args.reward"], ["'reward.fn'", "cannot be called as a reward hook"]),
     (["reward.fn=bad_syntax.reward"], ["'reward.fn'", "syntax error"]),

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from slimish.config.loader import ConfigError
 from slimish.config.schema import ESTIMATOR_MIN_GROUP_SIZE, JobConfig
@@ -494,8 +495,8 @@ def _check_reward(reward, isolate_hooks: bool) -> None:
     if reward.weights and len(reward.weights) != terms:
         raise ConfigError("reward.weights", f"got {len(reward.weights)} weights for {terms} reward terms (reward.fn, "
                                             "reward.fns, reward.url in that order); give one each or none")
-    if reward.url and not reward.url.startswith(("http://", "https://")):
-        raise ConfigError("reward.url", f"got {reward.url!r}; expected an http:// or https:// URL")
+    if reward.url and (not reward.url.startswith(("http://", "https://")) or not urlsplit(reward.url).hostname):
+        raise ConfigError("reward.url", f"got {reward.url!r}; expected an http:// or https:// URL with a host")
     for key in ("max_concurrency", "batch_size", "request_timeout_s"):
         _positive(f"reward.{key}", getattr(reward, key))
     _positive("reward.retries", reward.retries, allow_zero=True)
