@@ -39,8 +39,9 @@ def check_sft_row(row, where: str, prompt_key: str = "prompt") -> None:
         raise DataError(f'{where}: an SFT row needs a text "response" (or "turns")')
 
 
-def first_jsonl_rows(path: str | Path, limit: int) -> list[tuple[int, object]]:
-    """(line number, parsed row) of the first `limit` non-blank lines of a jsonl file; DataError on bad JSON."""
+def first_jsonl_rows(path: str | Path, limit: int | None = None) -> list[tuple[int, object]]:
+    """(line number, parsed row) of the first `limit` (None: all) non-blank lines of a jsonl file; DataError on
+    bad JSON."""
     rows = []
     with Path(path).open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

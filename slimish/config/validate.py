@@ -63,6 +63,7 @@ def _check_lr_schedule(cfg: JobConfig) -> None:
                           f"{where}: lower the warm-up, raise the decay steps, or use lr_decay_style=constant")
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # run.name: the run directory's own name, nothing above it
 # Numeric keys that may be negative; every other one must be >= 0 (and every one finite: `_check_numbers`).
 MAY_BE_NEGATIVE = {"reward.failure_reward"}
 # Numeric keys that are fractions: (low, high, whether high itself is allowed).
@@ -101,9 +102,6 @@ def _check_numbers(cfg: JobConfig) -> None:
                 raise ConfigError(key, f"must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
 def _check_not_negative(cfg: JobConfig) -> None:
     """Every numeric key but MAY_BE_NEGATIVE >= 0 (those without a rule of their own: `_check_numbers`)."""
     for key, value in _numbers(cfg):
@@ -115,7 +113,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
     """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`).
     `isolate_hooks`: import the hooks in a process of their own (the CLI's check-config and train), not here."""
     _check_numbers(cfg)
-    if not RUN_NAME.fullmatch(cfg.run.name) or cfg.run.name in (".", ".."):
+    if not RUN_NAME.fullmatch(cfg.run.name):  # (it starts with a letter or digit: never "." or "..")
         raise ConfigError("run.name", f"got {cfg.run.name!r}; a plain name (letters, digits, '.', '_', '-'), the "
                                       "run directory under run.output_dir")
     if not cfg.run.output_dir:
@@ -124,17 +122,16 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
         raise ConfigError("run.output_dir", f"{_shown(cfg.run.output_dir)} is a file, not a directory")
     if not cfg.data.prompt_key:
         raise ConfigError("data.prompt_key", "is required: the dataset column that holds the prompt")
-    for key, value in (("sft.lr", cfg.sft.lr), ("trainer.critic.lr", cfg.trainer.critic.lr),
-                       ("rollout.request_timeout_s", cfg.rollout.request_timeout_s),
-                       ("rollout.engine.startup_timeout_s", cfg.rollout.engine.startup_timeout_s),
-                       ("rollout.engine.hang_timeout_s", cfg.rollout.engine.hang_timeout_s),
-                       ("ray.placement_timeout_s", cfg.ray.placement_timeout_s)):
-        if value <= 0:
-            raise ConfigError(key, f"must be > 0, got {value}")
     if cfg.sft.steps and cfg.sft.batch_size == 0:
         raise ConfigError("sft.batch_size", "must be > 0 with sft.steps > 0, got 0")
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [
+        ("sft.lr", cfg.sft.lr),
+        ("trainer.critic.lr", tr.critic.lr),
+        ("rollout.request_timeout_s", ro.request_timeout_s),
+        ("rollout.engine.startup_timeout_s", ro.engine.startup_timeout_s),
+        ("rollout.engine.hang_timeout_s", ro.engine.hang_timeout_s),
+        ("ray.placement_timeout_s", cfg.ray.placement_timeout_s),
         ("rollout.prompts_per_step", ro.prompts_per_step),
         ("rollout.samples_per_prompt", ro.samples_per_prompt),
         ("rollout.max_new_tokens", ro.max_new_tokens),

@@ -8,19 +8,19 @@ import time
 import httpx
 
 from slimish.engines import timeouts
-from slimish.network import EngineKeys, auth_headers, engine_keys
+from slimish.engines.client import EngineAuth
+from slimish.network import EngineKeys
 
 
 class RouterClient:
     def __init__(self, url: str, *, api_key: EngineKeys | str | None = None):
-        """`api_key`: the job's keys (the router takes the API key) or one key."""
+        """`api_key`: the job's keys (every router endpoint takes the API key: `EngineAuth`) or one key."""
         self.url = url.rstrip("/")
-        keys = engine_keys(api_key)
-        self._headers = auth_headers(keys.api if keys else None)
+        self._auth = EngineAuth(api_key)
 
     def workers(self) -> list[dict]:
         """The engines the router routes to, as it lists them (each with its "url" and "id")."""
-        workers = httpx.get(f"{self.url}/workers", timeout=timeouts.ROUTER_S, headers=self._headers).json()
+        workers = httpx.get(f"{self.url}/workers", timeout=timeouts.ROUTER_S, auth=self._auth).json()
         return workers.get("workers", workers) if isinstance(workers, dict) else workers
 
     def wait_registered(self, count: int, timeout_s: float = timeouts.ROUTER_READY_S) -> None:
@@ -41,13 +41,13 @@ class RouterClient:
         for worker in self.workers():
             if worker.get("url") == engine_url:
                 resp = httpx.delete(f"{self.url}/workers/{worker['id']}", timeout=timeouts.ROUTER_S,
-                                    headers=self._headers)
+                                    auth=self._auth)
                 resp.raise_for_status()
 
     def add(self, engine_url: str, timeout_s: float = timeouts.ROUTER_REGISTER_S) -> None:
         """Route to `engine_url` again, once the router lists it (TimeoutError after `timeout_s`)."""
         httpx.post(f"{self.url}/workers", json={"url": engine_url}, timeout=timeouts.ROUTER_S,
-                   headers=self._headers).raise_for_status()
+                   auth=self._auth).raise_for_status()
         deadline = time.monotonic() + timeout_s
         while not any(w.get("url") == engine_url for w in self.workers()):
             if time.monotonic() > deadline:

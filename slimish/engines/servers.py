@@ -72,7 +72,6 @@ class EngineServers:
         self.rollout, self.model, self.log_dir, self.seed = rollout, model, Path(log_dir), seed
         self.engine_options = engine_options
         self.api_key, self.colocated = api_key, colocated
-        self.keys = engine_keys(api_key)  # the router gets the API key only: it cannot update weights
         self.engine_urls: list[str] = []
         self.router_port, self.prometheus_port = rollout.router.port, rollout.router.prometheus_port  # 0: at start
         self.router_url = ""
@@ -109,7 +108,9 @@ class EngineServers:
             self.router = ManagedProcess(
                 "router", router_argv(worker_urls=self.engine_urls, port=self.router_port,
                                       prometheus_port=self.prometheus_port, policy=router.policy),
-                env={**sglang_cpu.server_env(), **({API_KEY_ENV: self.keys.api} if self.keys else {})},
+                # The router gets the API key only: it cannot update weights.
+                env={**sglang_cpu.server_env(), **({API_KEY_ENV: engine_keys(self.api_key).api} if self.api_key
+                                                    else {})},
                 log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_http_ok(f"{self.router_url}/readiness", timeout_s=timeouts.ROUTER_READY_S,

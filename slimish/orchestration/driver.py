@@ -34,7 +34,7 @@ from slimish.hooks import load_function
 from slimish.network import JOB_KEY_FILE, new_engine_keys, read_keys
 from slimish.orchestration import checkpoints
 from slimish.orchestration.colocation import ColocatedTurns
-from slimish.orchestration.graceful_stop import GracefulStop, StoppedOnSignal, stopping_signal  # noqa: F401 (CLI)
+from slimish.orchestration.graceful_stop import GracefulStop, StoppedOnSignal
 from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
@@ -336,7 +336,6 @@ class RLJob:
                   f"{total}")
             self.metrics.close()
             self.lock.release()
-            self.stop.cancel()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             return self.run_dir

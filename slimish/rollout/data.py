@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimish.data_rows import DataError, check_prompt_row, is_messages
+from slimish.data_rows import DataError, check_prompt_row, first_jsonl_rows, is_messages
 from slimish.sample import Sample, Status
 
 
@@ -81,16 +81,7 @@ def sft_samples(path: str | Path, tokenizer) -> list[Sample]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    rows = []
-    with Path(path).open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {exc}") from None
-    return rows
+    return [row for _, row in first_jsonl_rows(path)]
 
 
 class PromptDataset:

@@ -68,11 +68,15 @@ def check_weights_finite(model, *, doing: str) -> None:
     (collective: every rank calls it). `doing` says what was refused ("saving checkpoint step_3"). Guarded steps
     (`optimizer_step`) keep non-finite gradients out; this catches what still gets through (an optimizer's own
     overflow, a weight loaded from a bad file) before it is synced or saved over the good checkpoints."""
-    bad_names = [name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()]
-    count = torch.tensor(float(len(bad_names)), device=module_device(model))
-    total = int(collectives.all_reduce(count, op="sum").item())
-    if total:
-        first = f" (first here: {bad_names[0]})" if bad_names else ""
+    # Counted on the device, one transfer for the lot (as `grads_finite`): not a host sync per parameter.
+    params = list(model.named_parameters())
+    bad = torch.zeros((), dtype=torch.float32, device=module_device(model))
+    for _, param in params:
+        bad += (~torch.isfinite(param.detach())).any().to(torch.float32)
+    total = int(collectives.all_reduce(bad, op="sum").item())
+    if total:  # the error path: name this rank's first bad tensor
+        first_bad = next((name for name, param in params if not torch.isfinite(param.detach()).all()), None)
+        first = f" (first here: {first_bad})" if first_bad else ""
         raise NonFiniteWeights(f"{total} weight tensor(s) hold NaN or inf{first}: not {doing}. The last good "
                                "checkpoint is untouched: resume from it with a lower trainer.optimizer.lr")
 

@@ -120,14 +120,18 @@ PORT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,key,fragment", PORT_CASES, ids=[" ".join(c[0]) for c in PORT_CASES])
-def test_ports_are_in_range_and_distinct(base, overrides, key, fragment):
+def _loads_or_names(base, overrides, key, fragment):
+    """The quickstart config with `overrides` loads (key None), or is refused naming `key` with `fragment`."""
     if key is None:
-        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
-        return
+        return load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
-    assert err.value.key == key and fragment in str(err.value)
+    assert err.value.key == key and fragment in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("overrides,key,fragment", PORT_CASES, ids=[" ".join(c[0]) for c in PORT_CASES])
+def test_ports_are_in_range_and_distinct(base, overrides, key, fragment):
+    _loads_or_names(base, overrides, key, fragment)
 
 
 RL_MODE_CASES = [
@@ -145,12 +149,9 @@ RL_MODE_CASES = [
 
 @pytest.mark.parametrize("overrides,key,fragment", RL_MODE_CASES, ids=[" ".join(c[0]) for c in RL_MODE_CASES])
 def test_rl_mode_checks(base, overrides, key, fragment):
+    cfg = _loads_or_names(base, overrides, key, fragment)
     if key is None:
-        assert load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides).rl.mode == overrides[0][8:]
-        return
-    with pytest.raises(ConfigError) as err:
-        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
-    assert err.value.key == key and fragment in str(err.value), str(err.value)
+        assert cfg.rl.mode == overrides[0][8:]
 
 
 LR_SCHEDULE_CASES = [
@@ -167,12 +168,7 @@ LR_SCHEDULE_CASES = [
 @pytest.mark.parametrize("overrides,key,fragment", LR_SCHEDULE_CASES,
                          ids=[" ".join(c[0]) for c in LR_SCHEDULE_CASES])
 def test_lr_schedule_checks(base, overrides, key, fragment):
-    if key is None:
-        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
-        return
-    with pytest.raises(ConfigError) as err:
-        load_config(REPO / "configs/quickstart_cpu.yaml", base + overrides)
-    assert err.value.key == key and fragment in str(err.value), str(err.value)
+    _loads_or_names(base, overrides, key, fragment)
 
 
 def test_pipeline_parallel_is_allowed(base):
