@@ -25,6 +25,7 @@ with x = packed tokens/s / padded tokens/s and c the chunked head's peak at 16k 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -91,6 +92,7 @@ def child_step(args) -> dict:
     import torch
 
     from slimish.config import load_config
+    from slimish.trainer import rl_step
     from slimish.trainer.worker import TrainerWorker
 
     torch.set_num_threads(2)
@@ -102,13 +104,17 @@ def child_step(args) -> dict:
     worker = TrainerWorker(cfg, rank=0, world_size=1)
     worker.setup(master_addr="unused", master_port=0)
     batch = samples(args.samples, worker.arch.vocab_size)
-    advantages = [(-1.0) ** i for i in range(len(batch))]
+    ctx = worker.step
+    # Advantages +1, -1, +1, ... on every token of each sample: the step's work does not depend on their values.
+    alternating = dataclasses.replace(ctx.estimator, advantages=lambda inputs, _cfg: [
+        torch.full_like(mask, (-1.0) ** i) for i, mask in zip(inputs.indices, inputs.masks)])
     for _ in range(2):
         start = time.perf_counter()
-        worker.compute_logprobs(batch)
-        worker.train(advantages)
+        step_batch, _ = rl_step.prepare(ctx, batch)
+        rl_step.advantages(ctx, step_batch, alternating)
+        rl_step.train(ctx, step_batch)
         seconds = time.perf_counter() - start
-    micro_batches = len(worker._plan(batch, 1)[0][0])
+    micro_batches = len(rl_step.plan(ctx, batch, 1)[0][0])
     tokens = sum(len(s.tokens) for s in batch)
     return {"tokens": tokens, "seconds": seconds, "micro_batches": micro_batches, "peak_rss_mib": peak_mib()}
 

@@ -118,13 +118,10 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
-    from slimish.weight_sync.sync import WeightSync
-    from slimish.weight_sync.transport import TransportContext
+    from slimish.weight_sync.sender import sync_to
 
-    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                               group_name=f"bench_{transport}", engine_tp=1, disk_dir=str(disk_dir))
-    sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
-                      expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
+    sync = sync_to(urls, transport=transport, group_name=f"bench_{transport}", bucket_bytes=int(bucket_mb * 2**20),
+                   disk_dir=str(disk_dir), expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
     sync.connect()
     best = None
     try:
@@ -157,18 +154,16 @@ def _stage1_process(port: int, model: str, names: list[str], urls: list[str], bu
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.sender import local_context
     from slimish.weight_sync.stages import StageSender
-    from slimish.weight_sync.transport import TransportContext
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
     ckpt = HFCheckpoint(Path(model))
     tensors = [(name, ckpt.get(name)) for name in names]
     if mode == "stages":
         arch = architecture_from_hf(read_hf_config(Path(model)))
-        context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                                   group_name="bench_pp2_stage1", engine_tp=1, disk_dir="")
-        sender = StageSender(stage=1, context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
-                             coordinator=0, group=dist.group.WORLD,
+        sender = StageSender(stage=1, context=local_context("bench_pp2_stage1"), engine_urls=urls,
+                             bucket_bytes=int(bucket_mb * 2**20), coordinator=0, group=dist.group.WORLD,
                              expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
         dist.barrier()  # rank 0's group first: the engines join one group at a time
         sender.connect()
@@ -192,9 +187,8 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.sender import sync_to
     from slimish.weight_sync.stages import StageLink
-    from slimish.weight_sync.sync import WeightSync
-    from slimish.weight_sync.transport import TransportContext
 
     by_name = dict(tensors)
     stage0, stage1 = split_stages([name for name, _ in tensors], layers)
@@ -203,10 +197,8 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
                                             args=(port, str(model), stage1, urls, bucket_mb, rounds, mode))
     child.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
-    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                               group_name=f"bench_pp2_{mode}", engine_tp=1, disk_dir="")
-    sync = WeightSync(transport="broadcast", context=context, engine_urls=urls, bucket_bytes=int(bucket_mb * 2**20),
-                      expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
+    sync = sync_to(urls, transport="broadcast", group_name=f"bench_pp2_{mode}", bucket_bytes=int(bucket_mb * 2**20),
+                   expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
     sync.connect()
     links = []
     if mode == "stages":

@@ -12,6 +12,21 @@ from __future__ import annotations
 import torch
 
 
+def resolve_backend(backend: str) -> str:
+    """`parallel.backend` made concrete: auto is nccl with CUDA, else gloo; nccl without usable CUDA is a UserError
+    saying why (it would otherwise fail deep in the first collective)."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        from slimish import cuda_facts
+        from slimish.errors import UserError
+
+        facts = cuda_facts.collect()
+        raise UserError(f"parallel.backend is nccl, but on {facts.node} {cuda_facts.cause(facts)}; or set "
+                        "parallel.backend=gloo")
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def group_device(group=None) -> torch.device:
     """The device `group`'s collectives take tensors on: the current CUDA device for NCCL, the emulated GPU for a
     group that stands for NCCL in the emulated-GPU tier, else the CPU."""

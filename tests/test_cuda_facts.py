@@ -54,7 +54,7 @@ def test_the_facts_of_this_machine_name_the_missing_driver():
 
 
 def test_nccl_without_cuda_is_a_user_error():
-    from slimish.trainer.parallel import resolve_backend
+    from slimish.collectives import resolve_backend
 
     assert resolve_backend("auto") == "gloo"
     with pytest.raises(UserError, match=r"^parallel.backend is nccl, but on .* no NVIDIA driver is installed .*; "

@@ -1,5 +1,5 @@
-"""The RL job: start -> [warm-up | resume] -> per step: rollout -> logprobs -> advantages -> train -> sync -> log
-[-> checkpoint].
+"""The RL job: start -> [warm-up | resume] -> per step: rollout -> the trainer's step (logprobs, advantages, train:
+one call) -> sync -> log [-> checkpoint].
 
 With placement.colocate the trainer and the engines take turns on shared GPUs around train and sync
 (`slimish.orchestration.colocation`).
@@ -39,12 +39,12 @@ from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.orchestration.run_lock import RunLock
+from slimish.orchestration.sync import EngineSync
 from slimish.sample import Sample
 
 logger = logging.getLogger(__name__)
 
 ROLLOUT_SHUTDOWN_S = 15.0  # the rollout manager's stop of engines and router, within Slurm's KillWait (30 s)
-SYNC_WATCH_S = 0.5  # during a weight sync: how often the driver asks whether an engine of it died or froze
 
 
 class RLJob:
@@ -82,14 +82,12 @@ class RLJob:
         self.trainer: TrainerGroup | None = None
         self.rollout_manager = None
         self.rollout_started = False  # its start() returned: until then, a shutdown() call would wait behind it
-        self.synced_engines: list[str] = []
-        self.engine_urls: list[str] = []  # engine i's URL, in engine order (from start())
+        self.engine_sync: EngineSync | None = None  # connects, sends, watches and retries the weight syncs (start())
         self.slots: dict[str, list] = {}  # "trainer": a Slot per rank; "engines": per engine, a Slot per node part
         # Engines and router refuse calls without the key: the job's own, or the one attached engines were started with.
         # Two keys: the admin key (weight updates, control) and the API key (generation; all the router holds).
         self.api_key = (read_keys(cfg.rollout.engine.attach_key_file) if cfg.rollout.engine.attach
                         else new_engine_keys())
-        self.engine_version = 0  # the weight version the engines serve (set by sync_weights)
         self.skipped_in_a_row = 0  # RL steps in a row that skipped an optimizer step (check_skipped_steps)
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
         self.progress_bar = progress_bar
@@ -110,7 +108,7 @@ class RLJob:
         self.rollout_manager = rollout_actor(self.cfg, log_dir=str(self.run_dir / "logs"),
                                              engine_slots=self.slots["engines"], api_key=self.api_key,
                                              progress_bar=self.progress_bar)
-        self.trainer = TrainerGroup(self.cfg, self.slots["trainer"])
+        self.trainer = TrainerGroup.launch(self.cfg, self.slots["trainer"])
         if self.cfg.placement.colocate:  # the engines boot on GPUs the trainer has built its model on and left
             info = self.trainer.setup()
             self.turns = ColocatedTurns(self.trainer, self.rollout_manager, on_phase=self.phase_begins,
@@ -128,19 +126,12 @@ class RLJob:
         (self.run_dir / "pids.json").write_text(json.dumps({"servers": info["pids"]}))
         placement = placement_record(self.slots, info["engines"], router_url=info["router_url"])
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
-        self.trainer_master_addr = info["trainer_master_addr"]
-        self.engine_urls = list(info["engine_urls"])  # engine i's URL (colocated: on trainer rank i's GPU)
-        info.update(self.connect_engines(info["engine_urls"]))
+        self.engine_sync = EngineSync(self.trainer, self.rollout_manager, engine_urls=info["engine_urls"],
+                                      engine_tp=self.cfg.rollout.engine.tensor_parallel,
+                                      master_addr=info["trainer_master_addr"], api_key=self.api_key,
+                                      colocated=self.turns is not None, report=self.say)
+        info.update(self.engine_sync.connect(info["engine_urls"]))
         return info
-
-    def connect_engines(self, urls: list[str]) -> dict:
-        """(Re)build the weight-sync group between trainer rank 0 and the engines `urls`."""
-        self.synced_engines = list(urls)
-        by_rank = [url if url in urls else None for url in self.engine_urls] if self.turns is not None else None
-        return self.trainer.call("connect_engines", engine_urls=list(urls),
-                                 engine_tp=self.cfg.rollout.engine.tensor_parallel,
-                                 master_addr=self.trainer_master_addr, api_key=self.api_key,
-                                 engines_by_rank=by_rank)
 
     def _write_job_key(self) -> None:
         """The keys, readable by the job's user only, for their own calls to the engines: the admin key on the first
@@ -219,7 +210,7 @@ class RLJob:
         """Call run.phase_hook, if any: `phase` of step `step` begins (colocated, also each turn's phases: 'release',
         'onload', 'offload_state', 'resume_weights', 'full_sync', 'offload_params', 'resume_kv_cache')."""
         if self._phase_hook is not None:
-            self._phase_hook(phase, step, list(self.synced_engines))
+            self._phase_hook(phase, step, list(self.engine_sync.synced_engines if self.engine_sync else []))
 
     def sync_due(self, step: int, *, evaluating: bool) -> bool:
         """Whether step `step` ends with a weight sync: always, except with rl.mode async, where it is every
@@ -227,22 +218,18 @@ class RLJob:
         rl = self.cfg.rl
         return rl.mode != "async" or step % rl.sync_every == 0 or step == rl.num_steps or evaluating
 
-    def compute_logprobs(self, samples: list[Sample], step: int) -> dict:
-        return self.trainer.call("compute_logprobs", samples, policy_version=step - 1)
-
-    def compute_advantages(self) -> list[float]:
-        """The trainer's per-token advantages of the step (trainer.loss.advantage_estimator); returns each sample's
-        mean over its trained tokens."""
-        return self.trainer.call("compute_advantages")
-
-    def train(self) -> dict:
-        return self.trainer.call("train")
+    def rl_step(self, samples: list[Sample], step: int) -> tuple[dict, list[float]]:
+        """The trainer's one call of step `step` (`TrainerWorker.rl_step`): its metrics, and each sample's mean
+        advantage over its trained tokens."""
+        out = self.trainer.call("rl_step", samples, policy_version=step - 1)
+        return out["metrics"], out["advantage_means"]
 
     def gpu_telemetry(self) -> dict[str, float]:
         """GPU memory and utilisation of every trainer rank and engine now (nothing without GPUs)."""
         out: dict[str, float] = {}
-        for rank_metrics in self.trainer.call_all("gpu_telemetry"):
-            out.update(rank_metrics)
+        if any(slot.gpus for slot in self.slots["trainer"]):
+            for rank_metrics in self.trainer.call_all("gpu_telemetry"):
+                out.update(rank_metrics)
         out.update(ray.get(self.rollout_manager.gpu_telemetry.remote()))
         return out
 
@@ -269,62 +256,12 @@ class RLJob:
         return metrics
 
     def sync_weights(self, version: int) -> dict:
-        """Send the trainer's weights to the engines as `version` (`_sync_weights`); colocated, in the engines' turn
-        (the trainer offloads around it, see `ColocatedTurns.engines_turn`)."""
+        """Send the trainer's weights to the engines as `version` (`EngineSync.sync`: watched, released and sent
+        again when an engine of it dies or hangs); colocated, in the engines' turn (the trainer offloads around it,
+        see `ColocatedTurns.engines_turn`)."""
         if self.turns is not None:
-            return self.turns.engines_turn(version, lambda: self._sync_weights(version))
-        return self._sync_weights(version)
-
-    def _sync_weights(self, version: int) -> dict:
-        """Send the trainer's weights to the engines as `version`. In retract mode the engines are generating: they
-        are paused around the sync, and running requests continue with the new weights. When an engine died or a
-        restarted one is ready, the weight-sync group is rebuilt first; a restarted engine is routed to again only
-        once it holds these weights. An engine that dies during the sync is restarted like any dead engine, and the
-        sync starts over, whole, to the others (`weight_sync_retries`); so does one that hangs (it is killed: see
-        `EngineWatchdog.lost_after_failure`), and one that did not answer a bucket by its deadline, though it answers
-        other calls (`TrainerWorker.hung_engines`; it is killed too). While the sync runs the engine set is watched,
-        and the sync is released as soon as an engine of it is lost (`_watched_sync`). A sync that fails with every
-        engine alive and answering fails the job."""
-        ray.get(self.rollout_manager.pause.remote())
-        retries = 0
-        while True:
-            engines = ray.get(self.rollout_manager.engines_for_sync.remote())
-            if engines["urls"] != self.synced_engines:
-                self.connect_engines(engines["urls"])
-            try:
-                metrics = self._watched_sync(version, engines["urls"])
-                break
-            except Exception as exc:
-                lost = ray.get(self.rollout_manager.engines_lost.remote(engines["urls"]))
-                hung = [] if lost else self.trainer.call("hung_engines")
-                if hung:  # alive and answering other calls, but not a bucket by its deadline
-                    lost = ray.get(self.rollout_manager.kill_hung.remote(hung))
-                if not lost:
-                    raise
-                retries += 1
-                text = str(exc).strip()
-                reason = text.splitlines()[-1][:300] if text else type(exc).__name__
-                self.say(f"engine(s) {', '.join(lost)} died or hung during the weight sync to version {version} "
-                      f"({reason}); syncing again to the others")
-                self.synced_engines = []  # that group held the dead engine: build a new one
-        ray.get(self.rollout_manager.resume.remote(policy_version=version, joined=engines["joining"]))
-        self.engine_version = version
-        return {**metrics, "weight_sync_retries": retries}
-
-    def _watched_sync(self, version: int, urls: list[str]) -> dict:
-        """Every trainer rank's `sync_weights` to `urls`, with the engine set watched meanwhile: once an engine of
-        them is out of service (it died, or froze and the watchdog killed it), every rank is told to release the
-        sync (`TrainerGroup.release_sync`), which then fails at once wherever it waits instead of sitting out a
-        transfer that cannot end; the caller syncs again to the engines that are left. Told again at every look
-        until the ranks return: a rank that had not begun sending yet takes it at the next one."""
-        refs = self.trainer.submit("sync_weights", version)
-        while True:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=SYNC_WATCH_S)
-            if len(done) == len(refs):
-                return ray.get(refs)[0]
-            lost = ray.get(self.rollout_manager.engines_out.remote(urls))
-            if lost:
-                self.trainer.release_sync(f"engine(s) {', '.join(lost)} died or froze during the sync")
+            return self.turns.engines_turn(version, lambda: self.engine_sync.sync(version))
+        return self.engine_sync.sync(version)
 
     # ---------------------------------------------------------------------------------------------- loop
     def run(self) -> Path:
@@ -354,6 +291,7 @@ class RLJob:
             upcoming = None  # one_step_off: the next step's batch, generated while this step trained
             self.stop.install()  # from here a signal asks for a stop at the end of a step, with a checkpoint
             for step in range(done + 1, total + 1):
+                self.trainer.pop_calls()  # trainer_calls: the step's own (not the start's, not a checkpoint's)
                 self.phase_begins("rollout", step)
                 with self.timer("rollout"):
                     samples, rollout_metrics = upcoming or self.rollout(step)
@@ -367,9 +305,7 @@ class RLJob:
                     self.trainer_turn(step)
                 self.phase_begins("train", step)
                 with self.timer("train"):
-                    logprob_metrics = self.compute_logprobs(samples, step)
-                    advantages = self.compute_advantages()
-                    train_metrics = self.train()
+                    train_metrics, advantages = self.rl_step(samples, step)
                 if self.cfg.run.save_rollouts:
                     self.save_rollouts(step, samples, advantages)
                 if generating is not None:
@@ -382,9 +318,10 @@ class RLJob:
                     self.phase_begins("sync", step)
                     with self.timer("sync"):
                         sync_metrics = self.sync_weights(version=step)
-                metrics = {**rollout_metrics, **logprob_metrics, **train_metrics, **sync_metrics,
+                metrics = {**rollout_metrics, **train_metrics, **sync_metrics,
                            "time_sync_s": 0.0, **self.timer.pop(), **self.gpu_telemetry(), "weight_version": step,
-                           "engine_weight_version": self.engine_version,
+                           "engine_weight_version": self.engine_sync.engine_version,
+                           "trainer_calls": self.trainer.pop_calls(),
                            **(self.turns.pop_metrics() if self.turns is not None else {})}
                 if evaluating:
                     metrics.update(self.evaluate(step))

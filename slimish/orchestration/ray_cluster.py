@@ -57,13 +57,25 @@ class TrainerGroup:
     (Ray's concurrency group "control") while the rank is inside `sync_weights`: that is what lets a sync blocked on
     an engine go."""
 
-    def __init__(self, cfg: JobConfig, slots: list[Slot]):
+    def __init__(self, actors: list):
+        """A group of started rank actors (`launch` starts a job's)."""
+        self.actors = actors
+        self.calls = 0  # calls made to the ranks (each to every rank), for the driver's trainer_calls metric
+
+    @classmethod
+    def launch(cls, cfg: JobConfig, slots: list[Slot]) -> TrainerGroup:
+        """The job's `TrainerWorker` actors, rank r in `slots[r]`."""
         from slimish.trainer.worker import TrainerWorker
 
         actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         world = cfg.parallel.num_trainer_ranks
-        self.actors = [actor_cls.options(**slot.actor_options()).remote(cfg, rank=rank, world_size=world)
-                       for rank, slot in enumerate(slots)]
+        return cls([actor_cls.options(**slot.actor_options()).remote(cfg, rank=rank, world_size=world)
+                    for rank, slot in enumerate(slots)])
+
+    def pop_calls(self) -> int:
+        """The calls made since the last `pop_calls`."""
+        calls, self.calls = self.calls, 0
+        return calls
 
     def call(self, method: str, *args, **kwargs):
         return self.call_all(method, *args, **kwargs)[0]
@@ -76,6 +88,7 @@ class TrainerGroup:
         """Start `method` on every rank; their results to come (Ray object refs), in rank order. With several ranks
         the arguments go to Ray's object store once and every rank reads them there: passed as they are, a step's
         samples would be pickled once per rank (112 times a call for the 405B recipe's layout)."""
+        self.calls += 1
         if len(self.actors) > 1:
             args = tuple(ray.put(arg) for arg in args)
             kwargs = {key: ray.put(value) for key, value in kwargs.items()}

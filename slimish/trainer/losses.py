@@ -125,35 +125,52 @@ def behaviour_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
         return weights, kept, capped
 
 
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossTerms:
+    """The policy loss's settings (trainer.loss, and the estimator's ratio level): clipping, the KL-to-reference
+    term, the behaviour corrections (TIS cap, MIS band, at token or sequence level), the aggregation."""
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    aggregation: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    tis_cap: float = 0.0
+    mis_band: tuple[float, float] = (0.0, 0.0)
+    is_level: str = "token"
+    ratio_level: str = "token"
+
+    @classmethod
+    def of(cls, loss_cfg, *, ratio_level: str = "token") -> PolicyLossTerms:
+        """From trainer.loss (`slimish.config.schema.LossConfig`); the aggregation stays token_mean, over weights and a
+        denominator the step makes (seq_mean and constant are weightings of it)."""
+        return cls(clip_eps_low=loss_cfg.clip_eps_low, clip_eps_high=loss_cfg.clip_eps_high,
+                   kl_coef=loss_cfg.kl_coef, kl_estimator=loss_cfg.kl_estimator, tis_cap=loss_cfg.tis_cap,
+                   mis_band=(loss_cfg.mis_low, loss_cfg.mis_high), is_level=loss_cfg.is_level,
+                   ratio_level=ratio_level)
+
+
 def policy_loss(
     *,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    aggregation: str,
+    terms: PolicyLossTerms = PolicyLossTerms(),
     denom: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
-    mis_band: tuple[float, float] = (0.0, 0.0),
-    is_level: str = "token",
-    ratio_level: str = "token",
     segments: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """Clipped-ratio policy loss (PPO / GRPO; GSPO with ratio_level="sequence") with an optional KL-to-reference
     term and off-policy corrections.
 
-    `advantages` is [B] (one per row) or [B, T]. `mask` weights each token in the aggregation (0 = not trained).
+    `advantages` is [B] (one per row) or [B, T]; `terms` the loss's settings. `mask` weights each token in the
+    aggregation (0 = not trained).
     `denom` lets micro-batches share the normaliser of the whole minibatch, so the summed micro-batch losses equal
     the minibatch loss. `segments` ([B, T] sample ids, -1 outside any response; default: one sample per row) says
     which tokens form one sequence, for sequence-level ratios and corrections in packed rows.
 
-    ratio_level "sequence" (GSPO, token form): every token of a sequence takes the sequence's ratio
+    terms.ratio_level "sequence" (GSPO, token form): every token of a sequence takes the sequence's ratio
     exp(mean over its trained tokens of log pi - log pi_old), clipped as a whole, with the gradient of
     log pi of the token, scaled by that ratio: with seq_mean aggregation it is GSPO's sequence objective.
 
@@ -161,6 +178,8 @@ def policy_loss(
     feed the behaviour corrections (`behaviour_weights`), constants that scale or drop each token's
     policy-gradient term.
     """
+    clip_eps_low, clip_eps_high, aggregation = terms.clip_eps_low, terms.clip_eps_high, terms.aggregation
+    tis_cap, mis_band, ratio_level = terms.tis_cap, terms.mis_band, terms.ratio_level
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     if segments is None:
@@ -180,15 +199,15 @@ def policy_loss(
     if tis_cap > 0 or mis_band[1] > 0:
         if rollout_logprobs is None:
             raise ValueError("tis_cap > 0 or a mis_band needs rollout_logprobs")
-        weights, kept, capped = behaviour_weights(old_logprobs, rollout_logprobs, mask, segments, level=is_level,
+        weights, kept, capped = behaviour_weights(old_logprobs, rollout_logprobs, mask, segments, level=terms.is_level,
                                                   tis_cap=tis_cap, mis_band=mis_band)
         per_token = per_token * weights * kept
     else:
         capped = torch.zeros_like(logprobs)
     metrics = {}
-    if ref_logprobs is not None and kl_coef > 0:
-        kl_tokens = kl_penalty(logprobs, ref_logprobs, kl_estimator)
-        per_token = per_token + kl_coef * kl_tokens
+    if ref_logprobs is not None and terms.kl_coef > 0:
+        kl_tokens = kl_penalty(logprobs, ref_logprobs, terms.kl_estimator)
+        per_token = per_token + terms.kl_coef * kl_tokens
         metrics["kl_ref"] = aggregate(kl_tokens.detach(), mask, aggregation, denom)
     else:
         metrics["kl_ref"] = logprobs.new_zeros(())

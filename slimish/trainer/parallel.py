@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from slimish.errors import UserError
+from slimish.collectives import resolve_backend
 
 # How long a trainer collective may wait for its slowest rank before the job fails: torch's default, which a long
 # step with uneven ranks (a pipeline's first stage waits a whole schedule for its first gradient) needs.
@@ -25,20 +25,6 @@ class ParallelLayout:
     @property
     def data_parallel(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
-
-
-def resolve_backend(backend: str) -> str:
-    """`parallel.backend` made concrete: auto is nccl with CUDA, else gloo; nccl without usable CUDA is a UserError
-    saying why (it would otherwise fail deep in the first collective)."""
-    if backend == "nccl" and not torch.cuda.is_available():
-        from slimish import cuda_facts
-
-        facts = cuda_facts.collect()
-        raise UserError(f"parallel.backend is nccl, but on {facts.node} {cuda_facts.cause(facts)}; or set "
-                        "parallel.backend=gloo")
-    if backend != "auto":
-        return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int, backend: str, seed: int) -> None:

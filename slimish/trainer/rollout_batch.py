@@ -1,8 +1,9 @@
 """One RL step's data on a trainer rank: `RolloutBatch`.
 
-Built by `TrainerWorker.compute_logprobs` from the step's samples and kept until `train` has used it: this rank's
-share of the samples, split into minibatches of micro-batches, and per micro-batch the per-token inputs of the losses
-as the step produces them (old and reference logprobs, critic values, then advantages and returns). Everything here
+Built by `rl_step.prepare` from the step's samples and used by `rl_step.advantages` and `rl_step.train` within the
+same `TrainerWorker.rl_step` call: this rank's share of the samples, split into minibatches of micro-batches, and per
+micro-batch the per-token inputs of the losses as the step produces them (old and reference logprobs, critic values,
+then advantages and returns). Everything here
 lives in host memory (pinned on a GPU); `run_schedule` moves one micro-batch at a time to the device.
 """
 
@@ -22,8 +23,7 @@ class RolloutBatch:
     indices: list[int]                     # the step indices of this rank's samples, in the order of `microbatches`
     chunks: list[list[list[Sample]]]       # per minibatch, per micro-batch: its samples
     microbatches: list[list[MicroBatch]]   # the same, collated
-    advantages: list[torch.Tensor] | None = None  # per local sample: [response length] (compute_advantages)
-    returns: list[torch.Tensor] | None = None     # the same, the critic's targets (PPO)
+    has_advantages: bool = False           # `rl_step.advantages` has filled the micro-batches' advantages
 
     def local_responses(self, field: str) -> list[torch.Tensor] | None:
         """Each of this rank's samples' [response length] values of the per-token micro-batch `field` (e.g.
@@ -35,6 +35,27 @@ class RolloutBatch:
         if any(getattr(mb, field) is None for mb in mbs):
             return None
         return [values for mb in mbs for values in mb.gather(getattr(mb, field))]
+
+    def local_fields(self, *fields: str) -> dict[str, list[torch.Tensor] | None]:
+        """`local_responses` of each of `fields`, gathered in one pass over the micro-batches."""
+        if not self.on_last_stage:
+            return {field: [] for field in fields}
+        mbs = [mb for minibatch in self.microbatches for mb in minibatch]
+        out: dict[str, list[torch.Tensor] | None] = {
+            field: None if any(getattr(mb, field) is None for mb in mbs) else [] for field in fields}
+        for mb in mbs:
+            for field, values in out.items():
+                if values is not None:
+                    values += mb.gather(getattr(mb, field))
+        return out
+
+    def scatter(self, field: str, per_sample: list[torch.Tensor]) -> None:
+        """Set the per-token micro-batch `field` from one [response length] tensor per local sample, in the order of
+        `indices` (the inverse of `local_responses`); on the last pipeline stage only."""
+        values = iter(per_sample)
+        for minibatch in self.microbatches:
+            for mb in minibatch:
+                setattr(mb, field, mb.scatter([next(values) for _ in mb.spans]))
 
     @property
     def on_last_stage(self) -> bool:

@@ -102,11 +102,13 @@ def fuses_shared_experts(arch: Architecture, sharding: EngineSharding) -> bool:
     return not sharding.cpu and sharding.ep == 1
 
 
-def sharding_of(url: str, *, api_key: str | None) -> EngineSharding:
-    """How the engine at `url` shards its parameters (asked of its `/server_info`)."""
-    from slimish.engines.client import EngineClient
+def sharding_of(url: str, *, api_key: str | None, new_client=None) -> EngineSharding:
+    """How the engine at `url` shards its parameters (asked of its `/server_info`, through
+    `new_client(url, api_key=...)`: an `EngineClient` by default)."""
+    if new_client is None:
+        from slimish.engines.client import EngineClient as new_client
 
-    client = EngineClient(url, api_key=api_key)
+    client = new_client(url, api_key=api_key)
     try:
         return EngineSharding.of_server(client.server_info())
     finally:

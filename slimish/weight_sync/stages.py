@@ -83,11 +83,12 @@ class StageSender:
     says so. `coordinator`: rank 0's global rank; `group`: the pipeline group shared with it."""
 
     def __init__(self, *, stage: int, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
-                 coordinator: int, group, expected_checksums: Callable[[], ExpectedChecksums] | None = None):
+                 coordinator: int, group, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
+                 new_client: Callable[..., EngineClient] = EngineClient):
         self.stage, self.bucket_bytes = stage, bucket_bytes
         self.coordinator, self.group = coordinator, group
         self.expected_checksums = expected_checksums
-        self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
+        self.clients = [new_client(url, api_key=context.api_key) for url in engine_urls]
         self.transport = BroadcastTransport(context)
         self.sending = False
         self.stalled_s = 0.0

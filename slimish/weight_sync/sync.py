@@ -41,13 +41,15 @@ class WeightSync:
     `slimish.weight_sync.checksums`: the engines are then checked against each other). `after_bucket(version,
     index, engine_urls)` is called after each bucket but the last is on its way (the weight_sync.after_bucket_hook);
     `in_flight(version, index, engine_urls)` once the engines have been asked for a bucket of this rank's and before
-    it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model)."""
+    it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model).
+    `new_client(url, api_key=...)` makes the client of each engine (`EngineClient`; a stand-in in unit tests)."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
                  after_bucket: Callable[[str, int, list[str]], None] | None = None,
-                 in_flight: Callable[[str, int, list[str]], None] | None = None):
-        self.clients = [EngineClient(url, api_key=context.api_key) for url in engine_urls]
+                 in_flight: Callable[[str, int, list[str]], None] | None = None,
+                 new_client: Callable[..., EngineClient] = EngineClient):
+        self.clients = [new_client(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
@@ -166,7 +168,7 @@ class WeightSync:
                 for stage in stage_checksums:  # each stage's per-rank checksums of its own layers
                     for rank, part in zip(checksums, stage):
                         rank.update(part)
-            self._verify(version, checksums)
+            self.check_engines(version, checksums)
         stage_metrics = {f"{key.removesuffix('_s')}_stage{stage}_s": seconds
                          for stage, phases in stage_phases for key, seconds in phases.items()}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
@@ -174,7 +176,7 @@ class WeightSync:
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}
 
-    def _verify(self, version: str, expected: list[dict[str, str]] | None) -> None:
+    def check_engines(self, version: str, expected: list[dict[str, str]] | None) -> None:
         """Raise WeightSyncError unless every engine reports `version` and each of its tensor-parallel ranks holds
         `expected[rank]` (or, when None, what the first engine's rank holds)."""
         versions = self._on_all(lambda c: c.weight_version(), "the engines' weight versions")

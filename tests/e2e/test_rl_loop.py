@@ -20,7 +20,8 @@ pytestmark = pytest.mark.e2e
 
 REQUIRED = ["step", "reward_mean", "response_len_mean", "ppo_kl", "logprob_abs_diff_max", "time_rollout_s",
             "time_train_s", "time_sync_s", "tokens_per_s", "response_len_p50", "response_len_p95", "response_len_max",
-            "truncated_frac", "overlong_filtered", "overlong_penalized", "entropy", "dp_token_imbalance"]
+            "truncated_frac", "overlong_filtered", "overlong_penalized", "entropy", "dp_token_imbalance",
+            "time_logprobs_s", "time_advantages_s", "time_optimizer_s", "trainer_calls"]
 
 
 def test_two_real_rl_steps(task_assets, tmp_path):
@@ -45,6 +46,7 @@ def test_two_real_rl_steps(task_assets, tmp_path):
     for record in records:
         assert all(key in record for key in REQUIRED), set(REQUIRED) - set(record)
         assert record["logprob_abs_diff_max"] <= 1e-4, record
+        assert record["trainer_calls"] == 2, "one call to the trainer for the RL step, one for the weight sync"
         assert record["samples_failed"] == 0
         assert record["sync_buckets"] > 1, "bucketed: the tiny model spans several 0.1 MiB buckets"
         assert record["overlong_penalized"] >= record["samples_truncated"] and record["overlong_filtered"] == 0
@@ -179,6 +181,7 @@ def test_pipeline_parallel_trainer_sends_every_stage_from_its_own_sender(task_as
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
+        assert record["trainer_calls"] == 2, "one call to the trainer for the RL step, one for the weight sync"
         assert record["samples_failed"] == 0
         assert record["sync_senders"] == 2
         assert record["time_wire_stage1_s"] > 0, "stage 1 broadcast its own buckets"

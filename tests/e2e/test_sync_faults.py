@@ -10,7 +10,7 @@ before the sender sends it; whether or not the engine read the request first, it
 plays the job's part: like the watchdog, it watches engine 1's processes (exit, or state T in /proc) and, like the
 driver, releases the sync once it sees the fault (`WeightSync.release`). For a kill, the engine's closed connection
 may fail the sync first; either way the sync fails at once, naming engine 1. In a job the same is run by the
-watchdog and the driver (`slimish.orchestration.driver._watched_sync`); the engine-crash test runs that chain.
+watchdog and the driver (`slimish.orchestration.sync.EngineSync._watched`); the engine-crash test runs that chain.
 
 Each case prints `stalled_s`: how long the fault held the sync (time_sync_stalled_s in a job's metrics), which the
 bucket's deadline bounds by construction (60 s here: `weight_sync.bucket_timeout_s`, the default); the release by
@@ -33,9 +33,9 @@ from slimish.engines.client import EngineError
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
 from slimish.weight_sync.checksums import ExpectedChecksums
+from slimish.weight_sync.sender import sync_to
 from slimish.weight_sync.sync import WeightSync
-from slimish.weight_sync.transport import SyncReleased, TransportContext
-from tests.conftest import free_port
+from slimish.weight_sync.transport import SyncReleased
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +44,9 @@ VICTIM = 1
 
 def new_sync(engines, urls: list[str], *, transport: str, workdir, name: str, in_flight=None) -> WeightSync:
     arch = architecture_from_hf(read_hf_config(engines.model))
-    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo", group_name=name,
-                               engine_tp=1, disk_dir=str(workdir / "disk"), api_key=engines.key)
-    sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=64 << 10,
-                      expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32),
-                      in_flight=in_flight)
+    sync = sync_to(urls, transport=transport, group_name=name, bucket_bytes=64 << 10, disk_dir=str(workdir / "disk"),
+                   api_key=engines.key, expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32),
+                   in_flight=in_flight)
     sync.connect()
     return sync
 

@@ -111,18 +111,15 @@ def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
-    from slimish.weight_sync.sync import WeightSync
-    from slimish.weight_sync.transport import TransportContext
+    from slimish.weight_sync.sender import sync_to
 
     urls = [url] if isinstance(url, str) else url
     layout = sharding(urls[0])
-    context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                               group_name=f"test_{transport}_{version}", engine_tp=layout.tp,
-                               disk_dir=str(workdir / "disk"), api_key=KEYS.get(urls[0]))
     # Small buckets: the model spans several, so the flip on the last one and the overlap are exercised.
     expected = functools.partial(ExpectedChecksums, arch, torch.float32, layout) if arch else None
-    weight_sync = WeightSync(transport=transport, context=context, engine_urls=urls, bucket_bytes=64 << 10,
-                             expected_checksums=expected)
+    weight_sync = sync_to(urls, transport=transport, group_name=f"test_{transport}_{version}", bucket_bytes=64 << 10,
+                          engine_tp=layout.tp, disk_dir=str(workdir / "disk"), api_key=KEYS.get(urls[0]),
+                          expected_checksums=expected)
     if in_transit is not None:
         push = weight_sync.transport.push
         weight_sync.transport.push = lambda bucket, version: push(in_transit(bucket), version=version)
@@ -225,9 +222,8 @@ def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: s
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.sender import local_context, sync_to
     from slimish.weight_sync.stages import StageLink, StageSender
-    from slimish.weight_sync.sync import WeightSync
-    from slimish.weight_sync.transport import TransportContext
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ckpt = HFCheckpoint(Path(model))
@@ -248,14 +244,12 @@ def _stage_sender_process(rank: int, port: int, model: str, url: str, api_key: s
             yield name, ckpt.get(name)
 
     for round_, outcome in enumerate(rounds):
-        context = TransportContext(master_addr="127.0.0.1", master_port=free_port(), backend="gloo",
-                                   group_name=f"stages_{round_}_{rank}", engine_tp=layout.tp, disk_dir="",
-                                   api_key=api_key)
         if rank == 0:
-            sender = WeightSync(transport="broadcast", context=context, engine_urls=[url], bucket_bytes=16 << 10,
-                                expected_checksums=expected)
+            sender = sync_to([url], transport="broadcast", group_name=f"stages_{round_}_0", bucket_bytes=16 << 10,
+                             engine_tp=layout.tp, api_key=api_key, expected_checksums=expected)
             link = StageLink(stage=1, rank=1, group=dist.group.WORLD, group_name=f"stages_{round_}_1")
         else:
+            context = local_context(f"stages_{round_}_1", engine_tp=layout.tp, api_key=api_key)
             sender = StageSender(stage=1, context=context, engine_urls=[url], bucket_bytes=16 << 10, coordinator=0,
                                  group=dist.group.WORLD, expected_checksums=expected)
         for turn in range(2):  # one group at a time, as the trainer connects them

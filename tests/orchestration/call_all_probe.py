@@ -26,8 +26,7 @@ class Rank:
 if __name__ == "__main__":
     ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
-        group = object.__new__(TrainerGroup)  # its ranks without building trainers
-        group.actors = [ray.remote(Rank).options(num_cpus=0.01).remote() for _ in range(3)]
+        group = TrainerGroup([ray.remote(Rank).options(num_cpus=0.01).remote() for _ in range(3)])  # no trainers
         results = group.call_all("step", Payload(), version=7)
         print(f"results={results} pickled={len(PICKLED)}")
     finally:

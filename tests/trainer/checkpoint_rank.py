@@ -16,26 +16,26 @@ ADVANTAGES = [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5]
 
 
 def main() -> None:
+    from tests.kit.trainer import export_state, rl_step
     from tests.trainer.worker_rank import fixed_samples, make_worker, rank_args
 
     args = rank_args("mode", "ckpt", "out")
     worker = make_worker(args)
 
     def step() -> dict:
-        worker.compute_logprobs(fixed_samples())
-        return worker.train(ADVANTAGES)
+        return rl_step(worker, fixed_samples(), ADVANTAGES)
 
     result = {}
     if args.mode == "save":
         step()
         step()
         worker.save_checkpoint(args.ckpt)
-        result["at_save"] = worker.export_state()
+        result["at_save"] = export_state(worker)
     else:
         worker.load_checkpoint(args.ckpt)
-        result["at_load"] = worker.export_state()
+        result["at_load"] = export_state(worker)
     result["metrics"] = step()
-    result["after"] = worker.export_state()
+    result["after"] = export_state(worker)
     if args.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

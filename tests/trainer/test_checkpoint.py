@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimish.config import load_config
 from slimish.megatron_bridge.errors import CheckpointError
-from tests.conftest import REPO
+from tests.kit.trainer import export_state, make_worker, rl_step, task_overrides
 from tests.multiproc import run_world
 from tests.trainer.worker_rank import fixed_samples
 
@@ -20,20 +19,12 @@ ADVANTAGES = [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5]
 
 
 def _worker(task_assets, overrides=()):
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
-        "trainer.loss.kl_coef=0.1", *overrides])
-    w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
-    return w
+    return make_worker(*task_overrides(task_assets), "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
+                       "trainer.loss.kl_coef=0.1", *overrides)
 
 
 def _step(worker) -> dict:
-    worker.compute_logprobs(fixed_samples())
-    return worker.train(ADVANTAGES)
+    return rl_step(worker, fixed_samples(), ADVANTAGES)
 
 
 def _assert_equal(a: dict, b: dict) -> None:
@@ -50,11 +41,11 @@ def test_loaded_worker_continues_exactly_like_the_uninterrupted_one(task_assets,
     _step(first)  # two steps: Adam's moments and step count are non-trivial
     first.save_checkpoint(str(tmp_path / "ckpt"))
     resumed = _worker(task_assets, [f"model.dtype={dtype}"])
-    assert not torch.equal(first.export_state()["lm_head.weight"], resumed.export_state()["lm_head.weight"])
+    assert not torch.equal(export_state(first)["lm_head.weight"], export_state(resumed)["lm_head.weight"])
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
-    _assert_equal(first.export_state(), resumed.export_state())
+    _assert_equal(export_state(first), export_state(resumed))
     assert _step(first) == _step(resumed)
-    _assert_equal(first.export_state(), resumed.export_state())
+    _assert_equal(export_state(first), export_state(resumed))
 
 
 def test_resumed_mid_warm_up_each_step_trains_at_the_uninterrupted_runs_lr(task_assets, megatron_world, tmp_path):
@@ -130,23 +121,15 @@ def test_distributed_optimizer_resumes_exactly_and_at_another_layout(task_assets
 def test_ppo_critic_is_saved_beside_the_policy_and_resumes_exactly(task_assets, megatron_world, tmp_path):
     """advantage_estimator ppo: the value model and its optimizer go to `critic` beside the policy checkpoint; the
     resumed worker's next step (policy and critic: value_loss, critic_grad_norm) equals the uninterrupted one's."""
-    from slimish.trainer.worker import TrainerWorker
-
     def ppo_worker():
-        cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-            f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
-            "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01", "trainer.loss.advantage_estimator=ppo",
-            "trainer.critic.lr=0.01"])
-        w = TrainerWorker(cfg, rank=0, world_size=1)
-        w.setup(master_addr="unused", master_port=0)
-        return w
+        return make_worker(*task_overrides(task_assets), "trainer.micro_batch_size=2", "trainer.optimizer.lr=0.01",
+                           "trainer.loss.advantage_estimator=ppo", "trainer.critic.lr=0.01")
 
     def step(worker) -> dict:
         samples = fixed_samples()
         for sample, reward in zip(samples, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]):
             sample.reward = reward
-        worker.compute_logprobs(samples)
-        return worker.train()
+        return rl_step(worker, samples)
 
     first = ppo_worker()
     step(first)
@@ -166,15 +149,14 @@ def test_a_step_with_non_finite_gradients_is_not_applied(task_assets, megatron_w
     import math
 
     skipped, untouched = _worker(task_assets), _worker(task_assets)
-    before = skipped.export_state()
-    skipped.compute_logprobs(fixed_samples())
-    metrics = skipped.train([bad] + ADVANTAGES[1:])
+    before = export_state(skipped)
+    metrics = rl_step(skipped, fixed_samples(), [bad] + ADVANTAGES[1:])
     assert metrics["skipped_steps"] == 1 and math.isnan(metrics["grad_norm"])
-    _assert_equal(before, skipped.export_state())
+    _assert_equal(before, export_state(skipped))
     good = _step(skipped)
     assert good["skipped_steps"] == 0 and math.isfinite(good["grad_norm"])
     assert good == _step(untouched)
-    _assert_equal(skipped.export_state(), untouched.export_state())
+    _assert_equal(export_state(skipped), export_state(untouched))
 
 
 def test_non_finite_weights_are_neither_saved_nor_synced(task_assets, megatron_world, tmp_path):
@@ -184,7 +166,7 @@ def test_non_finite_weights_are_neither_saved_nor_synced(task_assets, megatron_w
 
     worker = _worker(task_assets)
     worker.save_checkpoint(str(tmp_path / "step_1" / "trainer"))  # finite: saved as usual
-    name, param = next(iter(worker.policy.module.named_parameters()))
+    name, param = next(iter(worker.step.policy.module.named_parameters()))
     with torch.no_grad():
         param.view(-1)[0] = float("nan")
     with pytest.raises(NonFiniteWeights, match=r"^1 weight tensor\(s\) hold NaN or inf .*not saving the checkpoint "

@@ -72,9 +72,9 @@ def test_gspo_takes_one_clipped_ratio_per_sequence():
     new = torch.tensor([[0.0, 0.1, 0.3, 0.05, 0.05]], requires_grad=True)
     segments = torch.tensor([[-1, 0, 0, 1, 1]])
     mask = torch.tensor([[0.0, 0.5, 0.5, 0.5, 0.5]])  # seq_mean weights: 1 / length per trained token
-    out = losses.policy_loss(logprobs=new, old_logprobs=old, advantages=torch.ones(1, 5), mask=mask,
-                             clip_eps_low=0.1, clip_eps_high=0.1, aggregation="token_mean", denom=2.0,
-                             ratio_level="sequence", segments=segments)
+    terms = losses.PolicyLossTerms(clip_eps_low=0.1, clip_eps_high=0.1, ratio_level="sequence")
+    out = losses.policy_loss(logprobs=new, old_logprobs=old, advantages=torch.ones(1, 5), mask=mask, terms=terms,
+                             denom=2.0, segments=segments)
     out.loss.backward()
     assert new.grad[0, 1:3].tolist() == [0.0, 0.0]
     assert new.grad[0, 3:].tolist() == pytest.approx([-math.exp(0.05) * 0.5 / 2] * 2)
@@ -86,18 +86,19 @@ def test_masked_importance_sampling_drops_tokens_or_whole_sequences_outside_the_
     rollout = torch.log(torch.tensor([[1.0, 0.25, 1.0, 1.25]]))  # behaviour ratios 1, 4, 1, 0.8
     lp = torch.zeros(1, 4, requires_grad=True)
     segments = torch.tensor([[0, 0, 1, 1]])
-    common = dict(old_logprobs=old, advantages=torch.ones(1, 4), mask=torch.ones(1, 4), clip_eps_low=0.2,
-                  clip_eps_high=0.2, aggregation="token_mean", rollout_logprobs=rollout, mis_band=(0.5, 2.0),
+    common = dict(old_logprobs=old, advantages=torch.ones(1, 4), mask=torch.ones(1, 4), rollout_logprobs=rollout,
                   segments=segments)
-    token = losses.policy_loss(logprobs=lp, **common)
+    band = losses.PolicyLossTerms(mis_band=(0.5, 2.0))
+    token = losses.policy_loss(logprobs=lp, terms=band, **common)
     token.loss.backward()
     assert lp.grad.tolist() == [[-0.25, 0.0, -0.25, -0.25]]  # token 1 (ratio 4) dropped; the normaliser stays 4
     assert token.metrics["mis_masked_frac"].item() == pytest.approx(0.25)
     lp.grad = None
-    sequence = losses.policy_loss(logprobs=lp, is_level="sequence", **common)  # ratios 4 (seq 0) and 0.8 (seq 1)
+    sequence = losses.policy_loss(logprobs=lp, terms=losses.PolicyLossTerms(mis_band=(0.5, 2.0), is_level="sequence"),
+                                  **common)  # ratios 4 (seq 0) and 0.8 (seq 1)
     sequence.loss.backward()
     assert lp.grad.tolist() == [[0.0, 0.0, -0.25, -0.25]]
-    capped = losses.policy_loss(logprobs=lp, **{**common, "mis_band": (0.0, 0.0)}, tis_cap=2.0)
+    capped = losses.policy_loss(logprobs=lp, terms=losses.PolicyLossTerms(tis_cap=2.0), **common)
     assert capped.metrics["tis_capped_frac"].item() == pytest.approx(0.25)
     assert capped.metrics["tis_weight"].item() == pytest.approx((1 + 2 + 1 + 0.8) / 4)
 
@@ -117,35 +118,33 @@ def test_each_estimator_takes_a_trainer_step(name, task_assets, megatron_world):
     and ppo_kl is 0 on-policy. reinforce_plus_plus and ppo shape rewards with a reference model; ppo trains its critic
     too. Packed rows and masked importance sampling on, so sequence ratios and corrections see several samples per
     row."""
-    from slimish.config import load_config
-    from slimish.trainer.worker import TrainerWorker
-    from tests.conftest import REPO
-    from tests.trainer.test_packed_parity import _by_sample, _samples
+    from slimish.trainer import rl_step
+    from tests.kit.trainer import logprobs_by_sample, make_worker, task_overrides
+    from tests.trainer.test_packed_parity import _samples
 
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
-        f"trainer.loss.advantage_estimator={name}", "trainer.loss.reward_kl_coef=0.1",
-        "trainer.max_tokens_per_micro_batch=24", "trainer.loss.mis_low=0.5", "trainer.loss.mis_high=2",
-        "trainer.loss.clip_eps_low=0.01", "trainer.loss.clip_eps_high=0.01"])
-    worker = TrainerWorker(cfg, rank=0, world_size=1)
-    worker.setup(master_addr="unused", master_port=0)
-    assert (worker.reference is not None) == (name.startswith("reinforce_plus_plus") or name == "ppo")
-    assert (worker.critic is not None) == (name == "ppo")
+    worker = make_worker(*task_overrides(task_assets), f"trainer.loss.advantage_estimator={name}",
+                         "trainer.loss.reward_kl_coef=0.1", "trainer.max_tokens_per_micro_batch=24",
+                         "trainer.loss.mis_low=0.5", "trainer.loss.mis_high=2", "trainer.loss.clip_eps_low=0.01",
+                         "trainer.loss.clip_eps_high=0.01")
+    ctx = worker.step
+    assert (ctx.reference is not None) == (name.startswith("reinforce_plus_plus") or name == "ppo")
+    assert (ctx.critic is not None) == (name == "ppo")
     samples = _samples()
-    for sample, reward, logprobs in zip(samples, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0], _by_sample(worker, samples)):
+    for sample, reward, logprobs in zip(samples, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+                                        logprobs_by_sample(worker, samples)):
         sample.reward = reward
         sample.rollout_logprobs = logprobs.tolist()  # the engines sampled what the trainer holds: ratios of 1
-    worker.compute_logprobs(samples)
-    advantages = worker.compute_advantages()
+    batch, _ = rl_step.prepare(ctx, samples)
+    advantages = rl_step.advantages(ctx, batch)
     assert len(advantages) == 8 and any(a != 0 for a in advantages)
-    metrics = worker.train()
+    metrics = rl_step.train(ctx, batch)
     assert metrics["ppo_kl"] == 0.0 and metrics["grad_norm"] > 0 and metrics["mis_masked_frac"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
     if name == "ppo":
         assert metrics["value_loss"] > 0 and metrics["critic_grad_norm"] > 0
-        worker.compute_logprobs(samples)
-        worker.compute_advantages()
-        assert worker.train()["value_loss"] < metrics["value_loss"], "the critic learns the returns"
+        batch, _ = rl_step.prepare(ctx, samples)
+        rl_step.advantages(ctx, batch)
+        assert rl_step.train(ctx, batch)["value_loss"] < metrics["value_loss"], "the critic learns the returns"
 
 
 def test_gae_by_hand():

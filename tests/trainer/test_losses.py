@@ -2,7 +2,7 @@
 
 import torch
 
-from slimish.trainer.losses import grpo_advantages, kl_penalty, policy_loss
+from slimish.trainer.losses import PolicyLossTerms, grpo_advantages, kl_penalty, policy_loss
 
 
 def test_grpo_advantages_are_group_normalised():
@@ -29,8 +29,7 @@ def test_truncated_importance_weights_correct_for_the_behaviour_policy():
     rollout = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))  # pi_old / pi_rollout = 2, 0.5, 10
     lp = torch.zeros(1, 3, requires_grad=True)
     out = policy_loss(logprobs=lp, old_logprobs=old, advantages=torch.ones(1), mask=torch.ones(1, 3),
-                      clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean", rollout_logprobs=rollout,
-                      tis_cap=3.0)
+                      terms=PolicyLossTerms(tis_cap=3.0), rollout_logprobs=rollout)
     out.loss.backward()
     assert torch.allclose(lp.grad, -torch.tensor([[2.0, 0.5, 3.0]]) / 3)  # weights capped at 3, no gradient
     assert torch.isclose(out.metrics["tis_weight"], torch.tensor(5.5 / 3))
@@ -39,16 +38,14 @@ def test_truncated_importance_weights_correct_for_the_behaviour_policy():
 def test_on_policy_ratio_gives_zero_kl_and_no_clipping():
     lp = torch.randn(4, 6)
     mask = torch.ones(4, 6)
-    out = policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=torch.randn(4), mask=mask,
-                      clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean")
+    out = policy_loss(logprobs=lp, old_logprobs=lp.clone(), advantages=torch.randn(4), mask=mask)
     assert out.metrics["ppo_kl"].item() == 0.0 and out.metrics["clip_frac"].item() == 0.0
 
 
 def test_clipping_stops_the_gradient_beyond_the_trust_region():
     old = torch.zeros(1, 1)
     new = torch.full((1, 1), 0.5, requires_grad=True)  # ratio e^0.5 > 1.2
-    out = policy_loss(logprobs=new, old_logprobs=old, advantages=torch.ones(1), mask=torch.ones(1, 1),
-                      clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean")
+    out = policy_loss(logprobs=new, old_logprobs=old, advantages=torch.ones(1), mask=torch.ones(1, 1))
     out.loss.backward()
     assert new.grad.item() == 0.0 and out.metrics["clip_frac"].item() == 1.0
 
@@ -57,7 +54,7 @@ def test_mask_and_shared_denominator():
     lp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     out = policy_loss(logprobs=lp, old_logprobs=torch.zeros(2, 3), advantages=torch.tensor([1.0, -1.0]),
-                      mask=mask, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean", denom=4.0)
+                      mask=mask, denom=4.0)
     assert out.loss.item() == -0.5  # two tokens with advantage 1 over a shared denominator of 4
     out.loss.backward()
     assert lp.grad[1].abs().sum() == 0 and lp.grad[0, 2] == 0

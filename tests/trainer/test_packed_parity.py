@@ -7,20 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimish.config import load_config
 from slimish.sample import Sample, Status
-from tests.conftest import REPO
+from slimish.trainer import rl_step as steps
+from tests.kit.trainer import logprobs_by_sample, make_worker, rl_step, task_overrides
 
 
 def _worker(task_assets, *overrides):
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0", "sft.steps=0",
-        "trainer.optimizer.lr=0.01", "trainer.micro_batch_size=2", "rollout.temperature=0.8", *overrides])
-    worker = TrainerWorker(cfg, rank=0, world_size=1)
-    worker.setup(master_addr="unused", master_port=0)  # the process group already exists (megatron_world)
-    return worker
+    """Needs the `megatron_world` fixture (the process group already exists)."""
+    return make_worker(*task_overrides(task_assets), "trainer.optimizer.lr=0.01", "trainer.micro_batch_size=2",
+                       "rollout.temperature=0.8", *overrides)
 
 
 def _samples() -> list[Sample]:
@@ -35,15 +30,6 @@ def _samples() -> list[Sample]:
     return out
 
 
-def _by_sample(worker, samples) -> list[torch.Tensor]:
-    """The trainer's response logprobs of each of `samples`, in their order (responses differ in length)."""
-    worker.compute_logprobs(samples)
-    found = worker.rollout.local_responses("old_logprobs")
-    order = worker.rollout_indices
-    worker.rollout = None
-    return [found[order.index(i)] for i in range(len(samples))]
-
-
 ADVANTAGES = [1.0, -1.0, -0.5, 0.5, 0.25, -0.25, 1.5, -1.5]
 
 
@@ -53,19 +39,19 @@ def test_packed_step_equals_padded_step(task_assets, megatron_world, aggregation
     packed = _worker(task_assets, f"trainer.loss.token_aggregation={aggregation}",
                      "trainer.max_tokens_per_micro_batch=24", "trainer.logprob_chunk_tokens=5")
     samples = _samples()
-    before = [_by_sample(w, samples) for w in (padded, packed)]
+    before = [logprobs_by_sample(w, samples) for w in (padded, packed)]
     for a, b in zip(*before):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert len(packed._plan(samples, 1)[0][0]) < len(padded._plan(samples, 1)[0][0]), "rows hold several samples"
+    assert len(steps.plan(packed.step, samples, 1)[0][0]) < len(steps.plan(padded.step, samples, 1)[0][0]), \
+        "rows hold several samples"
     metrics = []
     for w in (padded, packed):
-        w.compute_logprobs(samples)
-        metrics.append(w.train(ADVANTAGES))
+        metrics.append(rl_step(w, samples, ADVANTAGES))
     for key in ("pg_loss", "grad_norm", "clip_frac"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-6), key
     assert metrics[1]["ppo_kl"] == 0.0
     # After the step, as between parallel layouts: Adam turns reduction-order noise in near-zero grads into ~1e-5.
-    for a, b in zip(*[_by_sample(w, samples) for w in (padded, packed)]):
+    for a, b in zip(*[logprobs_by_sample(w, samples) for w in (padded, packed)]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
@@ -81,4 +67,4 @@ def test_entropy_is_the_policy_entropy_over_trained_tokens(task_assets, megatron
             logits = hf(torch.tensor([sample.tokens])).logits[0, len(sample.prompt_ids) - 1:-1] / 0.8
             entropies.append(torch.distributions.Categorical(logits=logits).entropy())
     expected = torch.cat(entropies).mean().item()
-    assert worker.compute_logprobs(samples)["entropy"] == pytest.approx(expected, abs=1e-5)
+    assert steps.prepare(worker.step, samples)[1]["entropy"] == pytest.approx(expected, abs=1e-5)

@@ -5,23 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimish.config import load_config
 from slimish.sample import Sample, Status
-from tests.conftest import REPO
-from tests.trainer.worker_rank import response_logprobs
+from slimish.trainer import rl_step as steps
+from tests.kit import trainer as kit
+from tests.kit.trainer import response_logprobs, rl_step
 
 
 def make_worker(task_assets, *overrides: str):
     """A one-rank TrainerWorker on the quickstart config and the task's tiny model, with `overrides`; needs the
     `megatron_world` fixture (the process group already exists)."""
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={task_assets['model']}", f"data.path={task_assets['train']}", "eval.every=0",
-        f"sft.data_path={task_assets['sft']}", *overrides])
-    w = TrainerWorker(cfg, rank=0, world_size=1)
-    w.setup(master_addr="unused", master_port=0)
-    return w
+    return kit.make_worker(*kit.task_overrides(task_assets), *overrides)
 
 
 def hf_response_logprobs(hf, sample: Sample, temperature: float = 1.0) -> torch.Tensor:
@@ -61,10 +54,9 @@ def test_engine_logprobs_are_matched_and_first_ppo_kl_is_exactly_zero(worker):
     for sample, row in zip(samples, exact):  # the engine returned exactly what the trainer computes...
         sample.rollout_logprobs = row.tolist()
     samples[3].rollout_logprobs[1] += 0.25   # ...but for one token
-    metrics = worker.compute_logprobs(samples)
-    assert metrics["logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-6)
-    assert metrics["logprob_abs_diff_mean"] == pytest.approx(0.25 / 16, abs=1e-6)
-    out = worker.train([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
+    out = rl_step(worker, samples, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
+    assert out["logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-6)
+    assert out["logprob_abs_diff_mean"] == pytest.approx(0.25 / 16, abs=1e-6)
     assert out["ppo_kl"] == 0.0, "same weights, same micro-batches: the ratio must be exactly 1"
 
 
@@ -72,8 +64,7 @@ def test_grpo_step_raises_logprob_of_positive_advantage(worker):
     samples = _samples()
     before = _response_logprobs(worker, samples)
     advantages = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
-    worker.compute_logprobs(samples)
-    worker.train(advantages)
+    rl_step(worker, samples, advantages)
     after = _response_logprobs(worker, samples)
     change = after - before
     adv = torch.tensor(advantages)
@@ -83,12 +74,10 @@ def test_grpo_step_raises_logprob_of_positive_advantage(worker):
 def test_kl_to_reference_starts_at_zero_and_grows(task_assets, megatron_world):
     w = make_worker(task_assets, "trainer.micro_batch_size=8", "trainer.optimizer.lr=0.05",
                     "trainer.loss.kl_coef=0.1")
-    assert w.reference is not None
+    assert w.step.reference is not None
     advantages = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
-    w.compute_logprobs(_samples())
-    first = w.train(advantages)
-    w.compute_logprobs(_samples())
-    second = w.train(advantages)
+    first = rl_step(w, _samples(), advantages)
+    second = rl_step(w, _samples(), advantages)
     assert first["kl_ref"] == 0.0
     assert second["kl_ref"] > 0.0
 
@@ -124,7 +113,7 @@ def test_worker_logprobs_follow_the_sampling_temperature(task_assets, megatron_w
         for sample in samples:
             sample.rollout_logprobs = hf_response_logprobs(hf, sample, 0.7).tolist()
             untempered.append(hf_response_logprobs(hf, sample))
-    metrics = w.compute_logprobs(samples)
+    _, metrics = steps.prepare(w.step, samples)
     assert metrics["logprob_abs_diff_max"] <= 1e-5
     tempered = torch.tensor([s.rollout_logprobs for s in samples])
     assert (tempered - torch.stack(untempered)).abs().max() > 1e-2, "the test's temperature makes no difference"
@@ -137,10 +126,12 @@ def test_a_sample_that_does_not_train_reaches_no_loss_term(worker):
     samples = _samples()
     for sample in samples[4:]:
         sample.status = Status.FAILED
-    worker.compute_logprobs(samples)
-    masks = [mb.loss_mask for mbs in worker.rollout.microbatches for mb in mbs]
+    batch, _ = steps.prepare(worker.step, samples)
+    masks = [mb.loss_mask for mbs in batch.microbatches for mb in mbs]
     assert torch.cat(masks).sum(dim=1).tolist() == [2.0] * 4 + [0.0] * 4
-    out = worker.train([1.0] * 4 + [0.0] * 4)  # the driver gives a failed sample advantage 0
+    # the estimator gives a failed sample advantage 0
+    steps.advantages(worker.step, batch, kit.given_advantages(worker.step.estimator, [1.0] * 4 + [0.0] * 4))
+    out = steps.train(worker.step, batch)
     assert out["pg_loss"] == pytest.approx(-1.0, abs=1e-6), "failed samples' tokens diluted the token mean"
     assert out["ppo_kl"] == 0.0
 
@@ -176,8 +167,35 @@ def test_grpo_gradient_is_the_hf_models_gradient_of_the_same_loss(task_assets, m
     (loss / trained_tokens).backward()
     hf_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
 
-    w.compute_logprobs(samples)
-    out = w.train(advantages)
+    out = rl_step(w, samples, advantages)
     mean_advantage = sum(a * sum(s.loss_mask) for s, a in zip(samples, advantages)) / trained_tokens
     assert out["pg_loss"] == pytest.approx(-mean_advantage, rel=1e-5)  # the loss's value at ratio 1
     assert out["grad_norm"] == pytest.approx(hf_norm, rel=1e-4)
+
+
+def test_one_rl_step_is_one_call_that_keeps_nothing(worker):
+    """`TrainerWorker.rl_step` is the step's one call: it returns the metrics (with its own phase times) and each
+    sample's mean advantage, and no step data outlives it (no batch, micro-batch or sample is left anywhere)."""
+    import gc
+
+    from slimish.trainer.batch import MicroBatch
+    from slimish.trainer.rollout_batch import RolloutBatch
+
+    def alive() -> tuple[int, int, int]:
+        gc.collect()
+        objects = gc.get_objects()
+        return tuple(sum(isinstance(o, kind) for o in objects) for kind in (RolloutBatch, MicroBatch, Sample))
+
+    attributes = dict(vars(worker))
+    samples = _samples()
+    for sample, reward in zip(samples, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]):
+        sample.reward = reward
+    before = alive()
+    out = worker.rl_step(samples, policy_version=0)
+    assert set(out) == {"metrics", "advantage_means"}
+    assert len(out["advantage_means"]) == 8 and out["metrics"]["grad_norm"] > 0
+    assert all(out["metrics"][f"time_{phase}_s"] > 0 for phase in ("logprobs", "advantages", "optimizer"))
+    del out
+    assert alive() == before, "(batches, micro-batches, samples) alive after the step"
+    assert vars(worker).keys() == attributes.keys()
+    assert all(vars(worker)[key] is value for key, value in attributes.items()), "the worker kept step state"

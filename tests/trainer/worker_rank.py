@@ -5,8 +5,8 @@ Launched by tests.multiproc.run_world:
       --data JSONL --out OUT
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
 pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
-rewards) and metrics, the parity metrics of compute_logprobs, and the
-whole-model export (`export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
+rewards) and metrics, the parity metrics of `rl_step.prepare`, and the whole-model export
+(`tests.kit.trainer.export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
 --offload, every role is offloaded (as a colocated step does, a checkpoint saved meanwhile) and onloaded right after
 the step ("offload": `offload_round_trip`'s figures).
 """
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from slimish.config import load_config
 from slimish.sample import Sample, Status
+from slimish.trainer import rl_step
+from tests.kit.trainer import export_state, given_advantages, response_logprobs
+from tests.kit.trainer import make_worker as make_kit_worker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,16 +32,6 @@ def fixed_samples() -> list[Sample]:
     return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3][:2 + i // 2 % 2],
                    response_ids=[23 + i % 2, 0], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0],
                    loss_mask=[1, 1], status=Status.COMPLETED) for i in range(8)]
-
-
-def response_logprobs(worker, samples) -> tuple[torch.Tensor | None, list[int]]:
-    """[samples of this rank, response length]: the trainer's logprobs of each response (equal lengths; None where
-    there are none: a pipeline stage other than the last), and which of `samples` they are, in that order."""
-    worker.compute_logprobs(samples)
-    rows = worker.rollout_indices
-    out = worker.rollout.local_responses("old_logprobs")
-    worker.rollout = None
-    return (torch.stack(out) if out else None), rows
 
 
 def rank_args(*strings: str) -> argparse.Namespace:
@@ -63,17 +55,11 @@ def rank_args(*strings: str) -> argparse.Namespace:
 def make_worker(args: argparse.Namespace):
     """A set-up TrainerWorker for this rank of the layout in `args` (quickstart config, small micro-batches, a KL
     penalty so that the reference model runs)."""
-    from slimish.trainer.worker import TrainerWorker
-
-    cfg = load_config(REPO / "configs/quickstart_cpu.yaml", [
-        f"model.hf_path={args.hf}", f"data.path={args.data}", "eval.every=0", "sft.steps=0",
-        "trainer.micro_batch_size=2",
+    return make_kit_worker(
+        f"model.hf_path={args.hf}", f"data.path={args.data}", "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
         f"parallel.pipeline_parallel={args.pp}", f"parallel.num_trainer_ranks={args.world_size}",
-        f"model.dtype={args.dtype}", *args.set])
-    worker = TrainerWorker(cfg, rank=args.rank, world_size=args.world_size)
-    worker.setup(master_addr="127.0.0.1", master_port=args.port)
-    return worker
+        f"model.dtype={args.dtype}", *args.set, rank=args.rank, world_size=args.world_size, master_port=args.port)
 
 
 def drop_device(what: str) -> None:
@@ -127,21 +113,23 @@ def main() -> None:
     worker = make_worker(args)
     samples = fixed_samples()
     before, rows = response_logprobs(worker, samples)
-    parity = worker.compute_logprobs(samples)  # engine logprobs are 0 here: |trainer logprobs| over the rollout
+    ctx = worker.step
+    batch, parity = rl_step.prepare(ctx, samples)  # engine logprobs are 0 here: |trainer logprobs| over the rollout
     if worker.cfg.trainer.loss.advantage_estimator == "grpo":
-        advantages = worker.compute_advantages([1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
+        estimator = given_advantages(ctx.estimator, [1.0, -1.0, -1.0, 1.0, 0.5, -0.5, 0.5, -0.5])
     else:  # the estimator's, from rewards: its step statistics span every data-parallel rank
         for sample, reward in zip(samples, [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]):
             sample.reward = reward
-        advantages = worker.compute_advantages()
-    metrics = worker.train()
+        estimator = None
+    advantages = rl_step.advantages(ctx, batch, estimator)
+    metrics = rl_step.train(ctx, batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     offloaded = offload_round_trip(worker, out) if args.offload else None
     after, _ = response_logprobs(worker, samples)
-    state = worker.export_state()  # on the trainer's device
+    state = export_state(worker)  # on the trainer's device
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
-              "advantages": advantages, "dp_rank": worker.dp_rank, "dp_size": worker.dp_size,
+              "advantages": advantages, "dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size,
               "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))

@@ -11,18 +11,21 @@ from concurrent.futures import Future
 
 import pytest
 
-from slimish.weight_sync.sync import WeightSync
+from slimish.weight_sync.sender import sync_to
 from slimish.weight_sync.tensor import TensorTransport
-from slimish.weight_sync.transport import SyncReleased, TransportContext
+from slimish.weight_sync.transport import SyncReleased
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-CONTEXT = TransportContext(master_addr="127.0.0.1", master_port=1, backend="gloo", group_name="t", engine_tp=1,
-                           disk_dir="", bucket_timeout_s=2.0, min_bandwidth_mib_s=1.0)
+
+
+def new_sync():
+    return sync_to(URLS, transport="tensor", group_name="t", bucket_bytes=1 << 20, master_port=1, bucket_timeout_s=2.0,
+                   min_bandwidth_mib_s=1.0)
 
 
 @pytest.fixture
 def transport():
-    sender = WeightSync(transport="tensor", context=CONTEXT, engine_urls=URLS, bucket_bytes=1 << 20)
+    sender = new_sync()
     sender.connect()
     yield sender.transport
     sender.close()
@@ -74,7 +77,7 @@ def test_a_failed_answer_raises_its_own_error_and_is_no_progress(transport):
 
 
 def test_a_release_between_syncs_is_ignored():
-    sender = WeightSync(transport="tensor", context=CONTEXT, engine_urls=URLS, bucket_bytes=1 << 20)
+    sender = new_sync()
     sender.connect()
     try:
         sender.release("an engine died after the sync ended")
@@ -84,7 +87,7 @@ def test_a_release_between_syncs_is_ignored():
 
 
 def test_every_transport_starts_unreleased():
-    assert not TensorTransport(CONTEXT).released
+    assert not TensorTransport(new_sync().transport.context).released
 
 
 def test_the_in_flight_hook_sees_each_bucket_once_asked_for_counting_from_0_per_sync(transport):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from slimish.weight_sync.sender import sync_to
 from slimish.weight_sync.sync import WeightSync, WeightSyncError
-from slimish.weight_sync.transport import TransportContext
 
 
 class StandInEngine:
@@ -22,10 +22,9 @@ class StandInEngine:
 
 
 def weight_sync(tmp_path, engines) -> WeightSync:
-    context = TransportContext(master_addr="127.0.0.1", master_port=0, backend="gloo", group_name="g", engine_tp=2,
-                               disk_dir=str(tmp_path))
-    sync = WeightSync(transport="disk", context=context, engine_urls=[e.url for e in engines], bucket_bytes=1 << 20)
-    sync.clients = engines
+    by_url = {engine.url: engine for engine in engines}
+    sync = sync_to([e.url for e in engines], transport="disk", group_name="g", bucket_bytes=1 << 20, engine_tp=2,
+                   disk_dir=str(tmp_path), new_client=lambda url, api_key: by_url[url])
     sync.connect()
     return sync
 
@@ -33,27 +32,27 @@ def weight_sync(tmp_path, engines) -> WeightSync:
 def test_tensor_parallel_ranks_are_compared_with_the_same_rank_of_engine_0(tmp_path):
     rank0, rank1 = {"a": "1", "b": "2"}, {"a": "3", "b": "4"}
     same = [StandInEngine(f"http://e{i}", "7", [dict(rank0), dict(rank1)]) for i in range(3)]
-    weight_sync(tmp_path, same)._verify("7", None)  # ranks differ from each other, not across engines
+    weight_sync(tmp_path, same).check_engines("7", None)  # ranks differ from each other, not across engines
     odd = same[:2] + [StandInEngine("http://e2", "7", [dict(rank0), {"a": "3", "b": "x"}])]
     with pytest.raises(WeightSyncError, match=r"engine http://e2 \(tensor-parallel rank 1\) holds other values than "
                                               r"engine 0 holds in 1 parameter\(s\): b$"):
-        weight_sync(tmp_path, odd)._verify("7", None)
+        weight_sync(tmp_path, odd).check_engines("7", None)
 
 
 def test_each_tensor_parallel_rank_is_compared_with_the_senders_prediction_for_it(tmp_path):
     expected = [{"a": "1"}, {"a": "2"}]
     engines = [StandInEngine(f"http://e{i}", "7", [{"a": "1"}, {"a": "2"}]) for i in range(2)]
-    weight_sync(tmp_path, engines)._verify("7", expected)
+    weight_sync(tmp_path, engines).check_engines("7", expected)
     engines[1].ranks[1]["a"] = "1"  # rank 1 holds rank 0's shard
     with pytest.raises(WeightSyncError, match=r"engine http://e1 \(tensor-parallel rank 1\) holds other values than "
                                               r"the trainer sent in 1 parameter\(s\): a$"):
-        weight_sync(tmp_path, engines)._verify("7", expected)
+        weight_sync(tmp_path, engines).check_engines("7", expected)
 
 
 def test_engines_are_compared_with_the_sender_and_the_version(tmp_path):
     engines = [StandInEngine("http://e0", "7", [{"a": "1"}]), StandInEngine("http://e1", "7", [{"a": "2"}])]
     with pytest.raises(WeightSyncError, match=r"http://e0 .* than the trainer sent in 1 parameter\(s\): a$"):
-        weight_sync(tmp_path, engines)._verify("7", [{"a": "9"}])
+        weight_sync(tmp_path, engines).check_engines("7", [{"a": "9"}])
     engines[1].version = "6"
     with pytest.raises(WeightSyncError, match=r"engines report \{'http://e1': '6'\}"):
-        weight_sync(tmp_path, engines)._verify("7", None)
+        weight_sync(tmp_path, engines).check_engines("7", None)

@@ -1,0 +1,251 @@
+"""The sending end of the weight sync on one trainer rank: `WeightSender`.
+
+It decides which trainer ranks send to which engines, over which process groups and ports, with which expected
+checksums; it keeps the bookkeeping of a failed send (how long it stalled, which engines hung) and releases a send
+from another thread. The trainer holds one and hands it its model at each sync; nothing else about the sync lives in
+the trainer. Who sends:
+- by default trainer rank 0 sends the whole model to every engine (`export_full_hf_tensors`: later pipeline stages'
+  layers reach it over the pipeline group, the TP / EP gathers involve every rank of the replica);
+- with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
+  also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
+  with rank 0's buckets;
+- colocated with the tensor transport (no expert parallelism, whose export spans replicas), the source rank of every
+  data-parallel replica sends to the engines on its replica's GPUs, from its own GPU by CUDA IPC.
+Other ranks only take part in the export's gathers.
+
+`sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
+there: what tests and benchmarks that send tensors of their own (not a trainer's model) use.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from slimish.collectives import resolve_backend
+from slimish.config.schema import JobConfig
+from slimish.engines.client import EngineClient
+from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
+from slimish.network import free_port, node_ip
+from slimish.weight_sync.sync import WeightSync
+from slimish.weight_sync.transport import TransportContext
+
+
+class WeightSender:
+    """One trainer rank's part of every weight sync of a job (`cfg`, model `arch`). `rank`, `pipeline_parallel`
+    and `expert_parallel`: this rank's place in the trainer's layout (Megatron's parallel state is initialised).
+    `new_client(url, api_key=...)` makes each engine's client (`EngineClient`; a stand-in in unit tests)."""
+
+    def __init__(self, cfg: JobConfig, arch, *, rank: int, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                 new_client: Callable[..., EngineClient] = EngineClient):
+        self.cfg, self.arch, self.rank = cfg, arch, rank
+        self.pipeline_parallel, self.expert_parallel = pipeline_parallel, expert_parallel
+        self.new_client = new_client
+        self._sync: WeightSync | None = None  # rank 0 (or a replica's source): the engine protocol
+        self._stage_sender = None             # a later pipeline stage's leader, with stage senders
+        self._stage_links: list = []
+        self._groups_made = 0
+        self._api_key: str | None = None
+        self._stalled_s = 0.0   # failed sends since the last whole one: how long each had made no progress
+        self.hung: list[str] = []  # the last failed send: engines that had not answered by a bucket's deadline
+
+    # ------------------------------------------------------------------------------------------------ who sends
+    @property
+    def replica_senders(self) -> bool:
+        """Colocated with the tensor transport (and no expert parallelism, whose export spans replicas): every
+        data-parallel replica exports the model, and its source rank sends it to the engines on the replica's GPUs,
+        from its own GPU by CUDA IPC; else rank 0 sends to every engine."""
+        return (self.cfg.placement.colocate and self.cfg.weight_sync.transport == "tensor"
+                and self.expert_parallel == 1)
+
+    @property
+    def stage_senders(self) -> bool:
+        ws = self.cfg.weight_sync
+        return ws.transport == "broadcast" and ws.stage_senders and self.pipeline_parallel > 1
+
+    def replica_ranks(self) -> list[int]:
+        """The global ranks of this rank's data-parallel replica (its model-parallel group: tensor x pipeline),
+        in order; the first holds tensor- and pipeline-parallel rank 0, where the replica's export ends."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return [self.rank]
+        return sorted(dist.get_process_group_ranks(ps.get_model_parallel_group()))
+
+    def sending_rank(self) -> int:
+        """The rank that sends this rank's colocated engine its weights (that engine must see its GPU)."""
+        return self.replica_ranks()[0] if self.replica_senders else 0
+
+    # ---------------------------------------------------------------------------------------------- connect
+    def connect(self, *, engine_urls: list[str], engine_tp: int, master_addr: str, api_key: str | None = None,
+                engines_by_rank: list[str | None] | None = None) -> dict:
+        """Join the process groups with the engines `engine_urls` (rank 0's at `master_addr`; calls carry
+        `api_key`) that this rank sends over; colocated with replica senders, `engines_by_rank[r]` is the engine on
+        trainer rank r's GPU (None: not synced now). Every rank calls it. Called again when the engines change (one
+        died, a restarted one joins): the old groups are torn down and new ones, under new names and on free ports,
+        replace them."""
+        self._groups_made += 1
+        self._api_key = api_key
+        self.close()
+        if self.replica_senders and engines_by_rank is not None:
+            replica = self.replica_ranks()
+            own = [engines_by_rank[r] for r in replica if r < len(engines_by_rank) and engines_by_rank[r]]
+            if self.rank != replica[0] or not own:
+                return {}
+            return self._connect_rank0(own, engine_tp, node_ip(), stages=[])
+        if not self.stage_senders:
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
+        return self._connect_stages(engine_urls, engine_tp, master_addr)
+
+    def _connect_stages(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from slimish.megatron_bridge.full_export import is_stage_leader, stage_leader_rank
+        from slimish.weight_sync.stages import StageLink, StageSender
+
+        stage, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+        leader = in_source_replica() and is_stage_leader()
+        metrics: dict = {}
+        for turn in range(self.pipeline_parallel):
+            # One stage's group at a time: an engine joins groups in the order their requests reach it, and a
+            # group's rendezvous needs every engine.
+            if leader and stage == turn == 0:
+                links = [StageLink(stage=s, rank=stage_leader_rank(s), group=pp_group, group_name=self._group_name(s))
+                         for s in range(1, self.pipeline_parallel)]
+                metrics = self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
+            elif leader and stage == turn:
+                self._stage_sender = StageSender(
+                    stage=stage, context=self._context(engine_tp, node_ip(), free_port(), self._group_name(stage)),
+                    engine_urls=engine_urls, bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
+                    coordinator=stage_leader_rank(0), group=pp_group,
+                    expected_checksums=self._expected_checksums(engine_urls, engine_tp), new_client=self.new_client)
+                self._stage_sender.connect()
+            dist.barrier()
+        return metrics
+
+    def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
+        from slimish.hooks import load_function
+
+        ws = self.cfg.weight_sync
+        port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
+        self._stage_links = stages
+        self._sync = WeightSync(transport=ws.transport, context=self._context(engine_tp, master_addr, port,
+                                                                               self._group_name()),
+                                engine_urls=engine_urls, bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
+                                expected_checksums=self._expected_checksums(engine_urls, engine_tp),
+                                after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
+                                in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None,
+                                new_client=self.new_client)
+        t0 = time.monotonic()
+        self._sync.connect()
+        return {"time_connect_s": time.monotonic() - t0}
+
+    def _group_name(self, stage: int = 0) -> str:
+        suffix = f"_stage{stage}" if stage else ""
+        return f"slimish_weight_sync_{self._groups_made}{suffix}"
+
+    def _context(self, engine_tp: int, master_addr: str, master_port: int, group_name: str) -> TransportContext:
+        ws = self.cfg.weight_sync
+        return TransportContext(master_addr=master_addr, master_port=master_port,
+                                backend=resolve_backend(self.cfg.parallel.backend), group_name=group_name,
+                                engine_tp=engine_tp, disk_dir=self.disk_dir(), api_key=self._api_key,
+                                bucket_timeout_s=ws.bucket_timeout_s, min_bandwidth_mib_s=ws.min_bandwidth_mib_s)
+
+    def disk_dir(self) -> str:
+        """Where the disk transport writes this run's shards (`slimish.run_layout.weight_sync_root`)."""
+        from slimish.run_layout import weight_sync_root
+
+        run = self.cfg.run
+        return str(weight_sync_root(self.cfg.weight_sync.disk_dir, Path(run.output_dir) / run.name))
+
+    def _expected_checksums(self, engine_urls: list[str], engine_tp: int):
+        """What makes the expected engine checksums of the tensors a sender sends (None: not verifying, or layout not
+        predicted), for engines sharded as the first of `engine_urls` says it is (its /server_info); raises if that
+        engine's tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
+        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported, sharding_of
+
+        sharding = sharding_of(engine_urls[0], api_key=self._api_key, new_client=self.new_client)
+        if sharding.tp != engine_tp:
+            raise ValueError(f"rollout.engine.tensor_parallel: got {engine_tp}, but engine {engine_urls[0]} runs "
+                             f"--tp-size {sharding.tp}; set rollout.engine.tensor_parallel={sharding.tp}")
+        if not (self.cfg.weight_sync.verify and layout_supported(self.arch, sharding)):
+            return None
+        return functools.partial(ExpectedChecksums, self.arch, getattr(torch, self.cfg.model.dtype), sharding)
+
+    # ------------------------------------------------------------------------------------------------- send
+    def send(self, module, version: int) -> dict:
+        """Send `module`'s weights (the trainer's Megatron model) to the connected engines as weight version
+        `version`; every rank calls it (the export's gathers span the replica). Ranks outside the sending replicas
+        return {} at once; a failed send raises, after recording `hung` and the stall (reported with the next whole
+        send as time_sync_stalled_s)."""
+        if not (in_source_replica() or self.replica_senders):
+            return {}
+        if self.stage_senders:
+            tensors = export_stage_hf_tensors(module, self.arch)
+        else:
+            tensors = export_full_hf_tensors(module, self.arch)
+        try:
+            if self._sync is not None:
+                try:
+                    metrics = self._sync.send(tensors, version=str(version), stages=self._stage_links)
+                except Exception:
+                    self._stalled_s += self._sync.stalled_s
+                    self.hung = list(self._sync.hung)
+                    raise
+                stalled, self._stalled_s = self._stalled_s, 0.0
+                return {**metrics, "sync_engines": len(self._sync.clients), "time_sync_stalled_s": stalled}
+            if self._stage_sender is not None:
+                self._stage_sender.send(tensors)
+            return {}
+        finally:
+            drain(tensors)
+
+    def release(self, reason: str) -> None:
+        """Give up the send in progress wherever it waits (`WeightSync.release`), from any thread: an engine of the
+        sync died or froze. A no-op between syncs."""
+        for sender in (self._sync, self._stage_sender):
+            if sender is not None:
+                sender.release(reason)
+
+    def close(self) -> None:
+        """Tear down this rank's groups with the engines (a later `connect` makes new ones)."""
+        for sender in (self._sync, self._stage_sender):
+            if sender is not None:
+                sender.close()
+        self._sync = self._stage_sender = None
+
+
+def drain(tensors: Iterable) -> None:
+    """Finish an export's iteration: ranks that send nothing only feed its gathers, and after a failed send the
+    senders finish them too, so no rank is left inside a collective. (After a whole send there is nothing left.)"""
+    for _ in tensors:
+        pass
+
+
+def local_context(group_name: str, *, engine_tp: int = 1, disk_dir: str = "", api_key: str | None = None,
+                  master_port: int = 0, bucket_timeout_s: float = 60.0,
+                  min_bandwidth_mib_s: float = 32.0) -> TransportContext:
+    """The transport context of a sender to engines on this host: gloo from 127.0.0.1 (a free port unless
+    `master_port`)."""
+    return TransportContext(master_addr="127.0.0.1", master_port=master_port or free_port(), backend="gloo",
+                            group_name=group_name, engine_tp=engine_tp, disk_dir=disk_dir, api_key=api_key,
+                            bucket_timeout_s=bucket_timeout_s, min_bandwidth_mib_s=min_bandwidth_mib_s)
+
+
+def sync_to(engine_urls: list[str], *, transport: str, group_name: str, bucket_bytes: int, engine_tp: int = 1,
+            disk_dir: str = "", api_key: str | None = None, master_port: int = 0, bucket_timeout_s: float = 60.0,
+            min_bandwidth_mib_s: float = 32.0, **options) -> WeightSync:
+    """A rank-0 `WeightSync` (not connected) to engines on this host (`local_context`); `options` go to `WeightSync`
+    (expected_checksums, verify, in_flight, after_bucket, new_client). For senders of tensors that are not a
+    trainer's model: tests and benchmarks."""
+    context = local_context(group_name, engine_tp=engine_tp, disk_dir=disk_dir, api_key=api_key,
+                            master_port=master_port, bucket_timeout_s=bucket_timeout_s,
+                            min_bandwidth_mib_s=min_bandwidth_mib_s)
+    return WeightSync(transport=transport, context=context, engine_urls=engine_urls, bucket_bytes=bucket_bytes,
+                      **options)

@@ -1,0 +1,1 @@
+"""Test kits: the scaffolding tests share instead of rebuilding by hand (a one-rank trainer, samples, ...)."""
