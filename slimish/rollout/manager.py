@@ -1,20 +1,18 @@
-"""Rollout manager: owns the engines + router, the prompt stream, the reward hook and the group scheduler;
-produces scored samples, one step's groups at a time."""
+"""Rollout manager: the prompt stream, the reward hook, the group scheduler and evaluation, over the job's engines
+(`EngineFleet`, which it owns: its engine calls are one-line delegations); produces scored samples, one step's groups
+at a time."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from slimish.config.schema import JobConfig
-from slimish.engines.client import EngineClient
-from slimish.engines.engine_set import EngineSet
+from slimish.engines.fleet import EngineFleet
 from slimish.engines.generation import GenerationClient
 from slimish.engines.servers import EngineServers
-from slimish.engines.watchdog import EngineWatchdog
 from slimish.hooks import load_function
 from slimish.rollout import overlong, reward_workers
 from slimish.rollout.data import PromptDataset, sft_samples
@@ -47,8 +45,8 @@ def load_parts(cfg: JobConfig, *, log_dir: str, engine_options: list[list[dict]]
 class RolloutManager:
     """The rollout side of a job, built from its parts: the tokenizer, the prompt stream, the reward hook, the
     rollout program (None: one generation), the eval sets and the engine servers (`load_parts` loads them as the
-    config says; a job's Ray actor is a `ConfiguredRolloutManager`). `start()` starts the servers and builds the
-    scheduler and the watchdog on them."""
+    config says; a job's Ray actor is a `ConfiguredRolloutManager`). `start()` starts the engines (`EngineFleet`) and
+    builds the scheduler on them."""
 
     def __init__(self, cfg: JobConfig, *, tokenizer, dataset: PromptDataset, reward,
                  program: Callable | None, eval_sets: list[EvalSet], servers: EngineServers,
@@ -57,40 +55,31 @@ class RolloutManager:
         output is one: redrawn into a file or a pipe, a bar turns into a line per refresh among the step lines)."""
         self.cfg = cfg
         self.tokenizer, self.dataset, self.reward, self.program = tokenizer, dataset, reward, program
-        self.eval_sets, self.servers = eval_sets, servers
+        self.eval_sets = eval_sets
+        self.fleet = EngineFleet(servers, cfg.rollout)
         ro = cfg.rollout  # training rollouts and evaluation sample alike
         self.sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
                                        stop=tuple(str(s) for s in ro.stop))
         self.scheduler: RolloutScheduler | None = None
         self.progress_bar = progress_bar
         self._progress = None  # the current step's rollout progress bar
-        self.engines: EngineSet | None = None  # each engine's state (from start())
-        self.watchdog: EngineWatchdog | None = None
         self.totals = Counter()
-        self.released: set[str] = set()  # memory the engines have released (colocated: while the trainer trains)
 
     def start(self, sender_gpus: list[dict] | None = None) -> dict:
-        """Start the engines (`sender_gpus[i]`: colocated, where the trainer rank that sends engine i weights by CUDA
-        IPC has its GPUs, see `EngineProcess.start`), the scheduler and the watchdog."""
-        seconds = self.servers.start(sender_gpus)
+        """Start the engines (`EngineFleet.start`; `sender_gpus[i]`: colocated, where the trainer rank that sends
+        engine i weights by CUDA IPC has its GPUs), the scheduler, and the fleet's watchdog, which tells the scheduler
+        when the engines in service change."""
+        info = self.fleet.start(sender_gpus)
         ro = self.cfg.rollout
-        generation = GenerationClient(self.servers.router_url, request_timeout_s=ro.request_timeout_s,
-                                      max_concurrency=ro.max_concurrency, api_key=self.servers.api_key)
+        generation = GenerationClient(self.fleet.router_url, request_timeout_s=ro.request_timeout_s,
+                                      max_concurrency=ro.max_concurrency, api_key=self.fleet.api_key)
         self.scheduler = RolloutScheduler(
-            engines=generation, engine_urls=self.servers.engine_urls, params=self.sampling,
+            engines=generation, engine_urls=self.fleet.engine_urls, params=self.sampling,
             prompts_per_step=ro.prompts_per_step, partial=ro.partial, max_concurrency=ro.max_concurrency,
             max_retries=ro.max_retries, new_group=self._new_group, score=self._score, detokenize=self._detokenize,
             dynamic_sampling=ro.dynamic_sampling, program=self.program, tokenize=self._tokenize)
-        self.engines = EngineSet(self.servers.engine_urls)
-        if ro.engine.restart_dead and not ro.engine.attach:  # the job cannot restart engines it did not start
-            self.watchdog = EngineWatchdog(self.servers, self.engines, interval_s=ro.engine.watch_interval_s,
-                                           on_live_change=self.scheduler.set_engine_urls,
-                                           health_interval_s=ro.engine.health_interval_s,
-                                           hang_timeout_s=ro.engine.hang_timeout_s, api_key=self.servers.api_key)
-            self.watchdog.start()
-        return {"time_engines_start_s": seconds, "engine_urls": self.servers.engine_urls,
-                "router_url": self.servers.router_url, "pids": self.servers.pids(),
-                "engines": self.servers.engine_info()}
+        self.fleet.watch(on_live_change=self.scheduler.set_engine_urls)
+        return info
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -103,10 +92,7 @@ class RolloutManager:
         return sft_samples(path, self.tokenizer)
 
     def gpu_telemetry(self) -> dict[str, float]:
-        return self.servers.gpu_telemetry()
-
-    def engine_urls(self) -> list[str]:
-        return self.servers.engine_urls
+        return self.fleet.gpu_telemetry()
 
     def _new_group(self, group_id: int) -> list[Sample]:
         prompt = self.dataset.next_batch(1)[0]
@@ -149,7 +135,7 @@ class RolloutManager:
             "reward_failures": counters.get("reward_failures", 0),
             "requests_retried": counters.get("requests_retried", 0),
             "requests_failed": counters.get("requests_failed", 0),
-            **(self.watchdog.metrics() if self.watchdog is not None else {}),
+            **self.fleet.metrics(),
             "engine_tokens": counters.get("engine_tokens", 0),
             "requests_aborted": counters.get("requests_aborted", 0),
             "groups_continued": counters.get("groups_continued", 0),
@@ -182,7 +168,7 @@ class RolloutManager:
 
         t0 = time.monotonic()
         metrics, samples = evaluate(
-            self.eval_sets, router_url=self.servers.router_url, api_key=self.servers.api_key,
+            self.eval_sets, router_url=self.fleet.router_url, api_key=self.fleet.api_key,
             params=self.sampling, samples_per_prompt=ev.samples_per_prompt, score=score,
             pass_threshold=ev.pass_threshold, max_concurrency=ro.max_concurrency, timeout_s=ro.request_timeout_s,
             tokenize=self._tokenize,
@@ -191,79 +177,36 @@ class RolloutManager:
         return {**metrics, "eval_reward_failures": failures["eval_reward_failures"],
                 "time_eval_s": time.monotonic() - t0}, [s.to_dict() for s in samples]
 
+    # ------------------------------------------------------------------ the engines' part of a weight sync
     def pause(self) -> None:
-        if self.watchdog is not None:  # a paused engine does not answer /health_generate: probe /model_info
-            self.watchdog.pause_probes()
+        """Before a weight sync: the watchdog stops probing generation, and (retract mode) generation pauses."""
+        self.fleet.pause_probes()
         self.scheduler.pause()
 
     def engines_for_sync(self) -> dict:
-        """{"urls": the engines the weight sync goes to, "joining": those of them restarted since the last one}
-        (`EngineSet.for_sync`, after the watchdog has looked for engines that died since its last check)."""
-        if self.watchdog is not None:
-            self.watchdog.check()
-        return self.engines.for_sync()
+        return self.fleet.for_sync()
 
     def engines_out(self, urls: list[str]) -> list[str]:
-        """While a weight sync to `urls` runs: those of them the watchdog has taken out of service (died, or frozen
-        and killed: its thread checks every rollout.engine.watch_interval_s). Only reads the engine set: the driver
-        asks every 0.5 s."""
-        return self.engines.lost(urls)
+        return self.fleet.out_of_service(urls)
 
     def kill_hung(self, urls: list[str]) -> list[str]:
-        """Kill `urls` as hung (they did not answer a weight-sync bucket by its deadline, though they may answer
-        other calls: an engine whose GPU stream is stuck in a collective still serves /model_info); the watchdog
-        restarts them. Returns those now out of service."""
-        if self.watchdog is None:
-            return []
-        return self.watchdog.kill_hung(urls)
+        return self.fleet.kill_hung(urls)
 
-    def engines_lost(self, urls: list[str], wait_s: float = 10.0) -> list[str]:
-        """After a weight sync to `urls` failed: those of them that died, or hung and were killed (their restart has
-        begun); [] means the sync failed for another reason. See `EngineWatchdog.lost_after_failure`."""
-        if self.watchdog is None:
-            return []
-        return self.watchdog.lost_after_failure(urls, wait_s)
+    def engines_lost(self, urls: list[str]) -> list[str]:
+        return self.fleet.lost_after_failure(urls)
 
     def resume(self, *, policy_version: int, joined: list[str] = ()) -> None:
         """After a weight sync to `policy_version`: restarted engines that received it are routed to again, and
         (retract mode) retracted requests continue."""
-        if self.watchdog is not None:
-            self.watchdog.admit(list(joined))
+        self.fleet.admit(list(joined))
         self.scheduler.resume(policy_version=policy_version)
-        if self.watchdog is not None and not self.released:
-            self.watchdog.resume_probes()
+        self.fleet.resume_probes()
 
     def release_memory(self, tags: list[str]) -> dict:
-        """Colocated engines free their GPU memory of `tags` for the trainer ranks on their GPUs (they must be idle:
-        between steps of rl.mode sync). Until `resume_memory` gives all of it back, the watchdog probes them
-        without generating (`/model_info`). Returns {"time_release_s"}."""
-        t0 = time.monotonic()
-        if self.watchdog is not None:
-            self.watchdog.pause_probes(until_idle=True)
-        self.released |= set(tags)
-        self._on_live_engines(lambda client: client.release_memory_occupation(list(tags)))
-        return {"time_release_s": time.monotonic() - t0}
+        return self.fleet.release_memory(tags)
 
     def resume_memory(self, tags: list[str]) -> dict:
-        """Take back the memory `release_memory` freed, `tags` of it. Returns {"time_resume_s"}."""
-        t0 = time.monotonic()
-        self._on_live_engines(lambda client: client.resume_memory_occupation(list(tags)))
-        self.released -= set(tags)
-        if self.watchdog is not None and not self.released:
-            self.watchdog.resume_probes()
-        return {"time_resume_s": time.monotonic() - t0}
-
-    def _on_live_engines(self, call: Callable[[EngineClient], None]) -> None:
-        """`call` on every live engine at once. An engine that died meanwhile is the watchdog's: its restart comes
-        back with all its memory (and the served checkpoint, which the next full sync replaces)."""
-        live = self.engines.live()
-        with ThreadPoolExecutor(max(1, len(live))) as pool:
-            futures = [pool.submit(_call_engine, url, self.servers.api_key, call) for url in live]
-        failures = {url: f.exception() for url, f in zip(live, futures) if f.exception() is not None}
-        lost = set(self.engines_lost(list(failures))) if failures else set()
-        for url, exc in failures.items():
-            if url not in lost:
-                raise exc
+        return self.fleet.resume_memory(tags)
 
     def state(self) -> dict:
         """What a resumed run needs so that no prompt is skipped or drawn twice: the prompt stream's position (the
@@ -280,19 +223,9 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
-        if self.watchdog is not None:  # before the servers: it would take their stopping for deaths
-            self.watchdog.stop()
-        self.servers.stop()
+        self.fleet.stop()
         if self.reward is not None:
             self.reward.close()
-
-
-def _call_engine(url: str, api_key: str | None, call: Callable[[EngineClient], None]) -> None:
-    client = EngineClient(url, api_key=api_key)
-    try:
-        call(client)
-    finally:
-        client.close()
 
 
 class ConfiguredRolloutManager(RolloutManager):
