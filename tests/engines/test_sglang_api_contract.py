@@ -113,8 +113,9 @@ def test_the_admin_key_goes_exactly_to_the_endpoints_that_need_it():
 
     level = {route.path: getattr(route.endpoint, "_auth_level", AuthLevel.NORMAL) for route in routes(app.routes)
              if hasattr(route, "endpoint")}
-    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(client.EngineClient)))
-    called |= {"/pause_generation", "/continue_generation", "/abort_request"}  # the scheduler's control_all
+    called = {path for cls in (client.EngineClient, generation.GenerationClient)
+              for path in re.findall(r'"(/[a-z_]+)"', inspect.getsource(cls))}
+    assert {"/pause_generation", "/continue_generation", "/abort_request"} <= called  # GenerationClient's *_all
     admin = {path for path in called if level.get(path) == AuthLevel.ADMIN_OPTIONAL}
     assert admin == called & client.ADMIN_PATHS, sorted(admin ^ (called & client.ADMIN_PATHS))
     assert all(level[path] == AuthLevel.ADMIN_OPTIONAL for path in client.ADMIN_PATHS), client.ADMIN_PATHS
