@@ -105,9 +105,6 @@ class RolloutManager:
     def gpu_telemetry(self) -> dict[str, float]:
         return self.servers.gpu_telemetry()
 
-    def engine_urls(self) -> list[str]:
-        return self.servers.engine_urls
-
     def _new_group(self, group_id: int) -> list[Sample]:
         prompt = self.dataset.next_batch(1)[0]
         return [Sample(group_id=group_id, index=i, prompt=prompt.text, prompt_ids=list(prompt.ids), label=prompt.label,
