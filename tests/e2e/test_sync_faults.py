@@ -37,8 +37,6 @@ from slimish.weight_sync.sync import WeightSync
 from slimish.weight_sync.transport import SyncReleased, TransportContext
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.e2e
-
 VICTIM = 1
 
 
