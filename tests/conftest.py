@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built locally (nothing from a hub) and a one-process Megatron world."""
+"""Shared fixtures: tiny models built locally (nothing from a hub) and a one-process Megatron world; and the test
+tiers, marked by folder (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ import pytest
 from slimish.network import free_port  # tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A test's tier follows from its folder, so that a new file there cannot join the fast tier (`-m "not e2e and not
+# slurm"`) by forgetting a mark: tests/e2e/ needs real engines, tests/slurm/ a simulated cluster (both minutes, the
+# whole machine). tests/gpu/ has no mark: it is part of the fast tier, where each test skips without a GPU.
+TIER_BY_FOLDER = {"e2e": "e2e", "slurm": "slurm"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects (pytest's mark plugin, in the same hook)
+def pytest_collection_modifyitems(config, items):
+    tests = REPO / "tests"
+    for item in items:
+        parts = Path(item.path).parts[len(tests.parts):] if Path(item.path).is_relative_to(tests) else ()
+        if parts and parts[0] in TIER_BY_FOLDER:
+            item.add_marker(TIER_BY_FOLDER[parts[0]])
 
 
 @pytest.fixture(scope="session")

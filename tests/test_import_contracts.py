@@ -1,5 +1,7 @@
 """The import rules in pyproject.toml ([tool.importlinter], run by `make lint`): the tree keeps them, and an upward
-import, or HTTP spoken outside slimish.engines, breaks them with the offending import named."""
+import, HTTP spoken outside slimish.engines, a slimish import in a leaf module, an import between weight sync and
+rollout, or the trainer or the driver importing slimish.engines directly breaks them with the offending import
+named."""
 
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ def test_the_tree_keeps_the_import_rules():
      "Lower layers never import higher ones BROKEN", "slimish.trainer.parallel -> slimish.orchestration.placement"),
     ("slimish/rollout/scheduler.py", "import httpx",
      "Only slimish.engines speaks HTTP to an engine or the router", "slimish.rollout.scheduler -> httpx"),
+    ("slimish/sample.py", "from slimish import errors",
+     "slimish.log and slimish.sample are leaves BROKEN", "slimish.sample -> slimish.errors"),
+    ("slimish/weight_sync/buckets.py", "from slimish.rollout import scheduler",
+     "Weight sync and rollout are independent BROKEN", "slimish.weight_sync.buckets -> slimish.rollout.scheduler"),
+    ("slimish/trainer/parallel.py", "from slimish.engines import client",
+     "The trainer never imports slimish.engines directly BROKEN", "slimish.trainer.parallel -> slimish.engines.client"),
+    ("slimish/orchestration/placement.py", "from slimish.engines import timeouts",
+     "The job driver never imports slimish.engines directly BROKEN",
+     "slimish.orchestration.placement -> slimish.engines.timeouts"),
 ])
 def test_a_broken_rule_is_caught(tmp_path, module, line, broken, chain):
     shutil.copytree(REPO / "slimish", tmp_path / "slimish", ignore=shutil.ignore_patterns("__pycache__"))

@@ -17,8 +17,9 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from slimish.config.errors import ConfigError
 from slimish.config.schema import JobConfig
-from slimish.errors import UserError
+from slimish.config.validate import validate
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -54,14 +55,6 @@ _Yaml12Loader.construct_mapping = _no_duplicate_keys
 
 def _yaml_load(text: str):
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-class ConfigError(UserError, ValueError):
-    """An invalid configuration; `key` is the dotted path of the offending entry."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"config key '{key}': {message}")
-        self.key = key
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -166,8 +159,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
                 isolate_hooks: bool = False) -> JobConfig:
     """Load YAML `path` (may be None), apply dotted `overrides`, build and validate the config (files=False: read
     no file but the model's config.json; isolate_hooks: import the hooks in a process of their own)."""
-    from slimish.config.validate import validate
-
     data: dict = {}
     if path is not None:
         data = _read_mapping(Path(path))

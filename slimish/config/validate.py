@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from slimish.config.loader import ConfigError
+from slimish.config.errors import ConfigError
 from slimish.config.schema import ESTIMATOR_MIN_GROUP_SIZE, JobConfig
 
 

@@ -14,14 +14,15 @@ import httpx
 from slimish.engines import timeouts
 from slimish.network import EngineKeys, engine_keys
 
-# SGLang 0.5.23's endpoints that need the admin key when the engine has one (`@auth_level(ADMIN_OPTIONAL)` in
-# sglang/srt/entrypoints/http_server.py; tests/engines/test_sglang_api_contract.py pins the list): the rest take the
-# API key. Health, readiness and metrics need neither.
+# The endpoints slimish calls that need the admin key when the engine has one (SGLang 0.5.23's
+# `@auth_level(ADMIN_OPTIONAL)` in sglang/srt/entrypoints/http_server.py; tests/engines/test_sglang_api_contract.py pins
+# the list, which names no endpoint that no client calls): the rest take the API key. Health, readiness and metrics
+# need neither.
 ADMIN_PATHS = frozenset({
     "/abort_request", "/begin_weight_update", "/continue_generation", "/destroy_weights_update_group",
     "/end_weight_update", "/flush_cache", "/init_weights_update_group", "/pause_generation",
     "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
-    "/update_weights_from_distributed", "/update_weights_from_tensor", "/weights_checker", "/get_weights_by_name",
+    "/update_weights_from_distributed", "/update_weights_from_tensor", "/weights_checker",
 })
 
 
@@ -170,6 +171,3 @@ class EngineClient:
 
     def continue_generation(self) -> None:
         self._post("/continue_generation", {})
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

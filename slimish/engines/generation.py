@@ -3,8 +3,9 @@ scheduler's, or evaluation's).
 
 `GenerationClient.generate(body)` POSTs a /generate body (built by `slimish.rollout.generate`) to the router and
 returns the engine's reply, a list for a batched input; every failure is a `RequestError` that says whether a retry
-may succeed. `control_all(urls, path, body)` sends a control call (pause, continue, abort) to each engine directly:
-the router does not forward them.
+may succeed. `pause_all`, `continue_all` and `abort_all` send a control call to each engine of a list directly (the
+router does not forward them) and return the engines that failed; the endpoints they call are named here only, so
+that callers (the rollout scheduler) never spell an engine's API.
 """
 
 from __future__ import annotations
@@ -58,7 +59,21 @@ class GenerationClient:
         except ValueError as exc:
             raise RequestError(f"malformed reply: {exc}", retriable=False) from exc
 
-    async def control_all(self, urls: list[str], path: str, body: dict) -> dict[str, BaseException]:
+    async def pause_all(self, urls: list[str], *, mode: str = "retract") -> dict[str, BaseException]:
+        """Pause generation on every engine of `urls` (`mode` 'retract': running requests go back to the queue and
+        free their KV cache); the failures by URL, as `_control_all`."""
+        return await self._control_all(urls, "/pause_generation", {"mode": mode})
+
+    async def continue_all(self, urls: list[str]) -> dict[str, BaseException]:
+        """Let every engine of `urls` generate again after `pause_all`; the failures by URL, as `_control_all`."""
+        return await self._control_all(urls, "/continue_generation", {})
+
+    async def abort_all(self, urls: list[str]) -> dict[str, BaseException]:
+        """Abort every running request on every engine of `urls` (each answers with the tokens so far); the
+        failures by URL, as `_control_all`."""
+        return await self._control_all(urls, "/abort_request", {"abort_all": True})
+
+    async def _control_all(self, urls: list[str], path: str, body: dict) -> dict[str, BaseException]:
         """POST `body` to `path` on every engine of `urls` at once; returns the failures by URL ({} when all
         answered 200). An engine that fails may just have died: the caller reports it and goes on."""
         async def post(url: str) -> None:

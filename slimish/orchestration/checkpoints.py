@@ -23,7 +23,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from slimish.config.loader import ConfigError
+from slimish.config.errors import ConfigError
 from slimish.errors import UserError
 from slimish.run_layout import (
     ARCHIVE,

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from slimish.config.schema import DynamicSamplingConfig, PartialRolloutConfig
@@ -125,13 +125,13 @@ class RolloutScheduler:
         that does not answer (it may have just died) is skipped: a weight update on an engine that is not paused
         waits for its running requests instead."""
         if self.mode == "retract":
-            self._call(self._control_all("/pause_generation", {"mode": "retract"}))
+            self._call(self._control_all("pause", self._engines.pause_all))
 
     def resume(self, *, policy_version: int) -> None:
         """After a weight sync: the engines serve `policy_version`; retracted requests continue."""
         self._engine_version = policy_version
         if self.mode == "retract":
-            self._call(self._control_all("/continue_generation", {}))
+            self._call(self._control_all("continue", self._engines.continue_all))
 
     @property
     def engine_version(self) -> int:
@@ -344,7 +344,7 @@ class RolloutScheduler:
         """Abort every running request on every engine until all have answered (their groups go to the buffer),
         then let the groups that were being scored land in `_ready`."""
         while any(g.outstanding for g in self._active.values()):
-            await self._control_all("/abort_request", {"abort_all": True})
+            await self._control_all("abort", self._engines.abort_all)
             pending = [t for t in self._tasks if not t.done()]
             if pending:  # (they may all have answered while the abort calls were out)
                 await asyncio.wait(pending, timeout=ABORT_RETRY_S)
@@ -382,12 +382,13 @@ class RolloutScheduler:
             self._ready = [g for g in self._ready if not self._stale(g)]
             self._backlog.extendleft(self._restart(g) for g in reversed(stale))
 
-    async def _control_all(self, path: str, body: dict) -> None:
-        """POST `body` to `path` on every live engine; an engine that fails is reported and skipped (it may just
-        have died: the watchdog takes care of it)."""
-        failures = await self._engines.control_all(list(self.engine_urls), path, body)
+    async def _control_all(self, what: str, call: Callable[[list[str]], Awaitable[dict[str, BaseException]]]) -> None:
+        """`call` (one of the engine client's pause_all, continue_all, abort_all; `what` names it in the log) on
+        every live engine; an engine that fails is reported and skipped (it may just have died: the watchdog takes
+        care of it)."""
+        failures = await call(list(self.engine_urls))
         for url, error in failures.items():
-            logger.warning("%s%s: %s: %s", url, path, type(error).__name__, error)
+            logger.warning("%s: %s failed: %s: %s", url, what, type(error).__name__, error)
 
     async def _state(self) -> dict:
         generating = [Group(g.group_id, [Sample.from_dict(s.to_dict()) for s in g.samples])

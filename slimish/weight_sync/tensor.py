@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing import reductions
 
-from slimish.config.loader import ConfigError
+from slimish.config.errors import ConfigError
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.transport import Transport

@@ -14,8 +14,6 @@ from slimish.weight_sync.buckets import Bucket
 from slimish.weight_sync.checksums import tensor_checksum
 from slimish.weight_sync.tensor import _serialize, flattened_metadata
 
-pytestmark = pytest.mark.e2e
-
 NAME = "model.norm.weight"  # one HF tensor, one engine parameter (no fusing, no vocabulary padding)
 
 

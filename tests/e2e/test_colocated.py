@@ -14,12 +14,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.e2e.hooks import phases_recorded
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
-
-pytestmark = pytest.mark.e2e
 
 TRAINER_TURN = ["release", "onload"]
 ENGINES_TURN = ["offload_state", "resume_weights", "full_sync", "offload_params", "resume_kv_cache"]

@@ -49,8 +49,6 @@ from slimish.engines.client import EngineAuth
 from tests.e2e import hooks
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
-pytestmark = pytest.mark.e2e
-
 
 def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

@@ -23,11 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
-
-pytestmark = pytest.mark.e2e
 
 COMMON = ("sft.steps=0", "reward.fn=slimish.tasks.echo_digit.contains_reward", "rollout.max_new_tokens=48",
           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.micro_batch_size=16",

@@ -18,9 +18,6 @@ import pytest
 
 from tests.e2e.procs import become_subreaper, leftovers, train_command
 
-pytestmark = pytest.mark.e2e
-
-
 MODES = {
     "sync": ["rollout.partial.mode=abort", "rollout.partial.over_sampling=2"],
     "one_step_off": ["rl.mode=one_step_off"],

@@ -16,8 +16,6 @@ import pytest
 
 from tests.e2e.procs import become_subreaper, hook_env, leftovers, train_command
 
-pytestmark = pytest.mark.e2e
-
 REQUIRED = ["step", "reward_mean", "response_len_mean", "ppo_kl", "logprob_abs_diff_max", "time_rollout_s",
             "time_train_s", "time_sync_s", "tokens_per_s", "response_len_p50", "response_len_p95", "response_len_max",
             "truncated_frac", "overlong_filtered", "overlong_penalized", "entropy", "dp_token_imbalance",

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from slimish.engines.servers import HEALTH_CHECK_ENDPOINT, router_argv
 from slimish.network import auth_headers
-
-pytestmark = pytest.mark.e2e
 
 
 def test_an_engine_paused_for_a_sync_passes_the_router_health_check(attached):

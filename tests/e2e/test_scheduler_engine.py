@@ -15,8 +15,6 @@ import pytest
 
 from tests.rollout.scheduler_kit import check_batch, make_scheduler
 
-pytestmark = pytest.mark.e2e
-
 STOP_E_T = ("e", "t")  # about one character in 18 of the untrained model's output: lengths near geometric
 
 

@@ -37,8 +37,6 @@ from slimish.weight_sync.sender import sync_to
 from slimish.weight_sync.sync import WeightSync
 from slimish.weight_sync.transport import SyncReleased
 
-pytestmark = pytest.mark.e2e
-
 VICTIM = 1
 
 

@@ -23,8 +23,6 @@ import pytest
 from tests.conftest import REPO
 from tests.e2e.procs import become_subreaper, leftovers
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 10
 
 

@@ -19,11 +19,8 @@ import subprocess
 import time
 
 import psutil
-import pytest
 
 from tests.e2e.procs import Reaper, become_subreaper, leftovers, train_command
-
-pytestmark = pytest.mark.e2e
 
 
 def _metrics(run_dir) -> list[dict]:

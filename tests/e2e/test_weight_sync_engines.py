@@ -24,8 +24,6 @@ import torch
 from slimish.network import auth_headers
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.e2e
-
 # Dense and MoE. MLA (DeepSeek-V3) is not here: SGLang 0.5.23 cannot serve the tiny MLA model on CPU (its
 # torch_native attention fails in MLA prefill: "Expected size for first two dimensions of batch2 tensor to be:
 # [4, 24] but got: [4, 32]"; its CPU rotary path also needs rope scaling and config.json fields transformers drops).

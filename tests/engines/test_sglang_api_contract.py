@@ -95,7 +95,7 @@ def test_the_endpoints_we_call_exist():
 def test_the_admin_key_goes_exactly_to_the_endpoints_that_need_it():
     """`EngineAuth` sends the admin key to ADMIN_PATHS and the API key elsewhere: every endpoint the clients call
     that SGLang marks ADMIN_OPTIONAL (with both keys set, it takes the admin key only) is in ADMIN_PATHS, and every
-    one in ADMIN_PATHS is so marked; /generate, /model_info, /server_info and /v1/loads take the API key."""
+    one in ADMIN_PATHS is so marked and called; /generate, /model_info, /server_info and /v1/loads take the API key."""
     import inspect
     import re
 
@@ -113,10 +113,12 @@ def test_the_admin_key_goes_exactly_to_the_endpoints_that_need_it():
 
     level = {route.path: getattr(route.endpoint, "_auth_level", AuthLevel.NORMAL) for route in routes(app.routes)
              if hasattr(route, "endpoint")}
-    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(client.EngineClient)))
-    called |= {"/pause_generation", "/continue_generation", "/abort_request"}  # the scheduler's control_all
+    called = {path for cls in (client.EngineClient, generation.GenerationClient)
+              for path in re.findall(r'"(/[a-z_]+)"', inspect.getsource(cls))}
+    assert {"/pause_generation", "/continue_generation", "/abort_request"} <= called  # GenerationClient's *_all
     admin = {path for path in called if level.get(path) == AuthLevel.ADMIN_OPTIONAL}
     assert admin == called & client.ADMIN_PATHS, sorted(admin ^ (called & client.ADMIN_PATHS))
+    assert client.ADMIN_PATHS <= called, sorted(client.ADMIN_PATHS - called)  # no entry for an endpoint none calls
     assert all(level[path] == AuthLevel.ADMIN_OPTIONAL for path in client.ADMIN_PATHS), client.ADMIN_PATHS
     for path in ("/generate", "/model_info", "/server_info", "/v1/loads"):
         assert level.get(path, AuthLevel.NORMAL) == AuthLevel.NORMAL and path not in client.ADMIN_PATHS

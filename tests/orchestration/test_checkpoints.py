@@ -8,7 +8,7 @@ import json
 import pytest
 
 from slimish import run_layout
-from slimish.config.loader import ConfigError
+from slimish.config.errors import ConfigError
 from slimish.errors import UserError
 from slimish.orchestration import checkpoints
 from slimish.orchestration.metrics import truncate_metrics

@@ -21,16 +21,18 @@ URL = "http://engine"
 class StandInEngine:
     """An SGLang engine as an httpx transport handler: each input of a /generate (batched or not) gets
     `response_len` tokens (fewer if the budget is smaller: then it is truncated), logprobs and the engine's weight
-    version `version`; control calls (abort, pause, continue) answer success and are recorded."""
+    version `version`; control calls (abort, pause, continue) answer `control_status` and are recorded as (path,
+    body)."""
 
     def __init__(self, *, response_len: int = 3, version: str = "default"):
         self.response_len, self.version, self.control = response_len, version, []
+        self.control_status = 200
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         if request.url.path != "/generate":
-            self.control.append(request.url.path)
-            return httpx.Response(200, json={"success": True})
+            self.control.append((request.url.path, body))
+            return httpx.Response(self.control_status, json={"success": self.control_status == 200})
         inputs = body["input_ids"]
         batched = isinstance(inputs[0], list)
         replies = [self._reply(ids, body["sampling_params"]["max_new_tokens"]) for ids in (inputs if batched
@@ -60,6 +62,26 @@ def test_engines_behind_the_policy_fail_loudly(synced_to):
             scheduler.collect(policy_version=5)
     finally:
         scheduler.close()
+
+
+@pytest.mark.parametrize("control_status", [200, 500])
+def test_retract_mode_pauses_and_continues_every_engine(control_status, caplog):
+    """Around a weight sync in retract mode the scheduler pauses the engines with retraction and lets them continue
+    (the engine client names the endpoints); an engine that fails is logged and skipped, never raised."""
+    engine = StandInEngine()
+    engine.control_status = control_status
+    scheduler = stand_in_scheduler("retract", engine)
+    try:
+        scheduler.pause()
+        scheduler.resume(policy_version=1)
+    finally:
+        scheduler.close()
+    assert engine.control == [("/pause_generation", {"mode": "retract"}), ("/continue_generation", {})]
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert failed == ([] if control_status == 200 else [f"{URL}: pause failed: RuntimeError: HTTP 500: "
+                                                       '{"success":false}',
+                                                       f"{URL}: continue failed: RuntimeError: HTTP 500: "
+                                                       '{"success":false}'])
 
 
 def reward_varies_in_odd_groups(samples: list[Sample]) -> int:

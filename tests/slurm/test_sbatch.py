@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
-
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_SLURM = REPO / "launch" / "local_slurm.sh"
 QUICKSTART = "configs/quickstart_cpu.yaml"

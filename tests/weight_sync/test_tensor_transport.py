@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from slimish.config.loader import ConfigError
+from slimish.config.errors import ConfigError
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.tensor import TensorTransport, _serialize, _share_by_name, flattened_metadata
