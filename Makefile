@@ -2,14 +2,14 @@
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
 # Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make gpu-battery-prepare | make lint | make docs | make bench | make bench-partial | make bench-sync |
-#   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-estimators | make bench-async | make bench-rollout | make bench-reward-workers
+#   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-estimators | make bench-async | make bench-rollout | make bench-reward-workers | make bench-step-time
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout bench-reward-workers clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout bench-reward-workers bench-step-time clean
 
 venv: $(STAMP)
 
@@ -106,6 +106,11 @@ bench-async: venv
 
 bench-rollout: venv
 	$(BIN)/python bench/rollout_overhead.py
+
+# The quickstart's step time at this tree against BASELINE (a git revision), alternating jobs in one run.
+BASELINE ?= HEAD~1
+bench-step-time: venv
+	$(BIN)/python bench/step_time.py --baseline $(BASELINE)
 
 bench-reward-workers: venv
 	$(BIN)/python bench/reward_workers.py

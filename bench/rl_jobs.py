@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -44,13 +45,17 @@ def make_assets(out: Path, *extra: str) -> Path:
     return out
 
 
-def train(name: str, overrides: list[str], *, assets: Path, out: Path, config: Path = QUICKSTART) -> list[dict]:
-    """`slimish train` of `config` on `assets` as run `name` under `out`; returns its metrics.jsonl records."""
+def train(name: str, overrides: list[str], *, assets: Path, out: Path, config: Path = QUICKSTART,
+          tree: Path = REPO) -> list[dict]:
+    """`slimish train` of `config` on `assets` as run `name` under `out`, with the slimish of the source tree `tree`
+    (another checkout: a baseline; every process of the job imports it, through PYTHONPATH); returns its
+    metrics.jsonl records."""
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree != REPO else None
     cmd = [sys.executable, "-m", "slimish.cli", "train", str(config),
            f"model.hf_path={assets / 'model'}", f"data.path={assets / 'train.jsonl'}",
            f"sft.data_path={assets / 'sft.jsonl'}", f"run.output_dir={out}", f"run.name={name}", "eval.every=0",
            *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
     if result.returncode:
         raise RuntimeError(f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]

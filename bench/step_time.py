@@ -1,0 +1,52 @@
+"""The quickstart's RL step time at this tree against a baseline commit, measured in the same run.
+
+  python bench/step_time.py [--baseline REV] [--steps 12] [--rounds 2]
+
+Checks the baseline out into a scratch git worktree and runs the quickstart job (no SFT warm-up, no evaluation) on
+the same tiny assets with each tree in turn, `--rounds` times, alternating, so that both see the machine alike. A
+job's steady-state step time is the mean of `time_step_s` after its first step; the figures are each tree's median
+over its rounds, and the last line is this tree's over the baseline's (below 1: faster).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rl_jobs import REPO, bench_parser, steady_state, train, workspace  # noqa: E402
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, steps=12)
+    parser.add_argument("--baseline", default="HEAD~1", help="the commit to compare with (a git revision)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    tree = Path(tempfile.mkdtemp(prefix="slimish-baseline-", dir=args.workdir))
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), args.baseline], cwd=REPO, check=True)
+    try:
+        figures: dict[str, list[dict]] = {"this": [], "baseline": []}
+        with workspace("step-time", args.workdir) as (assets, runs):
+            for round_ in range(args.rounds):
+                for name, source in (("baseline", tree), ("this", REPO)):
+                    records = train(f"{name}{round_}", [f"rl.num_steps={args.steps}", "sft.steps=0"], assets=assets,
+                                    out=runs, tree=source)
+                    figures[name].append(steady_state(records))
+                    sys.stdout.write(f"{name} round {round_}: step {figures[name][-1]['step_s']:.3f}s, train "
+                                     f"{figures[name][-1]['train_s']:.3f}s, sync {figures[name][-1]['sync_s']:.3f}s\n")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
+        shutil.rmtree(tree, ignore_errors=True)
+    medians = {name: {key: statistics.median(f[key] for f in runs) for key in ("step_s", "train_s", "sync_s")}
+               for name, runs in figures.items()}
+    for name, m in medians.items():
+        sys.stdout.write(f"{name}: step {m['step_s']:.3f}s train {m['train_s']:.3f}s sync {m['sync_s']:.3f}s\n")
+    sys.stdout.write(f"step_time_vs_baseline={medians['this']['step_s'] / medians['baseline']['step_s']:.3f}\n")
+
+
+if __name__ == "__main__":
+    main()
