@@ -29,7 +29,7 @@ class MicroBatch:
     cu_seqlens: list[int] | None = None  # packed: sample boundaries in the row (0, len0, len0 + len1, ...)
     # Per-token [B, S-1] inputs of the losses, filled in as the step goes (None until then):
     rollout_logprobs: torch.Tensor | None = None  # the engines' (float32)
-    old_logprobs: torch.Tensor | None = None      # the trainer's before the step (compute_logprobs)
+    old_logprobs: torch.Tensor | None = None      # the trainer's before the step (rl_step.prepare)
     ref_logprobs: torch.Tensor | None = None      # the reference model's
     old_values: torch.Tensor | None = None        # the critic's before the step
     advantages: torch.Tensor | None = None

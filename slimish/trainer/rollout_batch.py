@@ -60,7 +60,7 @@ class RolloutBatch:
     @property
     def on_last_stage(self) -> bool:
         """Whether this rank made logprobs for its micro-batches (the last pipeline stage does, after
-        compute_logprobs)."""
+        rl_step.prepare)."""
         return all(mb.old_logprobs is not None for minibatch in self.microbatches for mb in minibatch)
 
     @property
