@@ -16,6 +16,7 @@ from slimish.rollout.generate import (
     request_body,
 )
 from slimish.sample import Sample, Status
+from tests.kit.engines import StandInEngine, generation_client
 
 RECORDED_REPLY = {
     "text": "7", "output_ids": [23, 0],
@@ -188,27 +189,18 @@ def test_split_stop_string_with_the_models_tokenizer(task_assets):
     sample.check()
 
 
-def _engines(transport):
-    """A GenerationClient whose engine is `transport` (an httpx MockTransport)."""
-    from slimish.engines.generation import GenerationClient
-
-    return GenerationClient("http://engine", request_timeout_s=30, max_concurrency=4, transport=transport)
-
-
 def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
     """Nothing is left to continue (a continuation would ask for max_new_tokens=0): the sample is truncated and
-    trains. The engine's HTTP reply is served by httpx's MockTransport (the recorded reply, finish 'abort')."""
+    trains. The engine is tests/kit/engines.py's stand-in, answering the recorded reply with finish 'abort'."""
     import asyncio
-
-    import httpx
 
     from slimish.rollout.generate import generate_one
 
     aborted = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "abort"}}}
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=aborted))
+    engine = StandInEngine(lambda input_ids, sampling_params: aborted)
 
     async def generate(max_new_tokens: int) -> Sample:
-        engines = _engines(transport)
+        engines = generation_client(engine)
         try:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
             return await generate_one(engines, _sample(), params, rid="r")
@@ -221,11 +213,8 @@ def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
 
 def test_a_batched_request_fills_each_sample_or_none():
     """Several samples with the same budget go in one request (input_ids batched, answered in order); a reply list
-    with one malformed entry changes no sample. Served by httpx's MockTransport."""
+    with one malformed entry changes no sample. The engine is tests/kit/engines.py's stand-in."""
     import asyncio
-    import json
-
-    import httpx
 
     from slimish.engines.generation import RequestError
     from slimish.rollout.generate import batch_body, generate_batch
@@ -235,13 +224,11 @@ def test_a_batched_request_fills_each_sample_or_none():
     bodies = []
 
     def run(replies: list[dict]) -> list[Sample]:
-        def answer(request):
-            bodies.append(json.loads(request.content))
-            return httpx.Response(200, json=replies)
+        engine = StandInEngine(replies=replies)
 
         async def go():
             samples = [_sample(), Sample(group_id=0, index=1, prompt="say 7", prompt_ids=[269, 221, 23], label="7")]
-            engines = _engines(httpx.MockTransport(answer))
+            engines = generation_client(engine)
             try:
                 await generate_batch(engines, samples, params, rid="g")
             except RequestError:
@@ -249,7 +236,9 @@ def test_a_batched_request_fills_each_sample_or_none():
             finally:
                 await engines.aclose()
             return samples
-        return asyncio.run(go())
+        samples = asyncio.run(go())
+        bodies.extend(engine.requests)
+        return samples
 
     first, second = run([RECORDED_REPLY, truncated])
     assert bodies[0]["input_ids"] == [[269, 221, 23], [269, 221, 23]] and bodies[0]["rid"] == "g"

@@ -1,0 +1,88 @@
+"""Engines for tests that need no real one: a `/generate` stand-in with its client.
+
+A handler here is a function of an `httpx.Request` returning an `httpx.Response`; it serves in process
+(`httpx.MockTransport(handler)`).
+
+- `StandInEngine`: an SGLang engine's `/generate` and control calls, as such a handler (`generation_client(engine)`
+  is a `GenerationClient` whose engine it is). Each input of a /generate request gets `answer(input_ids,
+  sampling_params)`, or the next of `replies`, or by default `counted`; a batched request (a list of inputs) is
+  answered by a list, in order. `refuse` makes /generate answer that HTTP status instead. Every other path (abort,
+  pause, continue) answers `control_status`. It records every /generate body (`requests`) and (path, body) of every
+  other call (`control`).
+- `reply(...)`: one /generate answer in SGLang's shape (`output_ids`, `text`, `meta_info`'s finish reason, weight
+  version and per-token logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import httpx
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def reply(output_ids: Sequence[int], *, finish: str = "stop", version: str = "default",
+          logprobs: Sequence[float] | None = None, text: str | None = None) -> dict:
+    """SGLang's answer to one input of a /generate: `output_ids` with `logprobs` (one each; default -0.1 * (k + 1)
+    for token k), finished by `finish` ("stop", "length", "abort") at weight version `version`; `text` defaults to
+    the ids joined by spaces."""
+    ids = list(output_ids)
+    logprobs = [-0.1 * (k + 1) for k in range(len(ids))] if logprobs is None else list(logprobs)
+    return {"text": " ".join(map(str, ids)) if text is None else text, "output_ids": ids,
+            "meta_info": {"finish_reason": {"type": finish}, "weight_version": version,
+                          "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}}
+
+
+class StandInEngine:
+    """An SGLang engine at the HTTP boundary (see the module's docstring). `counted` is the default answer:
+    `response_len` tokens (sum(input_ids) + k) % 50 + 1, fewer if the budget (`max_new_tokens`) is smaller, then
+    finished by "length", else by "stop"; at weight version `version`. `answer` (a function of the input's ids and
+    the request's sampling params) or `replies` (answers taken in turn, one per input) replace it."""
+
+    def __init__(self, answer: Callable[[list[int], dict], dict] | None = None, *, replies: Sequence[dict] = (),
+                 response_len: int = 3, version: str = "default", refuse: int | None = None,
+                 control_status: int = 200):
+        if answer is not None and replies:
+            raise ValueError("answer or replies, not both")
+        self.response_len, self.version, self.refuse, self.control_status = response_len, version, refuse, \
+            control_status
+        self.replies = list(replies)
+        self.answer = answer or (self._next_reply if replies else self.counted)
+        self.requests: list[dict] = []
+        self.control: list[tuple[str, dict]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        if request.url.path != "/generate":
+            self.control.append((request.url.path, body))
+            return httpx.Response(self.control_status, json={"success": self.control_status == 200})
+        self.requests.append(body)
+        if self.refuse is not None:
+            return httpx.Response(self.refuse, json={"error": "refused by the stand-in engine"})
+        inputs = body["input_ids"]
+        batched = isinstance(inputs[0], list)
+        answers = [self.answer(ids, body["sampling_params"]) for ids in (inputs if batched else [inputs])]
+        return httpx.Response(200, json=answers if batched else answers[0])
+
+    def counted(self, input_ids: list[int], sampling_params: dict) -> dict:
+        budget = sampling_params["max_new_tokens"]
+        out = [(sum(input_ids) + k) % 50 + 1 for k in range(min(self.response_len, budget))]
+        return reply(out, finish="length" if len(out) == budget else "stop", version=self.version)
+
+    def _next_reply(self, input_ids: list[int], sampling_params: dict) -> dict:
+        return self.replies.pop(0)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self)
+
+
+def generation_client(engine: Handler, url: str = "http://engine", *, request_timeout_s: float = 30,
+                      max_concurrency: int = 4):
+    """A `GenerationClient` of the router at `url` whose requests `engine` answers in process (create it on the
+    event loop that uses it; `aclose()` it there)."""
+    from slimish.engines.generation import GenerationClient
+
+    return GenerationClient(url, request_timeout_s=request_timeout_s, max_concurrency=max_concurrency,
+                            transport=httpx.MockTransport(engine))
