@@ -1,7 +1,8 @@
-"""Engines for tests that need no real one: a `/generate` stand-in with its client.
+"""Engines for tests that need no real one: a `/generate` stand-in with its client, and a loopback HTTP server.
 
-A handler here is a function of an `httpx.Request` returning an `httpx.Response`; it serves in process
-(`httpx.MockTransport(handler)`).
+A handler here is a function of an `httpx.Request` returning an `httpx.Response`, or None to close the connection
+unanswered (what a stopped process does); the same handler serves in process (`httpx.MockTransport(handler)`) or
+over HTTP on 127.0.0.1 (`LoopbackServer(handler)`).
 
 - `StandInEngine`: an SGLang engine's `/generate` and control calls, as such a handler (`generation_client(engine)`
   is a `GenerationClient` whose engine it is). Each input of a /generate request gets `answer(input_ids,
@@ -11,16 +12,20 @@ A handler here is a function of an `httpx.Request` returning an `httpx.Response`
   other call (`control`).
 - `reply(...)`: one /generate answer in SGLang's shape (`output_ids`, `text`, `meta_info`'s finish reason, weight
   version and per-token logprobs).
+- `LoopbackServer`: a handler served by a `ThreadingHTTPServer` bound to 127.0.0.1 on a free port, in a daemon thread
+  (its request threads daemon too: a held request never delays the end), until `close()` or the end of its `with`.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-Handler = Callable[[httpx.Request], httpx.Response]
+Handler = Callable[[httpx.Request], httpx.Response | None]
 
 
 def reply(output_ids: Sequence[int], *, finish: str = "stop", version: str = "default",
@@ -86,3 +91,53 @@ def generation_client(engine: Handler, url: str = "http://engine", *, request_ti
 
     return GenerationClient(url, request_timeout_s=request_timeout_s, max_concurrency=max_concurrency,
                             transport=httpx.MockTransport(engine))
+
+
+class LoopbackServer:
+    """`handler` served over HTTP/1.0 at `url` (http://127.0.0.1:`port`). Each request reaches it as an
+    `httpx.Request` (the URL at `url`, the request's headers and body) on a thread of its own; its `httpx.Response`
+    is sent with its status, headers and body; None closes the connection unanswered."""
+
+    def __init__(self, handler: Handler):
+        class Serve(BaseHTTPRequestHandler):
+            def _serve(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                request = httpx.Request(self.command, f"{server.url}{self.path}", headers=list(self.headers.items()),
+                                        content=self.rfile.read(length) if length else b"")
+                response = handler(request)
+                if response is None:
+                    self.close_connection = True  # the client sees the connection end with no answer
+                    return
+                content = response.read()
+                self.send_response(response.status_code)
+                for name, value in response.headers.items():
+                    if name.lower() != "content-length":
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _serve
+
+            def log_message(self, *args):
+                pass
+
+        server = self
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Stop serving and free the port (requests still being handled are not waited for)."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+    def __enter__(self) -> LoopbackServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
