@@ -1,4 +1,5 @@
-"""Engines for tests that need no real one: a `/generate` stand-in with its client, and a loopback HTTP server.
+"""Engines for tests that need no real one: a `/generate` stand-in with its client, an `EngineClient` stand-in, and
+a loopback HTTP server.
 
 A handler here is a function of an `httpx.Request` returning an `httpx.Response`, or None to close the connection
 unanswered (what a stopped process does); the same handler serves in process (`httpx.MockTransport(handler)`) or
@@ -12,6 +13,9 @@ over HTTP on 127.0.0.1 (`LoopbackServer(handler)`).
   other call (`control`).
 - `reply(...)`: one /generate answer in SGLang's shape (`output_ids`, `text`, `meta_info`'s finish reason, weight
   version and per-token logprobs).
+- `StandInClient`: what the weight sync calls of an `EngineClient` (`weight_version`, `weight_checksums`,
+  `update_weights_from_tensor`), answered from its fields; `clients_by_url(...)` is a `new_client` that hands them
+  out.
 - `LoopbackServer`: a handler served by a `ThreadingHTTPServer` bound to 127.0.0.1 on a free port, in a daemon thread
   (its request threads daemon too: a held request never delays the end), until `close()` or the end of its `with`.
 """
@@ -91,6 +95,32 @@ def generation_client(engine: Handler, url: str = "http://engine", *, request_ti
 
     return GenerationClient(url, request_timeout_s=request_timeout_s, max_concurrency=max_concurrency,
                             transport=httpx.MockTransport(engine))
+
+
+class StandInClient:
+    """Stands in for an `EngineClient` of the engine at `url`: it serves weight version `version`, each of its
+    tensor-parallel ranks holds the checksums of `ranks` (name -> checksum), and it keeps each `serialized` argument of
+    `update_weights_from_tensor` in `payloads`."""
+
+    def __init__(self, url: str, version: str = "default", ranks: list[dict[str, str]] | None = None):
+        self.url, self.version, self.ranks = url, version, ranks if ranks is not None else []
+        self.payloads: list = []
+
+    def weight_version(self) -> str:
+        return self.version
+
+    def weight_checksums(self) -> list[dict[str, str]]:
+        return self.ranks
+
+    def update_weights_from_tensor(self, *, serialized, **_) -> dict:
+        self.payloads.append(serialized)
+        return {}
+
+
+def clients_by_url(clients: Sequence[StandInClient]):
+    """A `new_client(url, api_key)` (as `sync_to` takes) that returns the stand-in of `url`."""
+    by_url = {client.url: client for client in clients}
+    return lambda url, api_key: by_url[url]
 
 
 class LoopbackServer:
