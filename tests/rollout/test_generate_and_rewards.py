@@ -16,6 +16,7 @@ from slimish.rollout.generate import (
     request_body,
 )
 from slimish.sample import Sample, Status
+from tests.kit import samples as kit
 from tests.kit.engines import StandInEngine, generation_client
 
 RECORDED_REPLY = {
@@ -25,6 +26,9 @@ RECORDED_REPLY = {
                   "completion_tokens": 2, "weight_versions": [{"version": "3", "start": 0, "end": 1},
                                                               {"version": "4", "start": 1, "end": 2}]},
 }
+
+
+SAY_7 = {"prompt": "say 7", "prompt_ids": [269, 221, 23], "label": "7"}  # `_sample`'s, for tests/kit/samples.py
 
 
 def _sample(**kw) -> Sample:
@@ -77,8 +81,8 @@ def test_partial_response_is_continued_and_appended():
 def _two_segments(first: str, second: str, status: Status) -> Sample:
     """A response of one character per token, generated in two requests."""
     ids = [ord(c) for c in first + second]
-    return _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[3] * len(first) +
-                   [4] * len(second), loss_mask=[1] * len(ids), status=status, meta={"segments": 2})
+    return kit.sample(response_ids=ids, rollout_logprobs=-0.5, weight_versions=[3] * len(first) + [4] * len(second),
+                      status=status, meta={"segments": 2}, **SAY_7)
 
 
 def _chars(ids: list[int]) -> str:
@@ -122,8 +126,7 @@ def test_startup_version_default_is_zero():
 
 
 def _scored(texts):
-    return [_sample(response=t, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1],
-                    status=Status.COMPLETED) for t in texts]
+    return [kit.sample(response=t, **SAY_7) for t in texts]
 
 
 def test_reward_hook_contract():
@@ -181,8 +184,8 @@ def test_split_stop_string_with_the_models_tokenizer(task_assets):
     head = tokenizer("say 7 7 </an")["input_ids"]
     ids = head + tokenizer("swer> 7 7 </answer>")["input_ids"]
     assert detokenize(ids) == "say 7 7 </answer> 7 7 </answer>"
-    sample = _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[0] * len(ids),
-                     loss_mask=[1] * len(ids), status=Status.TRUNCATED, meta={"segments": 2})
+    sample = kit.sample(response_ids=ids, rollout_logprobs=-0.5, status=Status.TRUNCATED, meta={"segments": 2},
+                        **SAY_7)
     finish_multi_segment(sample, ("</answer>",), detokenize)
     assert detokenize(sample.response_ids) == "say 7 7 </answer>" and sample.response == "say 7 7 "
     assert len(head) < len(sample.response_ids) < len(ids) and sample.status is Status.COMPLETED

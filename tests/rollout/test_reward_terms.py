@@ -12,8 +12,8 @@ import pytest
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.remote_reward import RemoteReward
 from slimish.rollout.rewards import build_reward_fn, score, weighted_sum
-from slimish.sample import Sample, Status
 from tests.kit.engines import LoopbackServer
+from tests.kit.samples import sample
 
 ROWS = [{"prompt": "what is 3+4?", "label": "7", "solution": "7", "difficulty": 1},
         {"prompt": "what is 2+2?", "label": "4", "solution": "4", "difficulty": 2}]
@@ -29,9 +29,8 @@ def length_reward(completions, **kwargs):
 
 
 def samples_for(rows, responses):
-    return [Sample(group_id=0, index=i, prompt=row["prompt"], prompt_ids=[1], label=row["label"], columns=row,
-                   response=text, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1],
-                   status=Status.COMPLETED) for i, (row, text) in enumerate(zip(rows, responses))]
+    return [sample(index=i, prompt=row["prompt"], label=row["label"], columns=row, response=text)
+            for i, (row, text) in enumerate(zip(rows, responses))]
 
 
 def test_a_trl_reward_function_reads_a_column_other_than_the_label():
