@@ -55,8 +55,8 @@ class StandInEngine:
                  control_status: int = 200):
         if answer is not None and replies:
             raise ValueError("answer or replies, not both")
-        self.response_len, self.version, self.refuse, self.control_status = response_len, version, refuse, \
-            control_status
+        self.response_len, self.version = response_len, version
+        self.refuse, self.control_status = refuse, control_status
         self.replies = list(replies)
         self.answer = answer or (self._next_reply if replies else self.counted)
         self.requests: list[dict] = []
