@@ -2,50 +2,26 @@
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
-
+import httpx
 import pytest
 
 from slimish.engines.client import EngineClient, EngineError
 from tests.conftest import free_port
+from tests.kit.engines import LoopbackServer
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+def answer(request: httpx.Request) -> httpx.Response:
     """/model_info -> 500; /begin_weight_update -> 200 {"success": false}; anything else -> 200 {}."""
-
-    def _reply(self):
-        status, body = {"/model_info": (500, {"error": "boom"}),
-                        "/begin_weight_update": (200, {"success": False, "message": "not paused"})}.get(
-            self.path, (200, {}))
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):  # noqa: N802 - the http.server API
-        self._reply()
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self._reply()
-
-    def log_message(self, *args):
-        pass
+    status, body = {"/model_info": (500, {"error": "boom"}),
+                    "/begin_weight_update": (200, {"success": False, "message": "not paused"})}.get(
+        request.url.path, (200, {}))
+    return httpx.Response(status, json=body)
 
 
 @pytest.fixture
 def server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with LoopbackServer(answer) as engine:
+        yield engine.url
 
 
 def test_every_failure_is_an_engine_error_naming_the_call(server):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from slimish.engines.launch_router import API_KEY_ENV
@@ -15,40 +14,26 @@ from slimish.engines.listener import ForeignListener, check_listener
 from slimish.engines.process import ManagedProcess
 from slimish.engines.servers import router_argv
 from slimish.network import free_port
+from tests.kit.engines import LoopbackServer
 
 
-class Impostor:
-    """Someone else's HTTP server on a port: answers 200 to everything and records every request's headers."""
+class Impostor(LoopbackServer):
+    """Someone else's HTTP server on a port: answers 200 to everything and records every request's method, path and
+    Authorization header."""
 
     def __init__(self):
-        seen = self.requests = []
+        self.requests = []
+        super().__init__(self.answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self):
-                seen.append((self.command, self.path, self.headers.get("Authorization")))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append((request.method, request.url.raw_path.decode(), request.headers.get("Authorization")))
+        return httpx.Response(200, content=b"{}")
 
 
 @pytest.fixture
 def impostor():
-    server = Impostor()
-    yield server
-    server.close()
+    with Impostor() as server:
+        yield server
 
 
 def _http_server(tmp_path, port: int) -> ManagedProcess:

@@ -14,12 +14,13 @@ that holds the probe and no other engine to race it."""
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from slimish.engines.engine_set import JOINING, EngineSet
 from slimish.engines.watchdog import EngineWatchdog
+from tests.kit.engines import LoopbackServer
 
 FROZEN = ("/health_generate", "/model_info")  # a stopped process answers nothing
 PAUSED = ("/health_generate",)  # a paused engine generates nothing, but its HTTP process answers
@@ -27,39 +28,28 @@ BOUND_S = 60.0  # the hang bound where a healthy engine must answer: never reach
 
 
 class StandInEngine:
-    """An HTTP server on 127.0.0.1 that answers every GET 200 at once, except those to the paths in `hung`: it closes
-    their connection unanswered or, with `holds`, holds them until the test sets `release`. `on_request` is called
-    when a `hung` request arrives, before that."""
+    """An HTTP server on 127.0.0.1 (tests/kit/engines.py's `LoopbackServer`) that answers every GET 200 at once,
+    except those to the paths in `hung`: it closes their connection unanswered or, with `holds`, holds them until the
+    test sets `release`. `on_request` is called when a `hung` request arrives, before that."""
 
     def __init__(self, *, hung: tuple[str, ...] = (), holds: bool = False, on_request=None):
+        self.hung, self.holds, self.on_request = hung, holds, on_request
         self.release = threading.Event()
-        engine = self
+        self.server = LoopbackServer(self.answer)
+        self.url = self.server.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path in engine.hung:
-                    if on_request is not None:
-                        on_request()
-                    if not holds:
-                        self.close_connection = True  # the client sees the connection end with no answer
-                        return
-                    engine.release.wait(30)
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.hung = hung
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, request: httpx.Request) -> httpx.Response | None:
+        if request.url.path in self.hung:
+            if self.on_request is not None:
+                self.on_request()
+            if not self.holds:
+                return None  # the client sees the connection end with no answer
+            self.release.wait(30)
+        return httpx.Response(200)
 
     def close(self):
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 class StandInServers:

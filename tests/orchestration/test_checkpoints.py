@@ -167,7 +167,8 @@ def test_rollout_manager_state_round_trips(tmp_path):
     from slimish.rollout.generate import SamplingParams
     from slimish.rollout.manager import RolloutManager
     from slimish.rollout.scheduler import RolloutScheduler
-    from slimish.sample import Sample, Status
+    from slimish.sample import Status
+    from tests.kit.samples import sample
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"p{i}", "label": i}) + "\n" for i in range(5)))
@@ -184,8 +185,8 @@ def test_rollout_manager_state_round_trips(tmp_path):
         managers.append(manager)
     managers[0].dataset.next_batch(7)
     managers[0].totals.update({"completed": 12, "reward_failures": 1})
-    partial = Sample(group_id=3, index=0, prompt="p3", prompt_ids=[1, 2], response_ids=[5], rollout_logprobs=[-0.5],
-                     weight_versions=[2], loss_mask=[1], status=Status.ABORTED, meta={"segments": 1})
+    partial = sample(group_id=3, prompt="p3", prompt_ids=[1, 2], response_ids=[5], rollout_logprobs=-0.5,
+                     weight_versions=2, status=Status.ABORTED, meta={"segments": 1})
     managers[0].scheduler.load_state({"next_group_id": 4, "groups": [{"group_id": 3, "samples": [partial.to_dict()]}]})
     try:
         managers[1].load_state(json.loads(json.dumps(managers[0].state())))

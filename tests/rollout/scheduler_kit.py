@@ -24,8 +24,8 @@ def make_scheduler(url: str, mode: str, *, over_sampling: int = 2, max_staleness
                    max_concurrency: int = 64, stop: tuple[str, ...] = (), score=reward_by_length,
                    dynamic_sampling: DynamicSamplingConfig | None = None, program=None,
                    transport=None, api_key: str | None = None) -> RolloutScheduler:
-    """A scheduler of 4 groups a step on the engine at `url` (`transport`: a stand-in engine answering there),
-    which requires `api_key` if given."""
+    """A scheduler of 4 groups a step on the engine at `url` (`transport`: a stand-in engine answering there,
+    tests/kit/engines.py's `StandInEngine.transport()`), which requires `api_key` if given."""
     def new_group(group_id: int) -> list[Sample]:
         return [Sample(group_id=group_id, index=i, prompt="", prompt_ids=[5, 6, 7, 10 + group_id % 50])
                 for i in range(GROUP)]

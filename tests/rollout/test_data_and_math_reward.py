@@ -10,8 +10,9 @@ from transformers import AutoTokenizer
 
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.rewards import score
-from slimish.sample import Sample, Status
+from slimish.sample import Status
 from slimish.tasks import math_answer
+from tests.kit.samples import group
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -77,9 +78,7 @@ def test_math_answer_reward(completion, label, expected):
 
 def test_math_answer_reward_scores_on_a_worker_thread():
     """The scheduler scores on a worker thread, where signal-based time limits cannot run."""
-    samples = [Sample(group_id=0, index=i, prompt="", prompt_ids=[1], response=text, label="0.5", response_ids=[1],
-                      rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1], status=Status.COMPLETED)
-               for i, text in enumerate(["\\boxed{1/2}", "\\boxed{2}"])]
+    samples = group(["\\boxed{1/2}", "\\boxed{2}"], prompt="", label="0.5")
     failures = []
     thread = threading.Thread(target=lambda: failures.append(score(samples, math_answer.reward, failure_reward=-1)))
     thread.start()

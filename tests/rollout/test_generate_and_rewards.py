@@ -16,6 +16,8 @@ from slimish.rollout.generate import (
     request_body,
 )
 from slimish.sample import Sample, Status
+from tests.kit import samples as kit
+from tests.kit.engines import StandInEngine, generation_client
 
 RECORDED_REPLY = {
     "text": "7", "output_ids": [23, 0],
@@ -24,6 +26,9 @@ RECORDED_REPLY = {
                   "completion_tokens": 2, "weight_versions": [{"version": "3", "start": 0, "end": 1},
                                                               {"version": "4", "start": 1, "end": 2}]},
 }
+
+
+SAY_7 = {"prompt": "say 7", "prompt_ids": [269, 221, 23], "label": "7"}  # `_sample`'s, for tests/kit/samples.py
 
 
 def _sample(**kw) -> Sample:
@@ -76,8 +81,8 @@ def test_partial_response_is_continued_and_appended():
 def _two_segments(first: str, second: str, status: Status) -> Sample:
     """A response of one character per token, generated in two requests."""
     ids = [ord(c) for c in first + second]
-    return _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[3] * len(first) +
-                   [4] * len(second), loss_mask=[1] * len(ids), status=status, meta={"segments": 2})
+    return kit.sample(response_ids=ids, rollout_logprobs=-0.5, weight_versions=[3] * len(first) + [4] * len(second),
+                      status=status, meta={"segments": 2}, **SAY_7)
 
 
 def _chars(ids: list[int]) -> str:
@@ -121,8 +126,7 @@ def test_startup_version_default_is_zero():
 
 
 def _scored(texts):
-    return [_sample(response=t, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1],
-                    status=Status.COMPLETED) for t in texts]
+    return [kit.sample(response=t, **SAY_7) for t in texts]
 
 
 def test_reward_hook_contract():
@@ -180,35 +184,26 @@ def test_split_stop_string_with_the_models_tokenizer(task_assets):
     head = tokenizer("say 7 7 </an")["input_ids"]
     ids = head + tokenizer("swer> 7 7 </answer>")["input_ids"]
     assert detokenize(ids) == "say 7 7 </answer> 7 7 </answer>"
-    sample = _sample(response_ids=ids, rollout_logprobs=[-0.5] * len(ids), weight_versions=[0] * len(ids),
-                     loss_mask=[1] * len(ids), status=Status.TRUNCATED, meta={"segments": 2})
+    sample = kit.sample(response_ids=ids, rollout_logprobs=-0.5, status=Status.TRUNCATED, meta={"segments": 2},
+                        **SAY_7)
     finish_multi_segment(sample, ("</answer>",), detokenize)
     assert detokenize(sample.response_ids) == "say 7 7 </answer>" and sample.response == "say 7 7 "
     assert len(head) < len(sample.response_ids) < len(ids) and sample.status is Status.COMPLETED
     sample.check()
 
 
-def _engines(transport):
-    """A GenerationClient whose engine is `transport` (an httpx MockTransport)."""
-    from slimish.engines.generation import GenerationClient
-
-    return GenerationClient("http://engine", request_timeout_s=30, max_concurrency=4, transport=transport)
-
-
 def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
     """Nothing is left to continue (a continuation would ask for max_new_tokens=0): the sample is truncated and
-    trains. The engine's HTTP reply is served by httpx's MockTransport (the recorded reply, finish 'abort')."""
+    trains. The engine is tests/kit/engines.py's stand-in, answering the recorded reply with finish 'abort'."""
     import asyncio
-
-    import httpx
 
     from slimish.rollout.generate import generate_one
 
     aborted = {**RECORDED_REPLY, "meta_info": {**RECORDED_REPLY["meta_info"], "finish_reason": {"type": "abort"}}}
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=aborted))
+    engine = StandInEngine(lambda input_ids, sampling_params: aborted)
 
     async def generate(max_new_tokens: int) -> Sample:
-        engines = _engines(transport)
+        engines = generation_client(engine)
         try:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
             return await generate_one(engines, _sample(), params, rid="r")
@@ -221,11 +216,8 @@ def test_an_abort_on_the_last_token_of_the_budget_is_a_truncation():
 
 def test_a_batched_request_fills_each_sample_or_none():
     """Several samples with the same budget go in one request (input_ids batched, answered in order); a reply list
-    with one malformed entry changes no sample. Served by httpx's MockTransport."""
+    with one malformed entry changes no sample. The engine is tests/kit/engines.py's stand-in."""
     import asyncio
-    import json
-
-    import httpx
 
     from slimish.engines.generation import RequestError
     from slimish.rollout.generate import batch_body, generate_batch
@@ -235,13 +227,11 @@ def test_a_batched_request_fills_each_sample_or_none():
     bodies = []
 
     def run(replies: list[dict]) -> list[Sample]:
-        def answer(request):
-            bodies.append(json.loads(request.content))
-            return httpx.Response(200, json=replies)
+        engine = StandInEngine(replies=replies)
 
         async def go():
             samples = [_sample(), Sample(group_id=0, index=1, prompt="say 7", prompt_ids=[269, 221, 23], label="7")]
-            engines = _engines(httpx.MockTransport(answer))
+            engines = generation_client(engine)
             try:
                 await generate_batch(engines, samples, params, rid="g")
             except RequestError:
@@ -249,7 +239,9 @@ def test_a_batched_request_fills_each_sample_or_none():
             finally:
                 await engines.aclose()
             return samples
-        return asyncio.run(go())
+        samples = asyncio.run(go())
+        bodies.extend(engine.requests)
+        return samples
 
     first, second = run([RECORDED_REPLY, truncated])
     assert bodies[0]["input_ids"] == [[269, 221, 23], [269, 221, 23]] and bodies[0]["rid"] == "g"

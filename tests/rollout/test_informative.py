@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from slimish.rollout.scheduler import informative
 from slimish.sample import Sample, Status
+from tests.kit.samples import sample
 
 
 def scored(reward: float, status: Status = Status.COMPLETED) -> Sample:
-    return Sample(group_id=0, index=0, prompt="p", prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0],
-                  weight_versions=[0], loss_mask=[1], status=status, reward=reward)
+    return sample(response_ids=[2], status=status, reward=reward)
 
 
 def test_a_group_is_informative_when_its_scored_rewards_differ():

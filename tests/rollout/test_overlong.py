@@ -10,12 +10,11 @@ from slimish.config.schema import OverlongConfig
 from slimish.rollout import overlong
 from slimish.sample import Sample, Status
 from slimish.trainer import estimators
+from tests.kit import samples as kit
 
 
 def sample(length: int, status: Status, reward: float = 1.0, error: str = "", group_id: int = 0) -> Sample:
-    return Sample(group_id=group_id, index=0, prompt="p", prompt_ids=[1], response_ids=[5] * length,
-                  rollout_logprobs=[0.0] * length, weight_versions=[0] * length, loss_mask=[1] * length,
-                  status=status, reward=reward, error=error)
+    return kit.sample(response_ids=[5] * length, group_id=group_id, status=status, reward=reward, error=error)
 
 
 def test_dapo_length_penalty_falls_from_zero_to_minus_one_over_the_buffer():

@@ -1,21 +1,19 @@
 """Contract of a rollout program (`rollout.generate_fn`, slimish/rollout/programs.py), shown on the calculator task's
-program against a scripted engine at the HTTP boundary (the e2e test runs it on real engines): the model's tokens
-and logprobs are the engine's, trained; the environment's are inserted once, never trained; an interrupted program
-is called again and picks up where it stopped; the budget covers both."""
+program against a scripted engine at the HTTP boundary (tests/kit/engines.py's `StandInEngine`; the e2e test runs it
+on real engines): the model's tokens and logprobs are the engine's, trained; the environment's are inserted once,
+never trained; an interrupted program is called again and picks up where it stopped; the budget covers both."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
 import pytest
 
-from slimish.engines.generation import GenerationClient
 from slimish.rollout.generate import SamplingParams
 from slimish.rollout.programs import Interrupted, RequestFailed, RolloutClient, single_turn
 from slimish.sample import Sample, Status
 from slimish.tasks import calculator
+from tests.kit.engines import StandInEngine, generation_client, reply
 
 VERSION = 3
 
@@ -28,28 +26,23 @@ def detokenize(ids: list[int]) -> str:
     return "".join(chr(i) for i in ids)
 
 
-class ScriptedEngine:
-    """/generate answers the next scripted (text, finish) in turn, with logprob -(position + 1) / 100 per token;
-    records each request's input."""
+def scripted(replies: list[tuple[str, str]]) -> StandInEngine:
+    """An engine whose /generate answers the next scripted (text, finish) in turn, with logprob -(position + 1) / 100
+    per token; its `requests` are the bodies it was sent."""
+    replies = list(replies)
 
-    def __init__(self, replies: list[tuple[str, str]]):
-        self.replies, self.requests = list(replies), []
+    def answer(input_ids: list[int], sampling_params: dict) -> dict:
+        text, finish = replies.pop(0)
+        ids, start = tokenize(text), len(input_ids)
+        return reply(ids, text=text, finish=finish, version=str(VERSION),
+                     logprobs=[-(start + k + 1) / 100 for k in range(len(ids))])
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.requests.append(body)
-        text, finish = self.replies.pop(0)
-        ids = tokenize(text)
-        start = len(body["input_ids"])
-        return httpx.Response(200, json={"text": text, "output_ids": ids, "meta_info": {
-            "finish_reason": {"type": finish}, "weight_version": str(VERSION),
-            "output_token_logprobs": [[-(start + k + 1) / 100, t, None] for k, t in enumerate(ids)]}})
+    return StandInEngine(answer)
 
 
-def run(program, sample: Sample, engine: ScriptedEngine, *, max_new_tokens: int = 40):
+def run(program, sample: Sample, engine: StandInEngine, *, max_new_tokens: int = 40):
     async def go():
-        engines = GenerationClient("http://engine", request_timeout_s=30, max_concurrency=4,
-                                   transport=httpx.MockTransport(engine))
+        engines = generation_client(engine)
         client = RolloutClient(engines=engines, rid="r", semaphore=asyncio.Semaphore(4),
                                params=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0),
                                max_retries=0, retry_delay_s=0, tokenize=tokenize, detokenize=detokenize,
@@ -66,7 +59,7 @@ def new_sample() -> Sample:
 
 
 def test_model_tokens_train_and_the_calculators_do_not():
-    engine = ScriptedEngine([("calc 3 4;", "stop"), (" answer 7", "stop")])
+    engine = scripted([("calc 3 4;", "stop"), (" answer 7", "stop")])
     sample = run(calculator.program, new_sample(), engine)
     assert detokenize(sample.response_ids) == "calc 3 4; = 7; answer 7" and sample.status is Status.COMPLETED
     model, env = len("calc 3 4;"), len(" = 7;")
@@ -87,7 +80,7 @@ def test_model_tokens_train_and_the_calculators_do_not():
 
 
 def test_an_interrupted_program_is_called_again_and_picks_up_where_it_stopped():
-    engine = ScriptedEngine([("calc 3 4;", "stop"), (" ans", "abort"), ("wer 7", "stop")])
+    engine = scripted([("calc 3 4;", "stop"), (" ans", "abort"), ("wer 7", "stop")])
     sample = new_sample()
     with pytest.raises(Interrupted):
         run(calculator.program, sample, engine)
@@ -99,19 +92,15 @@ def test_an_interrupted_program_is_called_again_and_picks_up_where_it_stopped():
 
 
 def test_the_budget_covers_model_and_environment_tokens():
-    engine = ScriptedEngine([("calc 3 4;", "stop")])
+    engine = scripted([("calc 3 4;", "stop")])
     sample = run(calculator.program, new_sample(), engine, max_new_tokens=12)
     assert detokenize(sample.response_ids) == "calc 3 4; = " and sample.status is Status.TRUNCATED
     assert len(engine.requests) == 1, "no request for a budget already spent"
 
 
 def test_a_direct_answer_gets_no_environment_turn_and_a_failed_request_raises():
-    sample = run(calculator.program, new_sample(), ScriptedEngine([("answer 9", "stop")]))
+    sample = run(calculator.program, new_sample(), scripted([("answer 9", "stop")]))
     assert sample.loss_mask == [1] * len("answer 9") and "environment_spans" not in sample.meta
     assert calculator.reward([detokenize(sample.response_ids)], ["7"]) == [0.0]
-
-    def refuse(request):
-        return httpx.Response(400, json={"error": "bad"})
-
     with pytest.raises(RequestFailed, match="HTTP 400"):
-        run(single_turn, new_sample(), refuse)
+        run(single_turn, new_sample(), StandInEngine(refuse=400))

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from slimish.rollout.data import PromptDataset
 from slimish.rollout.remote_reward import RemoteReward
 from slimish.rollout.rewards import build_reward_fn, score, weighted_sum
-from slimish.sample import Sample, Status
+from tests.kit.engines import LoopbackServer
+from tests.kit.samples import sample
 
 ROWS = [{"prompt": "what is 3+4?", "label": "7", "solution": "7", "difficulty": 1},
         {"prompt": "what is 2+2?", "label": "4", "solution": "4", "difficulty": 2}]
@@ -28,9 +29,8 @@ def length_reward(completions, **kwargs):
 
 
 def samples_for(rows, responses):
-    return [Sample(group_id=0, index=i, prompt=row["prompt"], prompt_ids=[1], label=row["label"], columns=row,
-                   response=text, response_ids=[1], rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1],
-                   status=Status.COMPLETED) for i, (row, text) in enumerate(zip(rows, responses))]
+    return [sample(index=i, prompt=row["prompt"], label=row["label"], columns=row, response=text)
+            for i, (row, text) in enumerate(zip(rows, responses))]
 
 
 def test_a_trl_reward_function_reads_a_column_other_than_the_label():
@@ -48,45 +48,34 @@ def test_weighted_terms_sum_and_keep_each_value(tmp_path):
 
 
 class RewardServer:
-    """A real HTTP reward service on 127.0.0.1: reward = 1 when the completion equals the row's solution. It fails
-    the first `fail_first` requests with 503, or every one with `always`; it records the most requests in flight."""
+    """A real HTTP reward service on 127.0.0.1 (tests/kit/engines.py's `LoopbackServer`): reward = 1 when the
+    completion equals the row's solution. It fails the first `fail_first` requests with 503, or every one with
+    `always`; it records the most requests in flight."""
 
     def __init__(self, *, fail_first: int = 0, always: int | None = None):
         self.fail_first, self.always, self.requests, self.in_flight, self.most = fail_first, always, 0, 0, 0
         self.lock = threading.Lock()
         self.release = threading.Event()
-        server = self
+        self.server = LoopbackServer(self.answer)
+        self.url = f"{self.server.url}/reward"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with server.lock:
-                    server.requests += 1
-                    server.in_flight += 1
-                    server.most = max(server.most, server.in_flight)
-                    failing = server.always or (server.requests <= server.fail_first and 503)
-                payload = b""
-                if not failing:
-                    rewards = [float(c == s) for c, s in zip(body["completions"], body["solution"])]
-                    payload = json.dumps({"rewards": rewards}).encode()
-                with server.lock:  # done before the client can read the answer and send its next request
-                    server.in_flight -= 1
-                self.send_response(failing or 200)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/reward"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        with self.lock:
+            self.requests += 1
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            failing = self.always or (self.requests <= self.fail_first and 503)
+        payload = b""
+        if not failing:
+            rewards = [float(c == s) for c, s in zip(body["completions"], body["solution"])]
+            payload = json.dumps({"rewards": rewards}).encode()
+        with self.lock:  # done before the client can read the answer and send its next request
+            self.in_flight -= 1
+        return httpx.Response(failing or 200, content=payload)
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()
 
 
 @pytest.fixture()

@@ -10,15 +10,13 @@ import pytest
 from slimish.config.schema import RewardConfig
 from slimish.hooks import HookError
 from slimish.rollout.reward_workers import RewardWorkers, build
-from slimish.sample import Sample, Status
+from tests.kit.samples import group
 
 HOOKS = "tests.rollout.reward_hooks"
 
 
 def _scored(texts):
-    return [Sample(group_id=0, index=i, prompt="p", prompt_ids=[1], label="7", response=t, response_ids=[1],
-                   rollout_logprobs=[0.0], weight_versions=[0], loss_mask=[1], status=Status.COMPLETED)
-            for i, t in enumerate(texts)]
+    return group(texts, label="7")
 
 
 @pytest.fixture

@@ -1,54 +1,23 @@
-"""The scheduler's rules against a stand-in engine (an httpx transport answering /generate and the control calls
-at once, `StandInEngine`): engines that lag the policy fail loudly instead of regenerating forever; dynamic
-sampling replaces groups without reward variance, up to its bound; a rollout program's samples take its sample's
-place. What needs a real engine's abort and retract is in tests/e2e/test_scheduler_engine.py."""
+"""The scheduler's rules against a stand-in engine (tests/kit/engines.py's `StandInEngine`, an httpx transport
+answering /generate and the control calls at once): engines that lag the policy fail loudly instead of regenerating
+forever; dynamic sampling replaces groups without reward variance, up to its bound; a rollout program's samples take
+its sample's place. What needs a real engine's abort and retract is in tests/e2e/test_scheduler_engine.py."""
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from slimish.config.schema import DynamicSamplingConfig
 from slimish.rollout.scheduler import informative
 from slimish.sample import Sample, Status
+from tests.kit.engines import StandInEngine
 from tests.rollout.scheduler_kit import GROUP, make_scheduler
 
 URL = "http://engine"
 
 
-class StandInEngine:
-    """An SGLang engine as an httpx transport handler: each input of a /generate (batched or not) gets
-    `response_len` tokens (fewer if the budget is smaller: then it is truncated), logprobs and the engine's weight
-    version `version`; control calls (abort, pause, continue) answer `control_status` and are recorded as (path,
-    body)."""
-
-    def __init__(self, *, response_len: int = 3, version: str = "default"):
-        self.response_len, self.version, self.control = response_len, version, []
-        self.control_status = 200
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if request.url.path != "/generate":
-            self.control.append((request.url.path, body))
-            return httpx.Response(self.control_status, json={"success": self.control_status == 200})
-        inputs = body["input_ids"]
-        batched = isinstance(inputs[0], list)
-        replies = [self._reply(ids, body["sampling_params"]["max_new_tokens"]) for ids in (inputs if batched
-                                                                                           else [inputs])]
-        return httpx.Response(200, json=replies if batched else replies[0])
-
-    def _reply(self, ids: list[int], budget: int) -> dict:
-        out = [(sum(ids) + k) % 50 + 1 for k in range(min(self.response_len, budget))]
-        finish = "length" if len(out) == budget else "stop"
-        return {"text": " ".join(map(str, out)), "output_ids": out,
-                "meta_info": {"finish_reason": {"type": finish}, "weight_version": self.version,
-                              "output_token_logprobs": [[-0.1 * (k + 1), t, None] for k, t in enumerate(out)]}}
-
-
 def stand_in_scheduler(mode: str, engine: StandInEngine | None = None, **kwargs):
-    return make_scheduler(URL, mode, transport=httpx.MockTransport(engine or StandInEngine()), **kwargs)
+    return make_scheduler(URL, mode, transport=(engine or StandInEngine()).transport(), **kwargs)
 
 
 @pytest.mark.parametrize("synced_to", [0, 5])
@@ -68,8 +37,7 @@ def test_engines_behind_the_policy_fail_loudly(synced_to):
 def test_retract_mode_pauses_and_continues_every_engine(control_status, caplog):
     """Around a weight sync in retract mode the scheduler pauses the engines with retraction and lets them continue
     (the engine client names the endpoints); an engine that fails is logged and skipped, never raised."""
-    engine = StandInEngine()
-    engine.control_status = control_status
+    engine = StandInEngine(control_status=control_status)
     scheduler = stand_in_scheduler("retract", engine)
     try:
         scheduler.pause()

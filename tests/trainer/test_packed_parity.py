@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimish.sample import Sample, Status
+from slimish.sample import Sample
 from slimish.trainer import rl_step as steps
+from tests.kit.samples import sample
 from tests.kit.trainer import logprobs_by_sample, make_worker, rl_step, task_overrides
 
 
@@ -24,9 +25,7 @@ def _samples() -> list[Sample]:
     for i in range(8):
         prompt = [269, 221, 23, 24][: 2 + i % 3]
         response = [(23 + i * 7 + t) % 90 for t in range(1 + (i * 5) % 9)]
-        out.append(Sample(group_id=i // 4, index=i % 4, prompt="p", prompt_ids=prompt, response_ids=response,
-                          rollout_logprobs=[0.0] * len(response), weight_versions=[0] * len(response),
-                          loss_mask=[1] * len(response), status=Status.COMPLETED))
+        out.append(sample(group_id=i // 4, index=i % 4, prompt_ids=prompt, response_ids=response))
     return out
 
 

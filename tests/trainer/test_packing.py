@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from slimish.sample import Sample, Status
 from slimish.trainer.batch import collate, collate_packed
 from slimish.trainer.packing import pack, pack_ranks
+from tests.kit.samples import sample
 
 
 def test_bins_hold_the_budget_and_every_index_once():
@@ -39,9 +39,7 @@ def test_every_rank_gets_the_same_count_even_with_fewer_samples_than_it():
 
 
 def _sample(prompt, response, train=None):
-    return Sample(group_id=0, index=0, prompt="p", prompt_ids=prompt, response_ids=response,
-                  rollout_logprobs=[0.0] * len(response), weight_versions=[0] * len(response),
-                  loss_mask=train or [1] * len(response), status=Status.COMPLETED)
+    return sample(prompt_ids=prompt, response_ids=response, loss_mask=train or 1)
 
 
 def test_a_packed_row_describes_its_samples_to_the_model():

@@ -7,6 +7,7 @@ import torch
 
 from slimish.sample import Sample, Status
 from slimish.trainer import rl_step as steps
+from tests.kit import samples as kit_samples
 from tests.kit import trainer as kit
 from tests.kit.trainer import response_logprobs, rl_step
 
@@ -29,10 +30,8 @@ def worker(task_assets, megatron_world):
 
 
 def _samples(n=8, response=(23, 0)):
-    return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + (i % 3)],
-                   response_ids=list(response), rollout_logprobs=[0.0] * len(response),
-                   weight_versions=[0] * len(response), loss_mask=[1] * len(response), status=Status.COMPLETED)
-            for i in range(n)]
+    return [kit_samples.sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + (i % 3)],
+                               response_ids=response) for i in range(n)]
 
 
 def _response_logprobs(worker, samples):
@@ -152,10 +151,10 @@ def test_grpo_gradient_is_the_hf_models_gradient_of_the_same_loss(task_assets, m
         loss_mask = [1] * length
         if i % 2:  # a calculator-like environment span in the middle of the response
             loss_mask[1:3] = [0, 0]
-        samples.append(Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3],
-                              response_ids=torch.randint(1, 300, (length,), generator=gen).tolist(),
-                              rollout_logprobs=[0.0] * length, weight_versions=[0] * length, loss_mask=loss_mask,
-                              status=Status.COMPLETED))
+        samples.append(kit_samples.sample(group_id=i // 4, index=i % 4, prompt="say 7",
+                                          prompt_ids=[269, 221, 23 + i % 3],
+                                          response_ids=torch.randint(1, 300, (length,), generator=gen).tolist(),
+                                          loss_mask=loss_mask))
     advantages = [1.5, -0.5, -0.5, -0.5, 0.8, -1.2, 0.8, -0.4]
 
     hf = AutoModelForCausalLM.from_pretrained(task_assets["model"], dtype=torch.float32)

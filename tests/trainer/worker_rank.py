@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from slimish.sample import Sample, Status
+from slimish.sample import Sample
 from slimish.trainer import rl_step
+from tests.kit.samples import sample
 from tests.kit.trainer import export_state, given_advantages, response_logprobs
 from tests.kit.trainer import make_worker as make_kit_worker
 
@@ -29,9 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 def fixed_samples() -> list[Sample]:
     """8 samples in 2 groups; responses and advantages fixed so every layout sees the same step. Prompts of 2 or 3
     tokens make consecutive micro-batches (of 2) differ in length, as pipeline stages must cope with."""
-    return [Sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3][:2 + i // 2 % 2],
-                   response_ids=[23 + i % 2, 0], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0],
-                   loss_mask=[1, 1], status=Status.COMPLETED) for i in range(8)]
+    return [sample(group_id=i // 4, index=i % 4, prompt="say 7", prompt_ids=[269, 221, 23 + i % 3][:2 + i // 2 % 2],
+                   response_ids=[23 + i % 2, 0]) for i in range(8)]
 
 
 def rank_args(*strings: str) -> argparse.Namespace:

@@ -19,6 +19,7 @@ from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
 from slimish.weight_sync.tensor import TensorTransport, _serialize, _share_by_name, flattened_metadata
 from slimish.weight_sync.transport import TransportContext
+from tests.kit.engines import StandInClient
 
 
 def context(master_addr: str) -> TransportContext:
@@ -46,17 +47,6 @@ def test_the_bucket_buffer_is_shared_by_name_with_sglang_metadata():
     assert pickle.loads(payload)["metadata"][1].name == "b"
 
 
-class RecordingEngine:
-    """Stands in for an EngineClient: keeps the payloads the transport posts."""
-
-    def __init__(self, url: str):
-        self.url, self.payloads = url, []
-
-    def update_weights_from_tensor(self, *, serialized, **_):
-        self.payloads.append(serialized)
-        return {}
-
-
 def read_in_a_new_process(payload: str) -> list[float]:
     """What a receiving engine rank does with a payload: unpickle it (mapping the segment by name), read the first
     tensor, let go of it (dropping its mapping)."""
@@ -74,7 +64,7 @@ def read_in_a_new_process(payload: str) -> list[float]:
 def test_a_reused_buffer_stays_readable_by_name_after_two_engines_read_it():
     """Each receiving rank gets a pickle of its own: one pickle read by two engines would drop the sender's own
     reference to the shared segment, and the buffer's name would be gone when bucket 2 reuses bucket 0's."""
-    engines = [RecordingEngine("http://127.0.0.1:1"), RecordingEngine("http://127.0.0.1:2")]
+    engines = [StandInClient("http://127.0.0.1:1"), StandInClient("http://127.0.0.1:2")]
     transport = TensorTransport(context("127.0.0.1"))
     transport.connect(engines)
     try:
