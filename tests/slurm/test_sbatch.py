@@ -103,6 +103,16 @@ class LocalSlurm:
                 continue
         return found
 
+    def daemon_logs(self, job: str, lines: int = 40) -> str:
+        """The lines of slurmctld's and every slurmd's log that name job `job` (the last `lines` of each): where a
+        launch Slurm failed says why, when the job's own output is empty."""
+        text = ""
+        for log in sorted((self.state_dir / "log").glob("*.log")):
+            found = [line for line in log.read_text(errors="replace").splitlines()
+                     if re.search(rf"\b(JobId=|job |StepId=|\[){job}\b", line)]
+            text += f"\n--- {log.name} ---\n" + "\n".join(found[-lines:])
+        return text
+
     def listeners(self) -> list[str]:
         """Local addresses of the TCP sockets listening in the cluster's network namespace."""
         return [line.split()[3] for line in self.script("run", "ss", "-ltnH").splitlines() if line.strip()]
@@ -349,7 +359,8 @@ def test_a_job_warned_of_its_time_limit_saves_its_step_and_its_requeue_resumes_f
         cluster.script("run", "scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     wait_until(lambda: show()["JobState"] in final, timeout=900, what="the requeued job to end", interval=2)
     text = job_output(tmp_path, job)
-    assert show() == {"JobState": "COMPLETED", "ExitCode": "0:0", "Restarts": "1"}, f"{show()}\n{text}"
+    assert show() == {"JobState": "COMPLETED", "ExitCode": "0:0", "Restarts": "1"}, \
+        f"{show()}\n{text}\n{cluster.daemon_logs(job)}"
     driver_log = (run_dir / f"slurm-{job}" / "driver.log").read_text()
     stopped = re.search(r"stopped by SIGTERM after step (\d+); saved checkpoint (\S+):", driver_log)
     assert stopped, driver_log[-3000:]
