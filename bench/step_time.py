@@ -3,9 +3,10 @@
   python bench/step_time.py [--baseline REV] [--steps 12] [--rounds 2]
 
 Checks the baseline out into a scratch git worktree and runs the quickstart job (no SFT warm-up, no evaluation) on
-the same tiny assets with each tree in turn, `--rounds` times, alternating, so that both see the machine alike. A
-job's steady-state step time is the mean of `time_step_s` after its first step; the figures are each tree's median
-over its rounds, and the last line is this tree's over the baseline's (below 1: faster).
+the same tiny assets with each tree in turn, `--rounds` times, the order swapped every round, so that both see the
+machine alike. A job's steady-state step time is the mean of `time_step_s` after its first step. Each round gives a
+ratio (this tree's step time over the baseline's in that round); the last line is the median of those ratios (below
+1: faster), beside each tree's median step time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main() -> None:
         figures: dict[str, list[dict]] = {"this": [], "baseline": []}
         with workspace("step-time", args.workdir) as (assets, runs):
             for round_ in range(args.rounds):
-                for name, source in (("baseline", tree), ("this", REPO)):
+                order = (("baseline", tree), ("this", REPO))
+                for name, source in order if round_ % 2 == 0 else order[::-1]:
                     records = train(f"{name}{round_}", [f"rl.num_steps={args.steps}", "sft.steps=0"], assets=assets,
                                     out=runs, tree=source)
                     figures[name].append(steady_state(records))
@@ -45,7 +47,9 @@ def main() -> None:
                for name, runs in figures.items()}
     for name, m in medians.items():
         sys.stdout.write(f"{name}: step {m['step_s']:.3f}s train {m['train_s']:.3f}s sync {m['sync_s']:.3f}s\n")
-    sys.stdout.write(f"step_time_vs_baseline={medians['this']['step_s'] / medians['baseline']['step_s']:.3f}\n")
+    ratios = [this["step_s"] / base["step_s"] for this, base in zip(figures["this"], figures["baseline"])]
+    sys.stdout.write(f"round ratios: {' '.join(f'{r:.3f}' for r in ratios)}\n")
+    sys.stdout.write(f"step_time_vs_baseline={statistics.median(ratios):.3f}\n")
 
 
 if __name__ == "__main__":
