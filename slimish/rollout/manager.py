@@ -198,7 +198,7 @@ class RolloutManager:
     def resume(self, *, policy_version: int, joined: list[str] = ()) -> None:
         """After a weight sync to `policy_version`: restarted engines that received it are routed to again, and
         (retract mode) retracted requests continue."""
-        self.fleet.admit(list(joined))
+        self.fleet.admit(joined)
         self.scheduler.resume(policy_version=policy_version)
         self.fleet.resume_probes()
 

@@ -171,15 +171,14 @@ def advantages(ctx: StepContext, batch: RolloutBatch, estimator: Estimator | Non
     means = torch.zeros(len(samples), dtype=torch.float64, device="cpu")
     for i, values, mask in zip(indices, per_token, masks):
         means[i] = float((values * mask).sum() / mask.sum().clamp(min=1))
-    batch.has_advantages = True
     return ctx.from_last_stage({"means": ctx.dp_sum(means).tolist()})["means"]
 
 
 def train(ctx: StepContext, batch: RolloutBatch) -> dict:
-    """One optimizer step per minibatch of `batch` (after `advantages`), policy and critic, with the loss
-    trainer.loss and the estimator configure (`losses.PolicyLossTerms`). Returns the step's metrics, each aggregated
-    like the loss over micro-batches and data-parallel ranks."""
-    if not batch.has_advantages:
+    """One optimizer step per minibatch of `batch` (after `advantages`), policy and critic, with the loss configured by
+    trainer.loss and the estimator (`losses.PolicyLossTerms`). Returns the step's metrics, each aggregated like the
+    loss over micro-batches and data-parallel ranks."""
+    if batch.on_last_stage and any(mb.advantages is None for mbs in batch.microbatches for mb in mbs):
         raise RuntimeError("rl_step.train needs rl_step.advantages on the same batch first")
     loss_cfg = ctx.cfg.trainer.loss
     terms = losses.PolicyLossTerms.of(loss_cfg, ratio_level=ctx.estimator.ratio_level)

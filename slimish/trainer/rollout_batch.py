@@ -3,8 +3,8 @@
 Built by `rl_step.prepare` from the step's samples and used by `rl_step.advantages` and `rl_step.train` within the
 same `TrainerWorker.rl_step` call: this rank's share of the samples, split into minibatches of micro-batches, and per
 micro-batch the per-token inputs of the losses as the step produces them (old and reference logprobs, critic values,
-then advantages and returns). Everything here
-lives in host memory (pinned on a GPU); `run_schedule` moves one micro-batch at a time to the device.
+then advantages and returns). Everything here lives in host memory (pinned on a GPU); `run_schedule` moves one
+micro-batch at a time to the device.
 """
 
 from __future__ import annotations
@@ -23,21 +23,16 @@ class RolloutBatch:
     indices: list[int]                     # the step indices of this rank's samples, in the order of `microbatches`
     chunks: list[list[list[Sample]]]       # per minibatch, per micro-batch: its samples
     microbatches: list[list[MicroBatch]]   # the same, collated
-    has_advantages: bool = False           # `rl_step.advantages` has filled the micro-batches' advantages
 
     def local_responses(self, field: str) -> list[torch.Tensor] | None:
         """Each of this rank's samples' [response length] values of the per-token micro-batch `field` (e.g.
         "loss_mask", "old_logprobs"), in the order of `indices`. Empty off the last pipeline stage (no logprobs are
         made there); None when the step has no such values (no reference model, no critic)."""
-        if not self.on_last_stage:
-            return []
-        mbs = [mb for minibatch in self.microbatches for mb in minibatch]
-        if any(getattr(mb, field) is None for mb in mbs):
-            return None
-        return [values for mb in mbs for values in mb.gather(getattr(mb, field))]
+        return self.local_fields(field)[field]
 
     def local_fields(self, *fields: str) -> dict[str, list[torch.Tensor] | None]:
-        """`local_responses` of each of `fields`, gathered in one pass over the micro-batches."""
+        """`local_responses` of each of `fields` (field -> its values), gathered in one pass over the
+        micro-batches."""
         if not self.on_last_stage:
             return {field: [] for field in fields}
         mbs = [mb for minibatch in self.microbatches for mb in minibatch]
