@@ -28,7 +28,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     tree = Path(tempfile.mkdtemp(prefix="slimish-baseline-", dir=args.workdir))
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), args.baseline], cwd=REPO, check=True)
+    added = subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), args.baseline], cwd=REPO,
+                           capture_output=True, text=True)
+    if added.returncode:
+        shutil.rmtree(tree, ignore_errors=True)
+        said = (added.stderr.strip() or "git said nothing").splitlines()[-1]
+        sys.exit(f"--baseline {args.baseline}: git cannot check it out ({said})")
     try:
         figures: dict[str, list[dict]] = {"this": [], "baseline": []}
         with workspace("step-time", args.workdir) as (assets, runs):
