@@ -11,7 +11,10 @@ it, but report the emulated device, so that
 - a collective on a group that would be NCCL on a GPU (every group but those created with backend="gloo", as
   Megatron's *_gloo groups are) refuses a CPU tensor as NCCL does, and runs over gloo on the CPU data otherwise
   (the stand-in at the NCCL boundary: `_patch_collectives`);
-- autograd, optimizers, `.item()` and `.tolist()` work, so whole training steps run with their real numbers.
+- autograd, optimizers, `.item()` and `.tolist()` work, so whole training steps run with their real numbers;
+- `F.scaled_dot_product_attention` runs the kernel the CPU picks (its fused flash kernel), not the S x S math
+  kernel torch falls back to for a Python backend (its kernel choice for PrivateUse1 is a C++ dispatch stub):
+  `_sdpa_on_cpu_kernels`.
 
 Enabled once per process by `megatron_cpu.apply()` when `SLIMISH_EMULATED_GPU=1`, before any model is built.
 """
@@ -140,6 +143,37 @@ def _tensor_factory(original):
     return factory
 
 
+class _CpuSdpa(torch.autograd.Function):
+    """SDPA of emulated-GPU tensors by the CPU's own call on their CPU data, forward and backward (so the kernel, and
+    the numbers, are those of the same step on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, kwargs):
+        inputs = [x.cpu_data.detach().requires_grad_(x.requires_grad) for x in (query, key, value)]
+        with torch.enable_grad():
+            out = _CPU_SDPA(*inputs, **kwargs)
+        ctx.graph = (inputs, out)
+        return EmulatedGpuTensor(out.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, out = ctx.graph
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad.cpu_data))
+        return (*(EmulatedGpuTensor(next(grads)) if x.requires_grad else None for x in inputs), None)
+
+
+_CPU_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@functools.wraps(_CPU_SDPA)
+def _sdpa_on_cpu_kernels(query, key, value, attn_mask=None, **kwargs):
+    if attn_mask is None and all(isinstance(x, EmulatedGpuTensor) for x in (query, key, value)):
+        return _CpuSdpa.apply(query, key, value, kwargs)
+    # Mixed devices raise through the op's own path as on CUDA (`_run`); a mask (never the trainer's) runs there too.
+    return _CPU_SDPA(query, key, value, attn_mask, **kwargs)
+
+
 # ----------------------------------------------------------------------------------- the NCCL boundary
 _CPU_GROUPS: set = set()  # groups created with backend="gloo": CPU tensors there, as on a GPU cluster
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -265,5 +299,6 @@ def enable() -> None:
     enable.library = library  # registrations last as long as their Library object
     torch.tensor = _tensor_factory(torch.tensor)
     torch.as_tensor = _tensor_factory(torch.as_tensor)
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_on_cpu_kernels
     _patch_collectives()
     _ENABLED = True

@@ -137,6 +137,11 @@ class TrainerConfig:
     torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
     recompute: Literal["none", "full"] = doc("none", "Activation recomputation: full = keep only each transformer "
                                                     "layer's input and recompute the layer in the backward pass.")
+    attention: Literal["auto", "te", "sdpa", "local"] = doc(
+        "auto", "The trainer's core attention (`slimish/trainer/attention.py`): te = Transformer Engine's fused "
+                "attention (Megatron's TE layer spec; needs TE and a GPU); sdpa = torch's scaled_dot_product_attention "
+                "(memory linear in the sequence); local = Megatron's DotProductAttention (every head's [s, s] scores, "
+                "the reference the others are tested against); auto = te where TE imports and CUDA is up, else sdpa.")
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,6 @@ HOST = torch.device("cpu")  # micro-batches are built in host memory; `MicroBatc
 class MicroBatch:
     tokens: torch.Tensor          # [B, S] int64, right-padded
     position_ids: torch.Tensor    # [B, S]; packed: restarting at 0 for every sample
-    attention_mask: torch.Tensor | None  # [B, 1, S, S] bool, True = masked (causal); packed: None (see cu_seqlens)
     loss_mask: torch.Tensor       # [B, S-1] float: `Sample.train_mask` (0 for a sample that does not train)
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
     rows: list[int]               # per sample: its row
@@ -49,10 +48,9 @@ class MicroBatch:
         return self.apply(torch.Tensor.pin_memory)
 
     def apply(self, fn) -> MicroBatch:
-        """This micro-batch with `fn(tensor)` in place of each tensor. An expanded view (the causal mask: one
-        [S, S] mask seen as [B, 1, S, S]) is given to `fn` as the one copy it views and expanded again: pinning
-        refuses a tensor whose elements share memory, and copying the view would make B copies of the mask."""
-        return dataclasses.replace(self, **{name: _apply_compact(fn, value) for name, value in self._tensors()})
+        """This micro-batch with `fn(tensor)` in place of each tensor. No mask is among them: every attention is
+        causal within a row or a packed sample (`slimish.trainer.attention`), so no [S, S] tensor is built."""
+        return dataclasses.replace(self, **{name: fn(value) for name, value in self._tensors()})
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(field name, tensor) of every field that holds a tensor now."""
@@ -63,14 +61,16 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    def packed_seq_params(self):
+    def packed_seq_params(self, bounds_device: torch.device = HOST):
         """Megatron's THD description of a packed row (each sample attends causally to itself, RoPE positions
-        restart per sample); None for padded rows."""
+        restart per sample); None for padded rows. Its `cu_seqlens` are on `bounds_device`: Transformer Engine's
+        attention needs them on its GPU; the local and SDPA attentions and Megatron's unfused RoPE read them on the
+        host each layer (`.tolist()`), which costs no device sync when they are there already."""
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        bounds = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=self.tokens.device)
+        bounds = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=bounds_device)
         longest = max(b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
                                max_seqlen_kv=longest)
@@ -106,22 +106,6 @@ class MicroBatch:
         return out
 
 
-def _apply_compact(fn, tensor: torch.Tensor) -> torch.Tensor:
-    """`fn(tensor)` for a tensor whose elements each have memory of their own; for an expanded view, `fn` of what it
-    views (each expanded dimension taken once), expanded to the same shape."""
-    expanded = [size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())]
-    if not any(expanded):
-        return fn(tensor)
-    viewed = tensor[tuple(slice(0, 1) if e else slice(None) for e in expanded)]
-    return fn(viewed).expand(tensor.shape)
-
-
-def causal_mask(batch: int, seq_len: int, device=None) -> torch.Tensor:
-    # Megatron's mask=None path builds the mask on CUDA, so it is always passed explicitly.
-    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
-    return mask.expand(batch, 1, seq_len, seq_len)
-
-
 def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
             per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """Pack `samples` into one micro-batch in host memory, padded to `seq_len` (default: the longest sample).
@@ -145,8 +129,8 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
         for key, values in (per_token or {}).items():
             fields[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32, device=HOST)
     position_ids = torch.arange(seq_len, dtype=torch.long, device=HOST).expand(batch, seq_len).contiguous()
-    return MicroBatch(tokens=tokens, position_ids=position_ids, attention_mask=causal_mask(batch, seq_len, HOST),
-                      loss_mask=loss_mask, spans=spans, rows=list(range(batch)), **fields)
+    return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, spans=spans,
+                      rows=list(range(batch)), **fields)
 
 
 def collate_packed(samples: list[Sample], *, pad_id: int,
@@ -175,7 +159,7 @@ def collate_packed(samples: list[Sample], *, pad_id: int,
     cu_seqlens = [0]
     for n in lengths:
         cu_seqlens.append(cu_seqlens[-1] + n)
-    return MicroBatch(tokens=tokens, position_ids=positions, attention_mask=None, loss_mask=loss_mask, spans=spans,
+    return MicroBatch(tokens=tokens, position_ids=positions, loss_mask=loss_mask, spans=spans,
                       rows=[0] * len(samples), cu_seqlens=cu_seqlens, **fields)
 
 

@@ -9,18 +9,20 @@ from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
-                    dtype: torch.dtype = torch.float32, recompute: str = "none"):
-    """An unwrapped GPTModel for this pipeline stage, using the local (non-Transformer-Engine) layer specs; a
-    mixture-of-experts model gets sparse or dense MLPs per layer as config.json says. recompute="full" recomputes
-    every transformer layer in the backward pass (Megatron's uniform method, one layer per checkpoint)."""
+                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto"):
+    """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
+    as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
+    Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
+    recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
+    per checkpoint)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from slimish.compat import megatron_te_absent
-    from slimish.compat.packed_attention import local_packed_block_spec
+    from slimish.trainer import attention as attentions
 
+    attention = attentions.resolve(attention)
     megatron_te_absent.apply()  # MoE layers without Transformer Engine, on the GPU as on the CPU
     device = trainer_device()
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
@@ -29,15 +31,10 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
                                 use_cpu_initialization=device.type == "cpu")
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    # The block's final norm is the spec module's LNImpl: apex's FusedLayerNorm whenever `import apex` succeeds (NGC
-    # containers ship apex), and FusedLayerNorm refuses RMSNorm. Name the norm the layers get, so apex changes nothing.
-    spec.layer_norm = WrappedTorchNorm
-    if config.multi_latent_attention:
-        from slimish.compat.megatron_mla import local_mla_block_spec
-
-        spec = local_mla_block_spec(spec)
-    spec = local_packed_block_spec(spec)  # packed micro-batches (trainer.max_tokens_per_micro_batch) on CPU too
+    if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+    else:
+        spec = _local_spec(config, attention)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))
@@ -51,6 +48,25 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
     # moves (a model built on the meta device, to read its shapes, stays there).
     return model.to(device) if device.type != "cpu" else model
+
+
+def _local_spec(config, attention: str):
+    """Megatron's local (non-Transformer-Engine) decoder block spec with `attention` (sdpa or local) as every
+    layer's core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from slimish.trainer import attention as attentions
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    # The block's final norm is the spec module's LNImpl: apex's FusedLayerNorm whenever `import apex` succeeds (NGC
+    # containers ship apex), and FusedLayerNorm refuses RMSNorm. Name the norm the layers get, so apex changes nothing.
+    spec.layer_norm = WrappedTorchNorm
+    if config.multi_latent_attention:
+        from slimish.compat.megatron_mla import local_mla_block_spec
+
+        spec = local_mla_block_spec(spec)
+    return attentions.block_spec(spec, attention)
 
 
 def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):

@@ -21,11 +21,15 @@ def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only
     before its forward, so a step holds one micro-batch's data on the device at a time."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from slimish.trainer.attention import packed_bounds_device  # imports Megatron: not at the driver's import
+
     device = module_device(model)
+    bounds_device = packed_bounds_device(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)
-        hidden = chunk(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params())
+        # No mask: every attention is causal within a row or a packed sample (`slimish.trainer.attention`).
+        hidden = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(bounds_device))
         return hidden, functools.partial(loss_fn, mb)
 
     return get_forward_backward_func()(

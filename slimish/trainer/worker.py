@@ -64,7 +64,7 @@ class TrainerWorker:
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
                                     expert_parallel=self.layout.expert_parallel, dtype=dtype,
-                                    recompute=self.cfg.trainer.recompute)
+                                    recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
             model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
             return model

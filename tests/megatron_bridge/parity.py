@@ -12,15 +12,15 @@ from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import HFCheckpoint
-from slimish.trainer.batch import causal_mask
 
 
-def megatron_from_hf(path):
-    """(GPTModel in eval mode filled from `path`, its Architecture); needs the `megatron_world` fixture."""
+def megatron_from_hf(path, attention: str = "auto"):
+    """(GPTModel in eval mode filled from `path`, its Architecture), with trainer.attention `attention`; needs the
+    `megatron_world` fixture."""
     from slimish.trainer.model import build_gpt_model
 
     arch = architecture_from_hf(read_hf_config(path))
-    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1)
+    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1, attention=attention)
     load_hf_weights(model, path, arch)
     return model.eval(), arch
 
@@ -34,7 +34,7 @@ def max_logits_diff_vs_hf(path, *, batch: int = 3, seq: int = 40) -> float:
     tokens = torch.randint(0, 300, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(tokens).logits
-        got = model(tokens, torch.arange(seq).expand(batch, seq), causal_mask(batch, seq))
+        got = model(tokens, torch.arange(seq).expand(batch, seq), None)
     assert got.shape == expected.shape
     return record((got - expected).abs().max().item())
 
@@ -51,7 +51,7 @@ def max_packed_vs_alone_diff(path, lengths=(7, 19, 12)) -> float:
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     with torch.no_grad():
-        alone = torch.cat([model(t, torch.arange(t.shape[1])[None], causal_mask(1, t.shape[1])) for t in samples], 1)
+        alone = torch.cat([model(t, torch.arange(t.shape[1])[None], None) for t in samples], 1)
         packed = model(torch.cat(samples, dim=1), positions, None, packed_seq_params=params)
     assert packed.shape == alone.shape
     return record((packed - alone).abs().max().item())

@@ -50,7 +50,6 @@ def test_a_packed_row_describes_its_samples_to_the_model():
     assert mb.cu_seqlens == [0, 5, 9] and mb.rows == [0, 0] and mb.spans == [(1, 4), (7, 8)]
     params = mb.packed_seq_params()  # what tells the model's attention and RoPE where each sample starts
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 9] and params.max_seqlen_q == 5
-    assert mb.attention_mask is None
     assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0, 0, 0, 1]]
     assert mb.rollout_logprobs.tolist() == [[0, -1, -2, -3, 0, 0, 0, -4]]
     assert mb.scatter([torch.full((3,), 0.5), torch.full((1,), -2.0)]).tolist() == [[0, 0.5, 0.5, 0.5, 0, 0, 0, -2.0]]
@@ -74,23 +73,28 @@ def test_no_samples_is_one_padding_token_that_trains_nothing():
     assert mb.cu_seqlens == [0, 1]
 
 
-def test_a_padded_batch_moves_one_copy_of_its_causal_mask():
-    """Pinning (before the copy to a GPU) refuses a tensor whose elements share memory, as the expanded causal mask's
-    do: first seen on an H200, where every padded step failed in `pin_memory`. Every tensor handed to the copy has
-    memory of its own, and the mask is copied once ([S, S]), not once per row."""
+def test_a_padded_batch_holds_no_mask_and_pins_every_tensor():
+    """No [S, S] mask is built (every attention is causal: `slimish.trainer.attention`), and every tensor handed to
+    the copy to a GPU has memory of its own: pinning refuses one whose elements share memory (first seen on an
+    H200, where an expanded causal mask failed every padded step in `pin_memory`)."""
     samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4]), _sample([1], [2])]
     mb = collate(samples, pad_id=0)
-    copied = {}
+    copied = []
 
     def copy(tensor):
         assert torch._debug_has_internal_overlap(tensor) == 0, "elements sharing memory: pin_memory refuses this"
-        copied[tensor.data_ptr()] = tensor.numel()
+        copied.append(tensor.numel())
         return tensor.clone()
 
     moved = mb.apply(copy)
-    seq = mb.tokens.shape[1]
-    assert sorted(copied.values()) == sorted([mb.tokens.numel(), mb.position_ids.numel(), mb.loss_mask.numel(),
-                                              seq * seq])
-    for name in ("tokens", "position_ids", "attention_mask", "loss_mask"):
+    assert sorted(copied) == sorted([mb.tokens.numel(), mb.position_ids.numel(), mb.loss_mask.numel()])
+    for name in ("tokens", "position_ids", "loss_mask"):
         assert torch.equal(getattr(moved, name), getattr(mb, name)), name
-    assert moved.attention_mask.shape == (3, 1, seq, seq) and moved.attention_mask.stride()[0] == 0
+
+
+def test_packed_bounds_stay_on_the_host_unless_asked():
+    """The local and SDPA attentions and Megatron's unfused RoPE read a packed row's bounds each layer: on the host
+    that is no device sync. Transformer Engine's attention is given them on its device."""
+    mb = collate_packed([_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4])], pad_id=0)
+    assert mb.packed_seq_params().cu_seqlens_q.device.type == "cpu"
+    assert mb.packed_seq_params(torch.device("meta")).cu_seqlens_kv.device.type == "meta"
