@@ -47,6 +47,9 @@ class ParallelConfig:
     tensor_parallel: int = doc(1, "Megatron tensor-parallel size.")
     pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
     expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
+    sequence_parallel: bool = doc(False, "Megatron sequence parallelism (at tensor_parallel > 1): the norms, "
+                                         "residuals and dropouts hold 1/tensor_parallel of the sequence; "
+                                         "micro-batches are padded to a multiple of tensor_parallel tokens.")
     num_trainer_ranks: int = doc(1, "Number of trainer processes (tensor * pipeline * data parallel).")
     backend: Literal["auto", "gloo", "nccl"] = doc("auto", "torch.distributed backend; auto: nccl on GPU, else gloo.")
 

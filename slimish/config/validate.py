@@ -325,6 +325,12 @@ def _check_rows(key: str, path: str, *, prompt_key: str, sft: bool = False) -> N
         raise ConfigError(key, f"{path} is not UTF-8 text") from None
 
 
+# Megatron-Core 0.16's local MLA spec (column-parallel down projections) keeps each tensor-parallel rank's own part of
+# the rotary key's gradient only: at TP2 the kv down projection ended a step 0.015 from the one-rank step's.
+MLA_LOCAL_SPEC_AT_TP = ("multi-latent attention at tensor_parallel > 1 trains correctly only with Transformer Engine's "
+                        "layer spec: use trainer.attention=te (or auto on GPUs with TE), or tensor_parallel 1")
+
+
 def _check_layout(cfg: JobConfig) -> None:
     """What Megatron and SGLang can split: attention heads and KV heads by tensor parallelism (trainer and
     engines), layers by pipeline parallelism (no uneven stages yet)."""
@@ -346,6 +352,13 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is None and kv % tp:
         raise ConfigError("parallel.tensor_parallel", f"got {tp}; it must divide the model's {kv} KV heads "
                                                       "(num_key_value_heads)")
+    if arch.moe is not None and tp > 1 and not cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", f"got false with tensor_parallel {tp}: Megatron trains a "
+                                                        "mixture-of-experts model at tensor_parallel > 1 only with "
+                                                        "sequence parallelism; set it true")
+    if arch.mla is not None and tp > 1 and cfg.trainer.attention in ("sdpa", "local"):
+        raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
+                                               f"{MLA_LOCAL_SPEC_AT_TP}")
     if arch.num_layers % pp:
         raise ConfigError("parallel.pipeline_parallel", f"got {pp}; it must divide the model's {arch.num_layers} "
                                                         "layers (uneven pipeline stages are not supported)")

@@ -53,6 +53,17 @@ def resolve(attention: str) -> str:
     return attention
 
 
+def check_trainable(attention: str, *, multi_latent: bool, tensor_parallel: int) -> None:
+    """Raise `AttentionUnavailable` where trainer.attention `attention` builds a model that trains wrongly:
+    Megatron-Core 0.16's local multi-latent-attention spec at tensor_parallel > 1
+    (`slimish.config.validate.MLA_LOCAL_SPEC_AT_TP`).
+    Forward passes, checkpoints and the weight export are right there: only training is refused."""
+    if multi_latent and tensor_parallel > 1 and resolve(attention) != "te":
+        from slimish.config.validate import MLA_LOCAL_SPEC_AT_TP
+
+        raise AttentionUnavailable(f"trainer.attention={attention}: {MLA_LOCAL_SPEC_AT_TP}")
+
+
 @functools.cache
 def _module_base() -> type:
     from megatron.core.transformer.module import MegatronModule

@@ -106,12 +106,13 @@ class MicroBatch:
         return out
 
 
-def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
+def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None, multiple_of: int = 1,
             per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
-    """Pack `samples` into one micro-batch in host memory, padded to `seq_len` (default: the longest sample).
-    `per_token`: MicroBatch field -> each sample's values over its response (e.g. "rollout_logprobs")."""
+    """Pack `samples` into one micro-batch in host memory, padded to `seq_len` (default: the longest sample, rounded
+    up to a multiple of `multiple_of`: sequence parallelism splits the sequence evenly over the tensor-parallel
+    ranks). `per_token`: MicroBatch field -> each sample's values over its response (e.g. "rollout_logprobs")."""
     longest = max(len(s.tokens) for s in samples)
-    seq_len = seq_len or longest
+    seq_len = seq_len or _round_up(longest, multiple_of)
     if seq_len < longest:
         raise ValueError(f"seq_len {seq_len} shorter than the longest sample ({longest} tokens)")
     batch = len(samples)
@@ -133,14 +134,17 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None,
                       rows=list(range(batch)), **fields)
 
 
-def collate_packed(samples: list[Sample], *, pad_id: int,
+def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1,
                    per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """`samples` back to back in one row of sum(len(tokens)) tokens (in host memory), described to the model by
     `cu_seqlens` (`packed_seq_params`): every token attends causally within its own sample only and positions
     restart per sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last
     token of one sample -> first of the next) are never trained on: a sample's first token is a prompt token. No
-    samples: one padding token, nothing trained."""
+    samples: one padding token, nothing trained. A row whose length is not a multiple of `multiple_of` ends with a
+    segment of padding tokens of its own in `cu_seqlens` (attending to itself only, trained on by nothing)."""
     lengths = [len(s.tokens) for s in samples] or [1]
+    if padding := _round_up(sum(lengths), multiple_of) - sum(lengths):
+        lengths.append(padding)
     seq_len = sum(lengths)
     tokens = torch.full((1, seq_len), pad_id, dtype=torch.long, device=HOST)
     positions = torch.cat([torch.arange(n, dtype=torch.long, device=HOST) for n in lengths])[None]
@@ -161,6 +165,10 @@ def collate_packed(samples: list[Sample], *, pad_id: int,
         cu_seqlens.append(cu_seqlens[-1] + n)
     return MicroBatch(tokens=tokens, position_ids=positions, loss_mask=loss_mask, spans=spans,
                       rows=[0] * len(samples), cu_seqlens=cu_seqlens, **fields)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def split(items: list, size: int) -> list[list]:

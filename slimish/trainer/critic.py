@@ -11,7 +11,7 @@ import torch
 
 from slimish.trainer.batch import MicroBatch
 from slimish.trainer.device import host_tensor, module_device
-from slimish.trainer.logprobs import unwrap_gpt_model
+from slimish.trainer.logprobs import unwrap_gpt_model, whole_sequence
 from slimish.trainer.roles import TrainedRole
 from slimish.trainer.schedule import optimizer_step, run_schedule
 
@@ -26,7 +26,8 @@ class ValueHead:
         self.linear = None
         if gpt.post_process:
             gpt.output_layer.requires_grad_(False)
-            gpt.output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+            gpt.output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (
+                whole_sequence(hidden, gpt.config), None)
             gpt.value_head = torch.nn.Linear(gpt.config.hidden_size, 1, dtype=gpt.config.params_dtype,
                                              device=module_device(gpt))
             torch.nn.init.zeros_(gpt.value_head.weight)  # values start at 0 (the bias learns the mean return)

@@ -59,6 +59,18 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float = 1.0) -> to
         return sums[0].log() - sums[1] / sums[0]
 
 
+def whole_sequence(hidden: torch.Tensor, config) -> torch.Tensor:
+    """The last hidden states [s, b, h] whole on every tensor-parallel rank: under sequence parallelism the model
+    ends with 1/tp of the sequence on each rank ([s/tp, b, h]), gathered here. Its backward keeps each rank's slice
+    of the gradient, which must therefore be the same on every tensor-parallel rank: as it is behind the output
+    layer's own input (all-reduced over TP) and behind a head replicated on every rank (the critic's)."""
+    if not config.sequence_parallel:
+        return hidden
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+
+
 def unwrap_gpt_model(model):
     while hasattr(model, "module"):  # Megatron DDP / Float16Module wrappers
         model = model.module
@@ -75,13 +87,17 @@ class LogprobHead:
         self.chunk_tokens = chunk_tokens
         self._layer = gpt.output_layer if gpt.post_process else None
         self._weight = None  # what GPTModel passes as the output weight (the embedding's when they are tied)
+        self._config = gpt.config
         if self._layer is not None:
             self._apply = self._layer.forward
             self._layer.forward = self._keep_hidden
+            # The head applies the layer to chunks of the whole sequence (`whole_sequence`), not to this rank's
+            # sequence-parallel slice: the layer's own gather (and its reduce-scatter backward) would be a second.
+            self._layer.sequence_parallel = False
 
     def _keep_hidden(self, hidden, weight=None, runtime_gather_output=None):
         self._weight = weight
-        return hidden, None
+        return whole_sequence(hidden, self._config), None
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
         logits, _ = self._apply(hidden.transpose(0, 1), weight=self._weight)  # [c, B, H] -> [c, B, V/tp]

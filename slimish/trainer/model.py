@@ -9,12 +9,14 @@ from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
-                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto"):
+                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
+                    sequence_parallel: bool = False):
     """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
     as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
     Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
-    per checkpoint)."""
+    per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
+    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -28,7 +30,7 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
-                                use_cpu_initialization=device.type == "cpu")
+                                use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
@@ -54,19 +56,61 @@ def _local_spec(config, attention: str):
     """Megatron's local (non-Transformer-Engine) decoder block spec with `attention` (sdpa or local) as every
     layer's core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from slimish.trainer import attention as attentions
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     # The block's final norm is the spec module's LNImpl: apex's FusedLayerNorm whenever `import apex` succeeds (NGC
-    # containers ship apex), and FusedLayerNorm refuses RMSNorm. Name the norm the layers get, so apex changes nothing.
-    spec.layer_norm = WrappedTorchNorm
+    # containers ship apex), and FusedLayerNorm refuses RMSNorm. Every norm, the final one too, is `RMSNorm`.
+    spec = _with_norm(spec, RMSNorm)
+    spec.layer_norm = RMSNorm
     if config.multi_latent_attention:
         from slimish.compat.megatron_mla import local_mla_block_spec
 
         spec = local_mla_block_spec(spec)
     return attentions.block_spec(spec, attention)
+
+
+class RMSNorm:
+    """torch's RMSNorm for the local spec, in place of Megatron's `WrappedTorchNorm`, which refuses sequence
+    parallelism (a class building another, as that one is: Megatron's `build_module` would return a function
+    unbuilt). Under sequence parallelism a norm sees 1/tp of the sequence, so its weight's gradient is partial on
+    each tensor-parallel rank: `sequence_parallel` on the weight has Megatron's `finalize_model_grads` all-reduce it
+    over the tensor-parallel group, as it does for Transformer Engine's norms. (The attention's q / k norms, after the
+    sequence is gathered, are all-reduced by Megatron for qk_layernorm either way: the flag changes nothing there.)"""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization {config.normalization!r}: the trainer builds RMSNorm models only")
+        # Made where Megatron makes its parameters, in the model's dtype: moved later, a parameter may come back as
+        # a new object without the flag (it does on the emulated GPU).
+        device = torch.device("cpu") if config.use_cpu_initialization else trainer_device()
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _with_norm(spec, norm):
+    """A copy of a block spec with every `WrappedTorchNorm` in it replaced by `norm`."""
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def replace(node, seen):
+        if node is WrappedTorchNorm:
+            return norm
+        if id(node) in seen or not (isinstance(node, (ModuleSpec, list, tuple)) or dataclasses.is_dataclass(node)):
+            return node
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            return type(node)(replace(item, seen) for item in node)
+        for field in (f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else ():
+            setattr(node, field, replace(getattr(node, field), seen))
+        return node
+
+    return replace(copy.deepcopy(spec), set())
 
 
 def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):

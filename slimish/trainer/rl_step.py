@@ -99,12 +99,21 @@ def plan(ctx: StepContext, samples: list[Sample], num_minibatches: int) -> tuple
     return chunks_per_minibatch, indices, imbalance(loads)
 
 
+def sequence_multiple(cfg: JobConfig) -> int:
+    """What a micro-batch's sequence length must be a multiple of: tensor_parallel under sequence parallelism (the
+    sequence is split evenly over the tensor-parallel ranks), else 1."""
+    par = cfg.parallel
+    return par.tensor_parallel if par.sequence_parallel and par.tensor_parallel > 1 else 1
+
+
 def collate_chunk(ctx: StepContext, chunk: list[Sample], **kwargs) -> MicroBatch:
-    """A micro-batch in host memory, pinned when it is to be copied to a GPU."""
+    """A micro-batch in host memory, pinned when it is to be copied to a GPU; its rows a multiple of
+    `sequence_multiple` tokens long."""
+    multiple = sequence_multiple(ctx.cfg)
     if ctx.cfg.trainer.max_tokens_per_micro_batch:
-        mb = collate_packed(chunk, pad_id=ctx.pad_id, **kwargs)
+        mb = collate_packed(chunk, pad_id=ctx.pad_id, multiple_of=multiple, **kwargs)
     else:
-        mb = collate(chunk, pad_id=ctx.pad_id, **kwargs)
+        mb = collate(chunk, pad_id=ctx.pad_id, multiple_of=multiple, **kwargs)
     return mb.pin_memory() if torch.cuda.is_available() else mb
 
 

@@ -56,15 +56,19 @@ class TrainerWorker:
                       backend=self.cfg.parallel.backend, seed=self.cfg.run.seed)
         from megatron.core import parallel_state as ps
 
+        from slimish.trainer.attention import check_trainable
         from slimish.trainer.model import build_gpt_model
 
         dtype = getattr(torch, self.cfg.model.dtype)
+        check_trainable(self.cfg.trainer.attention, multi_latent=self.arch.mla is not None,
+                        tensor_parallel=self.layout.tensor_parallel)
 
         def build():
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
                                     expert_parallel=self.layout.expert_parallel, dtype=dtype,
-                                    recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention)
+                                    recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention,
+                                    sequence_parallel=self.cfg.parallel.sequence_parallel)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
             model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
             return model

@@ -147,3 +147,30 @@ def test_sdpa_refuses_what_it_cannot_compute(megatron_world):
     config.window_size = (16, 0)
     with pytest.raises(attentions.AttentionUnavailable, match="window_size.*use te or local"):
         attentions.SdpaAttention(config, 1, AttnMaskType.causal, "self")
+
+
+@pytest.mark.parametrize("family, overrides, key, fragment", [
+    ("qwen3_moe", ["parallel.tensor_parallel=2"], "parallel.sequence_parallel", "only with sequence parallelism"),
+    ("deepseek_v3", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "trainer.attention=sdpa"],
+     "trainer.attention", "only with Transformer Engine's layer spec"),
+])
+def test_layouts_megatron_cannot_train_are_refused(model_paths, family, overrides, key, fragment):
+    """MoE at TP > 1 without sequence parallelism (Megatron refuses it at build time); MLA at TP > 1 on the local
+    spec (Megatron-Core 0.16 builds it, and drops part of the rotary key's gradient: at TP2 + SP the kv down
+    projection ended a step 0.015 away from the one-rank step's)."""
+    from slimish.config import load_config
+    from slimish.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment) as err:
+        load_config(None, [f"model.hf_path={model_paths[family]}", "parallel.num_trainer_ranks=2", *overrides],
+                    files=False)
+    assert f"'{key}'" in str(err.value)
+
+
+def test_mla_at_tp2_on_the_local_spec_is_refused_where_the_trainer_starts():
+    """`auto` is known only where the trainer runs: its set-up refuses what check-config could not see (forward
+    passes, checkpoints and the export at TP2 are right: tests/megatron_bridge run them)."""
+    with pytest.raises(attentions.AttentionUnavailable, match="trainer.attention=auto: multi-latent attention"):
+        attentions.check_trainable("auto", multi_latent=True, tensor_parallel=2)
+    attentions.check_trainable("auto", multi_latent=True, tensor_parallel=1)
+    attentions.check_trainable("auto", multi_latent=False, tensor_parallel=8)

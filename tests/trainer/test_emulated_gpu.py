@@ -174,6 +174,9 @@ LAYOUTS = {  # id -> (tp, pp, estimator, extra overrides)
     "pp2-packed-chunked": (1, 2, "grpo", PACKED),
     "dp2-distributed-optimizer-packed": (1, 1, "grpo", ("trainer.optimizer.distributed=true", *PACKED)),
     "ppo-tp2": (2, 1, "ppo", ()),
+    # Sequence parallelism: the sequence split over TP between blocks, the heads' gather, the norms' all-reduce
+    "tp2-sequence-parallel-packed": (2, 1, "grpo", ("parallel.sequence_parallel=true", *PACKED)),
+    "ppo-tp2-sequence-parallel": (2, 1, "ppo", ("parallel.sequence_parallel=true",)),
     "ppo-pp2": (1, 2, "ppo", ()),
     "reinforce_plus_plus-dp2-sequence-is": (1, 1, "reinforce_plus_plus", SEQUENCE_IS),
 }
