@@ -41,6 +41,9 @@ def _redirect_device_kwarg(owner, name: str, source=None) -> None:
     def wrapper(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = _TARGET
+        # Pinned host memory is a CUDA allocation (context parallelism's RoPE pins its chunk indices): without CUDA
+        # there is nothing to pin for.
+        kwargs.pop("pin_memory", None)
         # A module's function is looked up at each call: the emulated GPU replaces torch.tensor after this import.
         return (getattr(source, name) if source is not None else original)(*args, **kwargs)
 

@@ -50,7 +50,14 @@ class ParallelConfig:
     sequence_parallel: bool = doc(False, "Megatron sequence parallelism (at tensor_parallel > 1): the norms, "
                                          "residuals and dropouts hold 1/tensor_parallel of the sequence; "
                                          "micro-batches are padded to a multiple of tensor_parallel tokens.")
-    num_trainer_ranks: int = doc(1, "Number of trainer processes (tensor * pipeline * data parallel).")
+    context_parallel: int = doc(1, "Megatron context-parallel size: each sequence split into 2 x context_parallel "
+                                   "load-balanced chunks over this many ranks (attention: Transformer Engine's on a "
+                                   "GPU, `slimish/trainer/context_parallel_attention.py` without it); rows are padded "
+                                   "to a multiple of 2 x context_parallel tokens (each packed sequence too).")
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = doc(
+        "p2p", "How Transformer Engine's context-parallel attention exchanges keys and values: p2p (ring), "
+               "all_gather, a2a (all-to-all over heads). Without TE keys and values are all-gathered.")
+    num_trainer_ranks: int = doc(1, "Number of trainer processes (tensor * pipeline * context * data parallel).")
     backend: Literal["auto", "gloo", "nccl"] = doc("auto", "torch.distributed backend; auto: nccl on GPU, else gloo.")
 
 

@@ -215,11 +215,12 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
     if batch % tr.num_minibatches:
         raise ConfigError("trainer.num_minibatches",
                           f"must divide prompts_per_step * samples_per_prompt = {batch}, got {tr.num_minibatches}")
-    model_parallel = par.tensor_parallel * par.pipeline_parallel
+    _positive("parallel.context_parallel", par.context_parallel)
+    model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
     if par.num_trainer_ranks % model_parallel:
         raise ConfigError("parallel.num_trainer_ranks",
-                          f"must be a multiple of tensor_parallel * pipeline_parallel = {model_parallel}, "
-                          f"got {par.num_trainer_ranks}")
+                          f"must be a multiple of tensor_parallel * pipeline_parallel * context_parallel = "
+                          f"{model_parallel}, got {par.num_trainer_ranks}")
     data_parallel = par.num_trainer_ranks // model_parallel
     minibatch = batch // tr.num_minibatches
     if minibatch % data_parallel:
@@ -356,6 +357,9 @@ def _check_layout(cfg: JobConfig) -> None:
         raise ConfigError("parallel.sequence_parallel", f"got false with tensor_parallel {tp}: Megatron trains a "
                                                         "mixture-of-experts model at tensor_parallel > 1 only with "
                                                         "sequence parallelism; set it true")
+    if cfg.parallel.context_parallel > 1 and cfg.trainer.attention == "local":
+        raise ConfigError("trainer.attention", "got local with parallel.context_parallel > 1: Megatron's "
+                                               "DotProductAttention refuses context parallelism; use sdpa, te or auto")
     if arch.mla is not None and tp > 1 and cfg.trainer.attention in ("sdpa", "local"):
         raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
                                                f"{MLA_LOCAL_SPEC_AT_TP}")
@@ -415,7 +419,7 @@ def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
     if data_parallel % ep:
         raise ConfigError("parallel.expert_parallel",
                           f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
-                          f"pipeline_parallel) = {data_parallel}, got {ep}")
+                          f"pipeline_parallel * context_parallel) = {data_parallel}, got {ep}")
 
 
 def _check_serving(cfg: JobConfig) -> None:

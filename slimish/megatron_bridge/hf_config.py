@@ -173,7 +173,8 @@ def _architecture(cfg: dict) -> Architecture:
 
 def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        expert_parallel: int = 1, params_dtype=None, use_cpu_initialization: bool = False,
-                       sequence_parallel: bool = False, **overrides):
+                       sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
+                       **overrides):
     """The Megatron-Core TransformerConfig for `arch` (dropout off: RL logprobs must be deterministic)."""
     import torch
     from megatron.core.transformer import TransformerConfig
@@ -208,6 +209,8 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         sequence_parallel=sequence_parallel and tensor_parallel > 1,  # Megatron: a no-op at TP1
+        context_parallel_size=context_parallel,
+        cp_comm_type=cp_comm_type,  # read by Transformer Engine's attention only
         params_dtype=dtype,
         pipeline_dtype=dtype,  # activations cross pipeline stages in the parameter dtype
         bf16=dtype == torch.bfloat16,

@@ -82,6 +82,8 @@ class SdpaAttention(_module_base()):
     gives one to this attention; `slimish.trainer.batch.MicroBatch.packed_seq_params`), a device tensor one per
     layer. No parameters: checkpoints and the weight export see the same names as with the local attention."""
 
+    takes_context_parallel = False  # `slimish.trainer.context_parallel_attention` does
+
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
@@ -89,7 +91,7 @@ class SdpaAttention(_module_base()):
         super().__init__(config=config)
         from megatron.core import parallel_state
 
-        refused = {"context_parallel_size": config.context_parallel_size != 1,
+        refused = {"context_parallel_size": config.context_parallel_size != 1 and not self.takes_context_parallel,
                    "window_size": config.window_size is not None,
                    "softmax_type": config.softmax_type != "vanilla",
                    "apply_query_key_layer_scaling": config.apply_query_key_layer_scaling}
@@ -121,8 +123,9 @@ class SdpaAttention(_module_base()):
         return torch.cat(outputs, dim=0).reshape(query.shape[0], -1)
 
     def _attend(self, query, key, value):
-        """[b, heads, s, dv] causal attention of [b, heads, s, d] queries over [b, groups, s, d] keys and
-        [b, groups, s, dv] values."""
+        """[b, heads, sq, dv] causal attention of [b, heads, sq, d] queries over [b, groups, sk, d] keys and
+        [b, groups, sk, dv] values; with sk > sq the queries are the last sq of the keys' positions (each attends to
+        the keys up to its own: the causal mask aligned to the lower right)."""
         width, v_width = query.shape[-1], value.shape[-1]
         # The fused kernels (flash on the CPU and GPU) take one head width; MLA's values are narrower than its
         # queries (128 vs 192), which would send the call to the S x S math kernel. Zero columns change nothing:
@@ -131,9 +134,16 @@ class SdpaAttention(_module_base()):
             value = F.pad(value, (0, width - v_width))
         elif v_width > width:
             query, key = F.pad(query, (0, v_width - width)), F.pad(key, (0, v_width - width))
+        # Queries that are the last of the keys' positions: torch's causal mask is aligned to the upper left, so the
+        # missing earlier queries are put in as zeros and their rows dropped after (no mask tensor, the same fused
+        # kernel; the zero rows' outputs are discarded, so they add nothing to the keys' and values' gradients).
+        missing = key.shape[-2] - query.shape[-2]
+        if missing:
+            query = F.pad(query, (0, 0, missing, 0))
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.softmax_scale,
                                              dropout_p=self.dropout if self.training else 0.0,
                                              enable_gqa=self.groups != self.heads)
+        out = out[..., missing:, :]
         return out[..., :v_width] if v_width < width else out
 
 
@@ -148,16 +158,23 @@ def packed_bounds_device(model) -> torch.device:
     return HOST
 
 
-def block_spec(spec, attention: str):
+def block_spec(spec, attention: str, *, context_parallel: int = 1):
     """A copy of a local-spec decoder block spec whose layers run `attention` (`sdpa` or `local`); `local` also takes
-    packed rows and a None mask (`slimish.compat.packed_attention`)."""
+    packed rows and a None mask (`slimish.compat.packed_attention`). With context parallelism `sdpa` all-gathers
+    the keys and values over the group (`slimish.trainer.context_parallel_attention`); `local` cannot run it."""
     import copy
 
     from slimish.compat.packed_attention import local_packed_block_spec
 
     if attention == "local":
+        if context_parallel > 1:
+            raise AttentionUnavailable("trainer.attention=local cannot run context parallelism (Megatron's "
+                                       "DotProductAttention refuses it): use sdpa or te")
         return local_packed_block_spec(spec)
+    core = SdpaAttention
+    if context_parallel > 1:
+        from slimish.trainer.context_parallel_attention import ContextParallelSdpaAttention as core
     spec = copy.deepcopy(spec)
     for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+        layer.submodules.self_attention.submodules.core_attention = core
     return spec

@@ -26,6 +26,9 @@ class MicroBatch:
     spans: list[tuple[int, int]]  # per sample: [start, end) of its response in the [S-1] axis of its row
     rows: list[int]               # per sample: its row
     cu_seqlens: list[int] | None = None  # packed: sample boundaries in the row (0, len0, len0 + len1, ...)
+    # Context parallelism: this rank's share of the rows (`slimish.trainer.context_parallel`), set by the schedule
+    # on the device's copy; None without it.
+    shard: object = None
     # Per-token [B, S-1] inputs of the losses, filled in as the step goes (None until then):
     rollout_logprobs: torch.Tensor | None = None  # the engines' (float32)
     old_logprobs: torch.Tensor | None = None      # the trainer's before the step (rl_step.prepare)
@@ -61,6 +64,10 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def sequence_bounds(self) -> list[int]:
+        """Where the sequences of a row start and end: `cu_seqlens` packed, [0, S] padded."""
+        return self.cu_seqlens if self.packed else [0, self.tokens.shape[1]]
+
     def packed_seq_params(self, bounds_device: torch.device = HOST):
         """Megatron's THD description of a packed row (each sample attends causally to itself, RoPE positions
         restart per sample); None for padded rows. Its `cu_seqlens` are on `bounds_device`: Transformer Engine's
@@ -72,8 +79,10 @@ class MicroBatch:
 
         bounds = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=bounds_device)
         longest = max(b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+        # The bounds are of the whole row under context parallelism too, and every sequence already a multiple of
+        # 2 x cp: Transformer Engine's "padded" bounds are the same ones.
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
-                               max_seqlen_kv=longest)
+                               max_seqlen_kv=longest, cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds)
 
     def scatter(self, values: list[torch.Tensor]) -> torch.Tensor:
         """[B, S-1]: each sample's [response length] values over its response span, 0 elsewhere."""
@@ -134,15 +143,17 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None, m
                       rows=list(range(batch)), **fields)
 
 
-def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1,
+def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1, sequence_multiple: int = 1,
                    per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """`samples` back to back in one row of sum(len(tokens)) tokens (in host memory), described to the model by
     `cu_seqlens` (`packed_seq_params`): every token attends causally within its own sample only and positions
     restart per sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last
     token of one sample -> first of the next) are never trained on: a sample's first token is a prompt token. No
-    samples: one padding token, nothing trained. A row whose length is not a multiple of `multiple_of` ends with a
-    segment of padding tokens of its own in `cu_seqlens` (attending to itself only, trained on by nothing)."""
-    lengths = [len(s.tokens) for s in samples] or [1]
+    samples: one padding token, nothing trained. Each sequence is padded to a multiple of `sequence_multiple`
+    (context parallelism cuts every sequence into 2 x cp chunks): padding tokens after its sample, in its segment of
+    `cu_seqlens`, trained on by nothing. A row whose length is not a multiple of `multiple_of` ends with a segment
+    of padding tokens of its own (attending to itself only)."""
+    lengths = [_round_up(len(s.tokens), sequence_multiple) for s in samples] or [_round_up(1, sequence_multiple)]
     if padding := _round_up(sum(lengths), multiple_of) - sum(lengths):
         lengths.append(padding)
     seq_len = sum(lengths)
@@ -152,7 +163,7 @@ def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1,
     fields = {key: torch.zeros(1, seq_len - 1, device=HOST) for key in (per_token or {})}
     spans, offset = [], 0
     for j, sample in enumerate(samples):
-        tokens[0, offset: offset + lengths[j]] = torch.tensor(sample.tokens, dtype=torch.long, device=HOST)
+        tokens[0, offset: offset + len(sample.tokens)] = torch.tensor(sample.tokens, dtype=torch.long, device=HOST)
         start = offset + len(sample.prompt_ids) - 1
         end = start + len(sample.response_ids)
         spans.append((start, end))

@@ -34,9 +34,12 @@ class ValueHead:
             torch.nn.init.zeros_(gpt.value_head.bias)
             self.linear = gpt.value_head
 
-    def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, S, H] hidden states -> [B, S-1] fp32 values (the last position predicts nothing)."""
-        return self.linear(hidden[:, :-1]).squeeze(-1).float()
+    def values(self, hidden: torch.Tensor, shard=None) -> torch.Tensor:
+        """[B, S, H] hidden states -> [B, S-1] fp32 values (the last position predicts nothing). Under context
+        parallelism (`shard`) `hidden` holds this rank's positions: their values are gathered whole."""
+        if shard is None:
+            return self.linear(hidden[:, :-1]).squeeze(-1).float()
+        return shard.gather(self.linear(hidden).squeeze(-1).float())[:, :-1]
 
 
 def value_loss(values, old_values, returns, mask, *, clip: float, denom: float):
@@ -65,7 +68,7 @@ class Critic(TrainedRole):
     def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, S-1] values per micro-batch (empty off the last stage)."""
         def collect(mb, hidden):
-            return hidden.new_zeros(()), {"values": host_tensor(self.head.values(hidden))}
+            return hidden.new_zeros(()), {"values": host_tensor(self.head.values(hidden, mb.shard))}
 
         with torch.no_grad():
             return [out["values"] for out in run_schedule(self.model, microbatches, collect, forward_only=True)]
@@ -75,7 +78,7 @@ class Critic(TrainedRole):
         clip = self.cfg.trainer.critic.value_clip
 
         def loss_fn(mb, hidden):
-            loss, metrics = value_loss(self.head.values(hidden), mb.old_values, mb.returns,
+            loss, metrics = value_loss(self.head.values(hidden, mb.shard), mb.old_values, mb.returns,
                                        mb.loss_mask, clip=clip, denom=denom)
             return loss * scale, metrics
 

@@ -106,15 +106,28 @@ class LogprobHead:
         return logprobs, (vocab_parallel_entropy(logits, temperature) if entropy else None)
 
     def logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
-                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 entropy: bool = False, shard=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, S-1] logprobs of tokens[:, 1:] as `token_logprobs` gives them, [B, S-1] entropy or None) from the
-        hidden states [B, S, H] the model returned, `chunk_tokens` tokens (at least one position) at a time."""
-        batch, seq_len, _ = hidden.shape
+        hidden states [B, S, H] the model returned, `chunk_tokens` tokens (at least one position) at a time. Under
+        context parallelism (`shard`: `slimish.trainer.context_parallel.ContextShard`) `hidden` holds this rank's
+        positions only: each predicts the row's next token, and the results are gathered whole over the group."""
+        if shard is None:
+            return self._positions(hidden, tokens[:, 1:], temperature, entropy, positions=tokens.shape[1] - 1)
+        # Position p predicts token p + 1; the row's last position predicts nothing (its value is cut off below).
+        targets = shard.take(torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1))
+        logprobs, entropies = self._positions(hidden, targets, temperature, entropy, positions=targets.shape[1])
+        return (shard.gather(logprobs)[:, :-1],
+                shard.gather(entropies)[:, :-1] if entropies is not None else None)
+
+    def _positions(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, *,
+                   positions: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropies) of `targets` [B, positions] at hidden[:, :positions], chunk by chunk."""
+        batch = hidden.shape[0]
         step = max(1, self.chunk_tokens // batch)
         logprobs, entropies = [], []
-        for start in range(0, seq_len - 1, step):
-            end = min(start + step, seq_len - 1)
-            args = (hidden[:, start:end], tokens[:, start + 1:end + 1], temperature, entropy)
+        for start in range(0, positions, step):
+            end = min(start + step, positions)
+            args = (hidden[:, start:end], targets[:, start:end], temperature, entropy)
             if torch.is_grad_enabled() and hidden.requires_grad:
                 lp, ent = checkpoint(self._chunk, *args, use_reentrant=False)
             else:

@@ -10,13 +10,15 @@ from slimish.trainer.device import trainer_device
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
                     dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
-                    sequence_parallel: bool = False):
+                    sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p"):
     """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
     as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
     Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
     per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
-    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long."""
+    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
+    `context_parallel` (parallel.context_parallel): each rank gets its load-balanced share of every sequence
+    (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -30,7 +32,8 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
-                                use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel)
+                                use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel,
+                                context_parallel=context_parallel, cp_comm_type=cp_comm_type)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
@@ -68,7 +71,7 @@ def _local_spec(config, attention: str):
         from slimish.compat.megatron_mla import local_mla_block_spec
 
         spec = local_mla_block_spec(spec)
-    return attentions.block_spec(spec, attention)
+    return attentions.block_spec(spec, attention, context_parallel=config.context_parallel_size)
 
 
 class RMSNorm:

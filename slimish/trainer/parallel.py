@@ -21,14 +21,15 @@ class ParallelLayout:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1
+    context_parallel: int = 1
 
     @property
     def data_parallel(self) -> int:
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
 
 
 def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int, backend: str, seed: int) -> None:
-    """Join the trainer process group and set up Megatron's TP/PP/EP/DP groups; seeds Megatron's RNG tracker."""
+    """Join the trainer process group and set up Megatron's TP/PP/CP/EP/DP groups; seeds Megatron's RNG tracker."""
     from slimish.compat import megatron_cpu
 
     megatron_cpu.apply()  # no-op with CUDA
@@ -46,6 +47,7 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
                                                  pipeline_model_parallel_size=layout.pipeline_parallel,
+                                                 context_parallel_size=layout.context_parallel,
                                                  expert_model_parallel_size=layout.expert_parallel)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

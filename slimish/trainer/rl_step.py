@@ -99,21 +99,25 @@ def plan(ctx: StepContext, samples: list[Sample], num_minibatches: int) -> tuple
     return chunks_per_minibatch, indices, imbalance(loads)
 
 
-def sequence_multiple(cfg: JobConfig) -> int:
-    """What a micro-batch's sequence length must be a multiple of: tensor_parallel under sequence parallelism (the
-    sequence is split evenly over the tensor-parallel ranks), else 1."""
+def sequence_multiples(cfg: JobConfig) -> tuple[int, int]:
+    """(what a micro-batch's row length, what each packed sequence's length must be a multiple of): tensor_parallel
+    under sequence parallelism (a rank's tokens split evenly over the tensor-parallel ranks); with context
+    parallelism every sequence is cut into 2 x context_parallel equal chunks (each then split by SP)."""
     par = cfg.parallel
-    return par.tensor_parallel if par.sequence_parallel and par.tensor_parallel > 1 else 1
+    sp = par.tensor_parallel if par.sequence_parallel and par.tensor_parallel > 1 else 1
+    if par.context_parallel == 1:
+        return sp, 1
+    return 2 * par.context_parallel * sp, 2 * par.context_parallel * sp
 
 
 def collate_chunk(ctx: StepContext, chunk: list[Sample], **kwargs) -> MicroBatch:
     """A micro-batch in host memory, pinned when it is to be copied to a GPU; its rows a multiple of
-    `sequence_multiple` tokens long."""
-    multiple = sequence_multiple(ctx.cfg)
+    `sequence_multiples`."""
+    row, sequence = sequence_multiples(ctx.cfg)
     if ctx.cfg.trainer.max_tokens_per_micro_batch:
-        mb = collate_packed(chunk, pad_id=ctx.pad_id, multiple_of=multiple, **kwargs)
+        mb = collate_packed(chunk, pad_id=ctx.pad_id, multiple_of=row, sequence_multiple=sequence, **kwargs)
     else:
-        mb = collate(chunk, pad_id=ctx.pad_id, multiple_of=multiple, **kwargs)
+        mb = collate(chunk, pad_id=ctx.pad_id, multiple_of=row, **kwargs)
     return mb.pin_memory() if torch.cuda.is_available() else mb
 
 

@@ -24,7 +24,7 @@ def forward_logprobs(model, head: LogprobHead, microbatches: list[MicroBatch], *
     """Per micro-batch [B, S-1] logprobs in host memory and, when asked, the sum of the entropies over its
     loss-masked tokens (empty lists off the last pipeline stage). No gradient."""
     def collect(mb, hidden):
-        logprobs, ent = head.logprobs(hidden, mb.tokens, temperature=temperature, entropy=entropy)
+        logprobs, ent = head.logprobs(hidden, mb.tokens, temperature=temperature, entropy=entropy, shard=mb.shard)
         entropy_sum = (ent * mb.loss_mask).sum() if entropy else hidden.new_zeros(())
         return hidden.new_zeros(()), {"logprobs": host_tensor(logprobs), "entropy_sum": entropy_sum}
 
@@ -79,7 +79,7 @@ class Policy(TrainedRole):
         """One optimizer step of `loss` over `microbatches`: (per-micro-batch metrics, grad norm). `scheduled`: the
         LR schedule advances first (RL steps); SFT steps keep the lr they were given."""
         def loss_fn(mb, hidden):
-            return loss(mb, self.head.logprobs(hidden, mb.tokens, temperature=temperature)[0])
+            return loss(mb, self.head.logprobs(hidden, mb.tokens, temperature=temperature, shard=mb.shard)[0])
 
         return optimizer_step(self.model, self.optimizer, microbatches, loss_fn,
                               self.lr_schedule if scheduled else None)

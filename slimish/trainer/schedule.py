@@ -22,14 +22,20 @@ def run_schedule(model, microbatches: list[MicroBatch], loss_fn, *, forward_only
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from slimish.trainer.attention import packed_bounds_device  # imports Megatron: not at the driver's import
+    from slimish.trainer.context_parallel import shard_of
 
     device = module_device(model)
     bounds_device = packed_bounds_device(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)
+        tokens, positions = mb.tokens, mb.position_ids
+        # Context parallelism: the model runs this rank's share of every sequence; the heads make it whole again.
+        mb.shard = shard_of(mb.sequence_bounds(), device)
+        if mb.shard is not None:
+            tokens, positions = mb.shard.take(tokens), mb.shard.take(positions)
         # No mask: every attention is causal within a row or a packed sample (`slimish.trainer.attention`).
-        hidden = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(bounds_device))
+        hidden = chunk(tokens, positions, None, packed_seq_params=mb.packed_seq_params(bounds_device))
         return hidden, functools.partial(loss_fn, mb)
 
     return get_forward_backward_func()(

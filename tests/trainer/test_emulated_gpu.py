@@ -177,6 +177,9 @@ LAYOUTS = {  # id -> (tp, pp, estimator, extra overrides)
     # Sequence parallelism: the sequence split over TP between blocks, the heads' gather, the norms' all-reduce
     "tp2-sequence-parallel-packed": (2, 1, "grpo", ("parallel.sequence_parallel=true", *PACKED)),
     "ppo-tp2-sequence-parallel": (2, 1, "ppo", ("parallel.sequence_parallel=true",)),
+    # Context parallelism: each rank's share of every sequence, the keys and values all-gathered, the heads' gather
+    "cp2-packed": (1, 1, "grpo", ("parallel.context_parallel=2", *PACKED)),
+    "ppo-cp2": (1, 1, "ppo", ("parallel.context_parallel=2",)),
     "ppo-pp2": (1, 2, "ppo", ()),
     "reinforce_plus_plus-dp2-sequence-is": (1, 1, "reinforce_plus_plus", SEQUENCE_IS),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from slimish.trainer.batch import collate, collate_packed
@@ -98,3 +99,30 @@ def test_packed_bounds_stay_on_the_host_unless_asked():
     mb = collate_packed([_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4])], pad_id=0)
     assert mb.packed_seq_params().cu_seqlens_q.device.type == "cpu"
     assert mb.packed_seq_params(torch.device("meta")).cu_seqlens_kv.device.type == "meta"
+
+
+def test_context_parallel_ranks_hold_balanced_chunks_of_every_sequence():
+    """Megatron's load balancing: each sequence in 2 x cp chunks, rank r holding chunks r and 2 cp - 1 - r."""
+    from slimish.trainer.context_parallel import ContextShard, local_positions
+
+    assert local_positions([0, 8], 2, 0) == [0, 1, 6, 7] and local_positions([0, 8], 2, 1) == [2, 3, 4, 5]
+    assert local_positions([0, 4, 12], 2, 1) == [1, 2, 6, 7, 8, 9]
+    shards = [ContextShard.of([0, 4, 12], size=2, rank=r, group=None, device="cpu") for r in range(2)]
+    row = torch.arange(12)[None] * 10
+    gathered = torch.cat([s.take(row) for s in shards], dim=1).index_select(1, shards[0].order)
+    assert torch.equal(gathered, row), "the ranks' shares, gathered rank after rank, put back in row order"
+    with pytest.raises(ValueError, match="does not split into 2 x 2 chunks"):
+        local_positions([0, 6], 2, 0)
+
+
+def test_packed_sequences_are_padded_for_context_parallelism():
+    """Each sequence padded to a multiple of 2 x cp after its sample (trained on by nothing), bounds at the padded
+    ends; a row padded for sequence parallelism only gets a padding segment of its own."""
+    samples = [_sample([5, 6], [7, 8, 9]), _sample([1, 2, 3], [4])]
+    mb = collate_packed(samples, pad_id=0, sequence_multiple=4)
+    assert mb.cu_seqlens == [0, 8, 12] and mb.tokens.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0, 1, 2, 3, 4]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    assert mb.spans == [(1, 4), (10, 11)] and mb.loss_mask.sum() == 4
+    row = collate_packed(samples, pad_id=0, multiple_of=4)
+    assert row.cu_seqlens == [0, 5, 9, 12] and row.spans == [(1, 4), (7, 8)]
+    assert collate(samples, pad_id=0, multiple_of=4).tokens.shape == (2, 8)

@@ -47,14 +47,18 @@ PACKED = ("trainer.max_tokens_per_micro_batch=14", "trainer.logprob_chunk_tokens
 # Megatron's sequence parallelism: rows padded to an even length, each TP rank holding half of the sequence between
 # the attention and MLP blocks (norm weight gradients all-reduced over TP).
 SEQUENCE_PARALLEL = ("parallel.sequence_parallel=true",)
+# Context parallelism: every sequence cut into 4 load-balanced chunks, 2 per rank (keys and values all-gathered).
+CONTEXT_PARALLEL = ("parallel.context_parallel=2",)
 
 
 @pytest.mark.parametrize("tp,pp,overrides", [(2, 1, ()), (1, 1, ()), (1, 2, ()), (1, 1, DISTRIBUTED_OPTIMIZER),
                                              (2, 1, RECOMPUTE), (2, 1, PACKED), (1, 2, PACKED), (1, 1, PACKED),
                                              (2, 1, PACKED + RECOMPUTE), (2, 1, SEQUENCE_PARALLEL),
-                                             (2, 1, PACKED + SEQUENCE_PARALLEL)],
+                                             (2, 1, PACKED + SEQUENCE_PARALLEL), (1, 1, CONTEXT_PARALLEL),
+                                             (1, 1, PACKED + CONTEXT_PARALLEL)],
                          ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute", "tp2-packed",
-                              "pp2-packed", "dp2-packed", "tp2-packed-recompute", "tp2-sp", "tp2-packed-sp"])
+                              "pp2-packed", "dp2-packed", "tp2-packed-recompute", "tp2-sp", "tp2-packed-sp", "cp2",
+                              "cp2-packed"])
 def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
     results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
     assert reference["rows"] == list(range(8))
@@ -110,9 +114,10 @@ ESTIMATOR_RUNS = {"reinforce_plus_plus": ("trainer.loss.advantage_estimator=rein
 
 @pytest.mark.parametrize("estimator,tp,pp,layout", [
     ("reinforce_plus_plus", 1, 1, ()), ("reinforce_plus_plus", 1, 2, ()), ("ppo", 2, 1, ()), ("ppo", 1, 2, ()),
-    ("ppo", 2, 1, SEQUENCE_PARALLEL + PACKED)],
+    ("ppo", 2, 1, SEQUENCE_PARALLEL + PACKED), ("ppo", 1, 1, CONTEXT_PARALLEL),
+    ("reinforce_plus_plus", 1, 1, CONTEXT_PARALLEL + PACKED)],
                          ids=["reinforce_plus_plus-dp2", "reinforce_plus_plus-pp2", "ppo-tp2", "ppo-pp2",
-                              "ppo-tp2-packed-sp"])
+                              "ppo-tp2-packed-sp", "ppo-cp2", "reinforce_plus_plus-cp2-packed"])
 def test_estimator_advantages_span_every_rank(task_assets, tmp_path, estimator, tp, pp, layout):
     """REINFORCE++ and PPO whiten their token advantages over the whole step's tokens: at DP2 each rank holds half of
     them (the statistics are all-reduced), at PP2 only the last stage has logprobs (and PPO's values). PPO's critic
@@ -151,3 +156,43 @@ def test_moe_sequence_parallel_step_is_the_one_rank_step(task_assets, tiny_moe_m
         assert torch.allclose(sp["before"], one["before"], atol=1e-5)
         assert torch.allclose(sp["after"], one["after"], atol=1e-4)
         assert sp["parity"]["entropy"] == pytest.approx(one["parity"]["entropy"], abs=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [CONTEXT_PARALLEL + SEQUENCE_PARALLEL,
+                                       CONTEXT_PARALLEL + SEQUENCE_PARALLEL + PACKED], ids=["padded", "packed"])
+def test_cp2_tp2_with_sequence_parallelism_matches_one_rank(task_assets, tmp_path, reference, overrides):
+    """Four ranks, CP2 x TP2 with sequence parallelism: every sequence padded to a multiple of 2 x CP x TP = 8
+    tokens, cut into 4 chunks over the CP ranks and each rank's share split again over TP between blocks. The
+    step, its logprobs and the exported weights are the one-rank trainer's."""
+    results = _run(task_assets, tmp_path, world_size=4, tp=2, overrides=overrides)
+    for result in results:
+        rows = result["rows"]  # packed rows hold the samples in the packer's order
+        assert result["dp_size"] == 1 and sorted(rows) == list(range(8))
+        assert result["metrics"]["pg_loss"] == pytest.approx(reference["metrics"]["pg_loss"], abs=1e-5)
+        assert result["parity"]["entropy"] == pytest.approx(reference["parity"]["entropy"], abs=1e-5)
+        assert torch.allclose(result["before"], reference["before"][rows], atol=1e-5)
+        assert torch.allclose(result["after"], reference["after"][rows], atol=1e-4)
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(reference["metrics"]["grad_norm"], rel=1e-4)
+    for name, tensor in results[0]["state"].items():
+        diff = (tensor - reference["state"][name]).abs()
+        assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
+    assert all(result["state"] == {} for result in results[1:]), "one rank exports"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_context_parallel_step_is_the_one_rank_step(task_assets, tiny_moe_models, tmp_path, family):
+    """Mixture-of-experts layers (each CP rank routes its own share of the tokens) and DeepSeek-V3's multi-latent
+    attention (its own RoPE per CP chunk, keys and values of different widths all-gathered) at CP2, packed: the
+    one-rank step."""
+    assets = {**task_assets, "model": str(tiny_moe_models[family])}
+    (one,) = _run(assets, tmp_path / "one", world_size=1, tp=1, overrides=PACKED)
+    for cp in _run(assets, tmp_path / "cp", world_size=2, tp=1, overrides=PACKED + CONTEXT_PARALLEL):
+        assert cp["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], abs=1e-5)
+        assert cp["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+        for key, atol in (("before", 1e-5), ("after", 1e-4)):
+            assert torch.allclose(_by_sample(cp, key), _by_sample(one, key), atol=atol), key
+
+
+def _by_sample(result: dict, key: str) -> torch.Tensor:
+    """A result's per-sample rows in sample order (packed rows hold them in the packer's order)."""
+    return result[key][torch.argsort(torch.tensor(result["rows"]))]
