@@ -2,14 +2,14 @@
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
 # Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make gpu-battery-prepare | make lint | make docs | make bench | make bench-partial | make bench-sync |
-#   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-estimators | make bench-async | make bench-rollout | make bench-reward-workers | make bench-step-time
+#   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-attention | make bench-estimators | make bench-async | make bench-rollout | make bench-reward-workers | make bench-step-time
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-estimators bench-async bench-rollout bench-reward-workers bench-step-time clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-attention bench-estimators bench-async bench-rollout bench-reward-workers bench-step-time clean
 
 venv: $(STAMP)
 
@@ -97,6 +97,10 @@ bench-tensor-buckets: venv
 
 bench-long: venv
 	$(BIN)/python bench/long_sequences.py
+
+# The core attention alone on the CPU: Megatron's local (S x S) attention against SDPA at 2k / 8k / 32k tokens.
+bench-attention: venv
+	$(BIN)/python bench/attention.py
 
 bench-estimators: venv
 	$(BIN)/python bench/estimators.py
