@@ -5,20 +5,43 @@ Trainer rank (the fullest pipeline stage), bytes:
   grads       parameters x 4 (Megatron's fp32 gradient buffer, grad_reduce_in_fp32)
   optimizer   Adam's two fp32 moments (8 bytes / parameter), plus fp32 main weights (4) when training in bf16;
               divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel)
-  activations per micro-batch of T tokens, longest sample s, per layer (Korthikanti et al. 2022, no sequence
-              parallelism, scaled to the activation dtype): T*h*(10 + 24/tp) half-precision bytes, plus the local
-              attention's scores and probabilities, heads/tp x T x s elements; the first stage holds pipeline_parallel
-              micro-batches in flight (1F1B). Full recompute keeps each layer's input (T*h) and one layer's working set.
+  activations per micro-batch of T tokens (a packed one holds at least the longest sample, s), per layer, after
+              Korthikanti et al. 2022 in half-precision bytes (scaled to the activation dtype): T*h*(10 + 24/tp), and
+              T*h*34/tp with sequence parallelism (at tp > 1: the norms, residuals and dropout inputs outside the
+              tensor-parallel regions hold 1/tp of the sequence); plus the core attention that runs
+              (`planned_attention`; the paper's 5*a*s/(h*t) term):
+                te, sdpa  flash-style, no [s, s] tensor: per head and query the fp32 log-sum-exp, 4 x heads/tp x T;
+                local     Megatron's DotProductAttention, unfused (slimish sets masked_softmax_fusion off). Per layer
+                          until its backward: the fp32 softmax of the scores (kept by softmax's backward) and the
+                          probabilities cast back to the model dtype (kept by the bmm with the values), each over
+                          heads/tp x sum(len_i^2) elements (a packed row runs sample by sample, a padded one as
+                          b x s^2: both T x s at most), and the bool causal mask (one per call, shared by its
+                          heads). In the layer being computed (a padded row's b samples at once, a packed row's one
+                          sample at a time), also Megatron's global buffer for the scores (in the dtype) and 6 bytes
+                          per element at the peak in bf16 (the raw scores and their fp32 copy; in the backward pass
+                          two fp32 gradients), 12 in fp32: `core_attention`. Measured against Megatron's class on
+                          the CPU by tests/planning/test_plan.py.
+              The first stage holds pipeline_parallel micro-batches in flight (1F1B). Full recompute keeps each
+              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set.
   logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp in fp32, three copies (logits, softmax, grad).
+  reference   (trainer.loss.kl_coef > 0, or an estimator that needs it: `slimish.trainer.estimators`) the frozen
+              initial policy, sharded like it: weights in the model dtype; its forward (no grad) holds one layer's
+              working set and one chunk of logits twice (logits, log-softmax), in turn with the policy's training.
+  critic      (advantage_estimator ppo) a second whole model with a value head: weights, fp32 grads and optimizer
+              state of its trained parameters (its output layer is kept but frozen), and activations as the
+              policy's, in turn with the policy's training.
+  The roles' weights, grads and optimizer states stay on the GPU together; their activations come one role at a
+  time: the total counts the largest.
 Engine (one GPU of a tensor-parallel engine): weights / engine tp, and the KV cache of its share of
 rollout.max_concurrency requests at full length (prompt + max_new_tokens), at most rollout.engine.max_total_tokens
 (SGLang's pool): 2 x layers x kv heads/tp (at least one) x head dim per token, or MLA's compressed latent
 (kv_lora_rank + rope dim) per layer, whole on every rank.
 Colocated (placement.colocate), one GPU holds a trainer rank and an engine rank in turns
 (`slimish.orchestration.colocation`): generate = the engine (the trainer offloaded); train = the trainer rank (the
-engine released); sync = the trainer's weights, the engine's weights and two weight-sync buckets (the trainer's
-optimizer state offloaded, the engine's KV cache still released). Host memory per GPU: what the trainer offloads
-(weights and optimizer state; gradients are freed, not copied). CUDA contexts and allocator slack are not counted.
+engine released); sync = the trainer's weights (every role's), the engine's weights and two weight-sync buckets (the
+trainer's optimizer states offloaded, the engine's KV cache still released). Host memory per GPU: what the trainer
+offloads (every role's weights and optimizer state; gradients are freed, not copied). CUDA contexts and allocator
+slack are not counted.
 """
 
 from __future__ import annotations
@@ -31,6 +54,63 @@ GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def planned_attention(attention: str) -> str:
+    """The core attention a GPU run of trainer.attention `attention` runs: `auto` is `te` (it resolves to te where
+    Transformer Engine imports and CUDA is up, `slimish.trainer.attention.resolve`, and the GPU install ships TE);
+    te and sdpa hold the same memory here."""
+    return "te" if attention == "auto" else attention
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A trainer rank's place in the parallel layout, as the memory model reads it (`layout`)."""
+    tensor_parallel: int
+    pipeline_parallel: int
+    expert_parallel: int
+    data_parallel: int
+    sequence_parallel: bool  # in effect: parallel.sequence_parallel at tensor_parallel > 1
+    # Seams for parallelisms the config has no keys for yet (1 = off); `layout` is where their keys get read:
+    context_parallel: int = 1  # each sample's tokens split over this many ranks: `trainer_rank` divides T by it
+    virtual_pipeline: int = 1  # interleaved 1F1B: changes the micro-batches in flight (`in_flight_layers`)
+
+
+def layout(cfg) -> Layout:
+    """The layout of `cfg`'s trainer ranks. Context parallelism and virtual pipeline stages have no config keys yet:
+    read them here when they come (context parallelism also divides the data-parallel size)."""
+    par = cfg.parallel
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, 1
+    return Layout(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=par.expert_parallel,
+                  data_parallel=par.num_trainer_ranks // (tp * pp * cp),
+                  sequence_parallel=par.sequence_parallel and tp > 1, context_parallel=cp)
+
+
+def in_flight_layers(lay: Layout, layers_per_stage: int) -> int:
+    """Layers' activations the first pipeline stage holds at its peak: pipeline_parallel micro-batches in flight
+    (1F1B), each through its stage's layers. The interleaved schedule (virtual pipeline stages) holds a different
+    count: its formula goes here when its key comes."""
+    assert lay.virtual_pipeline == 1, "interleaved 1F1B is not planned yet"
+    return lay.pipeline_parallel * layers_per_stage
+
+
+def core_attention(attention: str, *, dtype: int, heads: float, tokens: float, longest: int,
+                   samples_at_once: int) -> tuple[float, float]:
+    """(bytes one layer keeps until its backward, more bytes while that layer is computed) of the core attention
+    `attention` (te / sdpa / local) over `heads` heads (per tensor-parallel rank) of a micro-batch of `tokens`
+    tokens whose samples are at most `longest` long, `samples_at_once` of them in one attention call."""
+    if attention != "local":
+        return 4 * heads * tokens, 0.0  # flash attention's fp32 log-sum-exp per head and query
+    square = tokens * longest  # sum of len_i^2 over the micro-batch's samples
+    half = dtype < 4  # the scores are cast to fp32 for the softmax, and its output back to the dtype
+    mask = square / samples_at_once  # one bool causal mask per call, shared by its heads (and a padded row's samples)
+    kept = heads * square * (4 + (dtype if half else 0)) + mask  # the fp32 softmax, the probabilities in dtype
+    # Beside them, in the layer being computed: Megatron's global memory buffer the scores are computed beside (in the
+    # dtype, sized for the largest call, kept by the rank), and at the peak 6 more bytes per element in half
+    # precision (forward: the raw scores and their fp32 copy; backward: two fp32 gradients, less the probabilities it
+    # frees), 12 in fp32 (the backward of masked_fill_ on a view of the scores: a zeroed base and a clone).
+    computing = heads * samples_at_once * longest ** 2 * (dtype + (6 if half else 12))
+    return kept, computing
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerMemory:
     weights: float
@@ -40,44 +120,94 @@ class TrainerMemory:
     activations: float              # as configured
     activations_other: float        # with recompute switched the other way
     logits: float
+    tokens: int                     # per micro-batch (per rank of its sequence)
+    attention: str                  # the core attention planned (`planned_attention`)
+    activations_attention_other: float  # as configured, with local attention for te / sdpa, te for local
+    reference: float = 0.0          # the reference model's weights (0: none)
+    reference_activations: float = 0.0
+    critic_weights: float = 0.0     # the critic's (0: none)
+    critic_grads: float = 0.0
+    critic_optimizer: float = 0.0
+    critic_activations: float = 0.0
+
+    @property
+    def critic(self) -> float:
+        return self.critic_weights + self.critic_grads + self.critic_optimizer
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        """Every role's weights, grads and optimizer state, and the activations of the role that holds the most
+        (the roles run one at a time)."""
+        static = self.weights + self.grads + self.optimizer + self.reference + self.critic
+        return static + max(self.activations + self.logits, self.reference_activations, self.critic_activations)
+
+
+def builds_roles(cfg) -> tuple[bool, bool]:
+    """(reference model, critic): whether the trainer builds them, as `TrainerWorker.setup` decides."""
+    from slimish.trainer.estimators import ESTIMATORS
+
+    loss = cfg.trainer.loss
+    estimator = ESTIMATORS[loss.advantage_estimator]
+    return loss.kl_coef > 0 or estimator.needs_ref(cfg.trainer), estimator.needs_values
 
 
 def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> TrainerMemory:
-    par, tr = cfg.parallel, cfg.trainer
-    tp, pp, ep = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel
-    dp = par.num_trainer_ranks // (tp * pp)
+    tr, lay = cfg.trainer, layout(cfg)
+    tp, pp, ep, dp = lay.tensor_parallel, lay.pipeline_parallel, lay.expert_parallel, lay.data_parallel
     stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s) for s in range(pp)]
-    dense, experts = max(stages, key=sum)
+    fullest = max(range(pp), key=lambda s: sum(stages[s]))
+    dense, experts = stages[fullest]
     dtype = DTYPE_BYTES[cfg.model.dtype]
     state = 8 + (4 if dtype < 4 else 0)
 
-    def optimizer(distributed: bool) -> float:
+    def optimizer(dense: float, experts: float, distributed: bool) -> float:
         if not distributed:
             return (dense + experts) * state
         return dense * state / dp + experts * state / max(dp // ep, 1)
 
     longest = prompt_tokens + cfg.rollout.max_new_tokens
-    tokens = tr.max_tokens_per_micro_batch or tr.micro_batch_size * longest
+    if tr.max_tokens_per_micro_batch:  # packed: a longer sample gets a micro-batch of its own
+        tokens, samples_at_once = max(tr.max_tokens_per_micro_batch, longest), 1
+    else:
+        tokens, samples_at_once = tr.micro_batch_size * longest, tr.micro_batch_size
+    tokens /= lay.context_parallel
     layers = -(-arch.num_layers // pp)
-    h, heads = arch.hidden_size, arch.num_attention_heads
+    h, heads = arch.hidden_size, arch.num_attention_heads / tp
     scale = dtype / 2  # the per-layer formula counts half-precision bytes
-    working = tokens * h * (10 + 24 / tp) * scale + 2 * dtype * (heads / tp) * tokens * longest
+    outside = 10 / tp if lay.sequence_parallel else 10  # outside the tensor-parallel regions
+    linear = tokens * h * (outside + 24 / tp) * scale
+    layer_input = tokens * h * dtype / (tp if lay.sequence_parallel else 1)
+    in_flight = in_flight_layers(lay, layers)
 
-    def activations(recompute: bool) -> float:
+    def attention_bytes(attention: str) -> tuple[float, float]:
+        return core_attention(attention, dtype=dtype, heads=heads, tokens=tokens, longest=longest,
+                              samples_at_once=samples_at_once)
+
+    def activations(recompute: bool, attention: str) -> float:
+        kept, computing = attention_bytes(attention)
         if recompute:
-            return pp * layers * tokens * h * dtype + working
-        return pp * layers * working
+            return in_flight * layer_input + linear + kept + computing
+        return in_flight * (linear + kept) + computing
 
-    full = tr.recompute == "full"
-    logits = 3 * 4 * min(tr.logprob_chunk_tokens, tokens) * arch.vocab_size / tp
-    return TrainerMemory(weights=(dense + experts) * dtype, grads=(dense + experts) * 4,
-                         optimizer=optimizer(tr.optimizer.distributed),
-                         optimizer_other=optimizer(not tr.optimizer.distributed), activations=activations(full),
-                         activations_other=activations(not full), logits=logits)
+    full, attention = tr.recompute == "full", planned_attention(tr.attention)
+    chunk_logits = 4 * min(tr.logprob_chunk_tokens, tokens) * arch.vocab_size / tp
+    mem = dict(weights=(dense + experts) * dtype, grads=(dense + experts) * 4,
+               optimizer=optimizer(dense, experts, tr.optimizer.distributed),
+               optimizer_other=optimizer(dense, experts, not tr.optimizer.distributed),
+               activations=activations(full, attention), activations_other=activations(not full, attention),
+               activations_attention_other=activations(full, "te" if attention == "local" else "local"),
+               logits=3 * chunk_logits, tokens=round(tokens), attention=attention)
+    reference, critic = builds_roles(cfg)
+    if reference:  # forward only: one layer's working set, and a chunk's logits and log-softmax
+        mem.update(reference=(dense + experts) * dtype,
+                   reference_activations=linear + sum(attention_bytes(attention)) + 2 * chunk_logits)
+    if critic:  # trained: all but the output layer (frozen), plus the value head (hidden -> 1) on the last stage
+        head = h + 1 if fullest == pp - 1 else 0
+        trained = dense - (params.output // tp if head else 0) + head
+        mem.update(critic_weights=(dense + experts + head) * dtype, critic_grads=(trained + experts) * 4,
+                   critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed),
+                   critic_activations=activations(full, attention))
+    return TrainerMemory(**mem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +250,6 @@ class ColocatedMemory:
 
 def colocated_gpu(cfg, trainer: TrainerMemory, engine: EngineMemory) -> ColocatedMemory:
     buckets = 2 * cfg.weight_sync.bucket_mb * 2**20
-    return ColocatedMemory(generate=engine.total, train=trainer.total,
-                           sync=trainer.weights + engine.weights + buckets,
-                           host=trainer.weights + trainer.optimizer)
+    weights = trainer.weights + trainer.reference + trainer.critic_weights  # every role's
+    return ColocatedMemory(generate=engine.total, train=trainer.total, sync=weights + engine.weights + buckets,
+                           host=weights + trainer.optimizer + trainer.critic_optimizer)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slimish.planning.memory import GB, colocated_gpu, engine_gpu, trainer_rank
+from slimish.planning.memory import GB, colocated_gpu, engine_gpu, layout, trainer_rank
 from slimish.planning.params import ParamCount, count_params
 from slimish.planning.walls import ADVICE, COLOCATED_ADVICE, step_walls
 
@@ -51,25 +51,45 @@ def _fits(total: float, limit_gb: float, fix: str) -> str:
     return f"  total   {_gb(total)} GB of {limit_gb:g}: does NOT fit; {fix}"
 
 
+ATTENTION_NOTE = {"te": "Transformer Engine's fused attention", "sdpa": "torch's scaled_dot_product_attention",
+                  "local": "Megatron's DotProductAttention, [s, s] scores per head"}
+
+
 def _trainer(cfg, arch, params: ParamCount) -> list[str]:
-    tr = cfg.trainer
+    tr, par = cfg.trainer, cfg.parallel
     mem = trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
     distributed = "on" if tr.optimizer.distributed else "off"
     other_recompute = "none" if tr.recompute == "full" else "full"
-    longest = cfg.plan.prompt_tokens + cfg.rollout.max_new_tokens
-    tokens = tr.max_tokens_per_micro_batch or tr.micro_batch_size * longest
+    sp = layout(cfg).sequence_parallel
     fix = ("trainer.optimizer.distributed=true, " if not tr.optimizer.distributed else "") + \
           ("trainer.recompute=full, " if tr.recompute != "full" else "") + \
+          ("trainer.attention=auto (te) or sdpa, " if mem.attention == "local" else "") + \
+          ("parallel.sequence_parallel=true, " if par.tensor_parallel > 1 and not sp else "") + \
           "more tensor or pipeline parallelism, or fewer tokens per micro-batch"
-    return ["", "trainer rank (the fullest pipeline stage), GB:",
-            f"  weights {_gb(mem.weights)}",
-            f"  grads   {_gb(mem.grads)}   (fp32)",
-            f"  optim   {_gb(mem.optimizer)}   (distributed optimizer {distributed}; the other way: "
-            f"{mem.optimizer_other / GB:.1f})",
-            f"  activ   {_gb(mem.activations)}   (recompute {tr.recompute}, {tokens} tokens per micro-batch; "
-            f"recompute {other_recompute}: {mem.activations_other / GB:.1f})",
-            f"  logits  {_gb(mem.logits)}   (chunks of {tr.logprob_chunk_tokens} tokens)",
-            _fits(mem.total, cfg.plan.gpu_memory_gb, fix)]
+    if tr.attention == "auto":
+        attention = "attention te, for trainer.attention auto: te on GPU nodes with Transformer Engine, sdpa holds " \
+                    "the same"
+    else:
+        attention = f"attention {mem.attention}: {ATTENTION_NOTE[mem.attention]}"
+    other = "te or sdpa" if mem.attention == "local" else "local"
+    lines = ["", "trainer rank (the fullest pipeline stage), GB:",
+             f"  weights {_gb(mem.weights)}",
+             f"  grads   {_gb(mem.grads)}   (fp32)",
+             f"  optim   {_gb(mem.optimizer)}   (distributed optimizer {distributed}; the other way: "
+             f"{mem.optimizer_other / GB:.1f})",
+             f"  activ   {_gb(mem.activations)}   (recompute {tr.recompute}, {mem.tokens} tokens per micro-batch, "
+             f"sequence parallel {'on' if sp else 'off'}; recompute {other_recompute}: "
+             f"{mem.activations_other / GB:.1f})",
+             f"          {'':8}   ({attention}; {other}: {mem.activations_attention_other / GB:.1f})",
+             f"  logits  {_gb(mem.logits)}   (chunks of {tr.logprob_chunk_tokens} tokens)"]
+    if mem.reference:
+        lines.append(f"  ref     {_gb(mem.reference)}   (reference model's weights, {cfg.model.dtype}; its forward, "
+                     f"{mem.reference_activations / GB:.1f}, runs in turn with training)")
+    if mem.critic:
+        lines.append(f"  critic  {_gb(mem.critic)}   (ppo's value model: weights {mem.critic_weights / GB:.1f} + fp32 "
+                     f"grads {mem.critic_grads / GB:.1f} + optim {mem.critic_optimizer / GB:.1f}; its activations, "
+                     f"{mem.critic_activations / GB:.1f}, in turn with the policy's)")
+    return [*lines, _fits(mem.total, cfg.plan.gpu_memory_gb, fix)]
 
 
 def _engine(cfg, arch, params: ParamCount) -> list[str]:
@@ -92,8 +112,8 @@ def _colocated(cfg, arch, params: ParamCount) -> list[str]:
     return ["", "colocated GPU (trainer rank and engine rank in turns), GB:",
             f"  generate {_gb(mem.generate)}   (the engine; the trainer offloaded)",
             f"  train    {_gb(mem.train)}   (the trainer rank; the engine released)",
-            f"  sync     {_gb(mem.sync)}   (trainer weights + engine weights + two {cfg.weight_sync.bucket_mb:g} MiB "
-            "buckets)",
+            f"  sync     {_gb(mem.sync)}   (trainer weights, every role's, + engine weights + two "
+            f"{cfg.weight_sync.bucket_mb:g} MiB buckets)",
             f"  host     {_gb(mem.host)}   (host memory per GPU the trainer offloads to: weights and optimizer "
             "state)",
             _fits(mem.peak, cfg.plan.gpu_memory_gb, "the fix of the phase that does not fit, above")]

@@ -1,6 +1,7 @@
-"""`slimish plan` against hand computations and Megatron-Core's own parameter count: the recipes' models counted as
-Megatron builds them, one trainer rank's share of a layout, the memory of the 405B recipe's rank and engine, the
-405B full-broadcast sync time, and the command's output for every recipe."""
+"""`slimish plan` against hand computations, Megatron-Core's own parameter count and what its local attention keeps for
+the backward pass: the recipes' models counted as Megatron builds them, one trainer rank's share of a layout, the
+memory of the 405B recipe's rank and engine, the core attention that runs (te / sdpa / local), sequence parallelism,
+the reference model and the critic, the 405B full-broadcast sync time, and the command's output for every recipe."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from slimish.config import load_config
-from slimish.planning.memory import colocated_gpu, engine_gpu, trainer_rank
+from slimish.planning.memory import colocated_gpu, core_attention, engine_gpu, trainer_rank
 from slimish.planning.params import count_params
 from slimish.planning.walls import step_walls
 from tests.conftest import REPO
@@ -80,15 +81,203 @@ its 128 requests of 8704 tokens."""
     last = 18 * (layer // 8 + 2 * h) + vocab * h // 8 + h
     assert mem.weights == 2 * last and mem.grads == 4 * last  # the fullest stage: the last one
     assert mem.optimizer == pytest.approx(12 * last / 2) and mem.optimizer_other == pytest.approx(12 * last)
+    # Sequence parallelism (T*h*34/8 per layer, each layer's kept input T*h/8), trainer.attention auto planned as te
+    # (4 bytes of log-sum-exp per head and query), 126 layers' inputs in flight on stage 0 (7 micro-batches x 18).
     tokens = 8704
-    working = tokens * h * (10 + 24 / 8) + 2 * 2 * (128 / 8) * tokens * tokens
-    assert mem.activations == pytest.approx(7 * 18 * tokens * h * 2 + working)
-    assert mem.activations_other == pytest.approx(7 * 18 * working)
+    layer = tokens * h * 34 / 8 + 4 * (128 / 8) * tokens
+    assert mem.attention == "te" and mem.reference == mem.critic == 0
+    assert mem.activations == pytest.approx(7 * 18 * tokens * h * 2 / 8 + layer)
+    assert mem.activations_other == pytest.approx(7 * 18 * layer)
     engine = engine_gpu(cfg, arch, params, prompt_tokens=512)
     assert engine.weights == pytest.approx(params.total * 2 / 8)
     pool = cfg.rollout.engine.max_total_tokens  # SGLang's KV pool: fewer than 128 full-length requests
     assert pool < 128 * 8704 and engine.kv_tokens == pool
     assert engine.kv_cache == pytest.approx(pool * 2 * 126 * 1 * 128 * 2)  # K and V, 126 layers, 1 kv head per rank
+
+
+def _eight_b(tmp_path, *overrides: str):
+    """The Qwen3-8B recipe (TP2 x DP2, 2 padded rows of 8192 + 512 tokens per micro-batch, full recompute) and its
+    trainer rank's memory."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    cfg = recipe("qwen3_8b_math_grpo", tmp_path, *overrides)
+    return cfg, trainer_rank(cfg, architecture_from_hf(QWEN3_8B), count_params(QWEN3_8B), prompt_tokens=0)
+
+
+def test_local_attention_grows_with_the_square_of_the_sequence_sdpa_linearly(tmp_path):
+    """From 8k to 32k tokens per sample (4x), sdpa's activations grow 4x; the local attention's [s, s] share 16x: per
+    layer kept, the fp32 softmax and the bf16 probabilities of 32 / 2 heads over 2 x s^2 elements, and one s^2 bool
+    mask; in the layer being computed, Megatron's bf16 buffer for the scores and 6 bytes more per element."""
+    heads, h = 32 / 2, 4096
+    for s in (8192, 32768):
+        _, sdpa = _eight_b(tmp_path, "trainer.attention=sdpa", f"rollout.max_new_tokens={s}")
+        _, local = _eight_b(tmp_path, "trainer.attention=local", f"rollout.max_new_tokens={s}")
+        tokens = 2 * s
+        linear = 36 * tokens * h * 2 / 2 + tokens * h * 34 / 2  # 36 layers' inputs (/ TP with SP), one layer
+        assert sdpa.attention == "sdpa" and sdpa.activations == pytest.approx(linear + 4 * heads * tokens)
+        assert local.activations == pytest.approx(linear + heads * 2 * s * s * (4 + 2) + s * s
+                                                  + heads * 2 * s * s * (2 + 6))
+        assert sdpa.activations_attention_other == local.activations
+        assert local.activations_attention_other == pytest.approx(sdpa.activations)  # te: the same bytes as sdpa
+    _, sdpa_8k = _eight_b(tmp_path, "trainer.attention=sdpa")
+    _, sdpa_32k = _eight_b(tmp_path, "trainer.attention=sdpa", "rollout.max_new_tokens=32768")
+    _, local_8k = _eight_b(tmp_path, "trainer.attention=local")
+    assert sdpa_32k.activations == pytest.approx(4 * sdpa_8k.activations)
+    assert local.activations - sdpa_32k.activations == pytest.approx(
+        16 * (local_8k.activations - sdpa_8k.activations), rel=1e-4)  # only sdpa's log-sum-exp is linear
+    # No recompute: every layer keeps its softmax and probabilities; the rest only in the layer being computed.
+    _, no_recompute = _eight_b(tmp_path, "trainer.attention=local", "trainer.recompute=none")
+    s, tokens = 8192, 2 * 8192
+    assert no_recompute.activations == pytest.approx(36 * (tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s)
+                                                     + heads * 2 * s * s * 8)
+
+
+def _peak_bytes(keep, run, *args, **kwargs) -> int:
+    """The peak bytes, while `run(*args, **kwargs)` runs, of the tensors it creates that `keep(tensor)` selects (each
+    storage counted from its creation until it is freed)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live, now, peak = set(), [0], [0]
+
+    def free(key: int, size: int) -> None:
+        live.discard(key)
+        now[0] -= size
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                storage = t.untyped_storage() if hasattr(t, "untyped_storage") and keep(t) else None
+                if storage is not None and storage.data_ptr() not in live:
+                    live.add(storage.data_ptr())
+                    now[0] += storage.nbytes()
+                    peak[0] = max(peak[0], now[0])
+                    weakref.finalize(storage, free, storage.data_ptr(), storage.nbytes())
+            return out
+
+    with Track():
+        run(*args, **kwargs)
+    return peak[0]
+
+
+def _forward_backward(module, *args, **kwargs) -> None:
+    module(*args, **kwargs).float().sum().backward()
+
+
+def _saved(forward, *args, **kwargs) -> dict:
+    """The tensors `forward(*args, **kwargs)` saves for its backward pass, one per storage."""
+    import torch
+
+    saved = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),
+                                                  lambda t: t):
+        forward(*args, **kwargs)
+    return saved
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_local_attention_holds_what_megatrons_dot_product_attention_holds(dtype, megatron_world, monkeypatch):
+    """What the plan counts for the local attention is what Megatron's DotProductAttention (through the packed
+    wrapper slimish runs for trainer.attention=local) holds, on the CPU: the [s, s] tensors it saves for its backward
+    pass (kept by every layer), and the peak of all its [s, s] tensors and its global buffer for the scores during a
+    forward and backward pass (kept + the layer being computed), for 3 padded rows in one call and 3 packed samples
+    one at a time. sdpa holds no [s, s] tensor and saves an fp32 log-sum-exp per head and query."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from slimish.compat.packed_attention import packed
+    from slimish.planning.memory import DTYPE_BYTES
+    from slimish.trainer.attention import SdpaAttention
+
+    heads, groups, dim, s = 4, 2, 8, 48
+    torch_dtype = getattr(torch, dtype)
+    config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=dim, bf16=dtype == "bfloat16",
+                               params_dtype=torch_dtype, masked_softmax_fusion=False, attention_dropout=0.0,
+                               hidden_dropout=0.0, use_cpu_initialization=True)
+    bounds = torch.tensor([0, s, 2 * s, 3 * s], dtype=torch.int32)
+    rows = {"padded": ((s, 3), 3, {}),  # [s, b, heads, dim]: 3 rows of s in one call
+            "packed": ((3 * s,), 1, {"packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=s, max_seqlen_kv=s)})}
+    for name, attention in (("local", packed(DotProductAttention)), ("sdpa", SdpaAttention)):
+        module = attention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for row, (shape, samples_at_once, kwargs) in rows.items():
+            q, k, v = (torch.randn(*shape, n, dim, dtype=torch_dtype, requires_grad=True)
+                       for n in (heads, groups, groups))
+            saved = _saved(module, q, k, v, None, **kwargs)
+            monkeypatch.setattr(parallel_state.get_global_memory_buffer(), "buffer", {})  # allocated in the call
+            scores = heads * samples_at_once * s * s  # the global buffer's elements
+            peak = _peak_bytes(lambda t, scores=scores: t.shape[-2:] == (s, s) or t.numel() == scores,
+                               _forward_backward, module, q, k, v, None, **kwargs)
+            square = sum(t.untyped_storage().nbytes() for t in saved.values() if t.shape[-2:] == (s, s))
+            lse = sum(t.untyped_storage().nbytes() for t in saved.values()
+                      if t.dtype == torch.float32 and t.shape[-2:] == (heads, s))  # [b, heads, s]
+            kept, computing = core_attention(name, dtype=DTYPE_BYTES[dtype], heads=heads, tokens=3 * s, longest=s,
+                                             samples_at_once=samples_at_once)
+            if name == "local":
+                assert (square, peak) == (kept, kept + computing), row
+            else:
+                assert (square, peak, computing) == (0, 0, 0) and lse == kept, row
+
+
+def test_sequence_parallelism_divides_the_activations_outside_the_tensor_parallel_regions(tmp_path):
+    """At TP2, sequence parallelism takes a layer from T*h*(10 + 24/2) to T*h*34/2 half-precision bytes, and each
+    layer's input kept by full recompute from T*h to T*h/2; the core attention's bytes are the same either way."""
+    tokens, h = 2 * 8192, 4096
+    _, on = _eight_b(tmp_path, "trainer.attention=sdpa")
+    _, off = _eight_b(tmp_path, "trainer.attention=sdpa", "parallel.sequence_parallel=false")
+    assert off.activations - on.activations == pytest.approx(36 * tokens * h * 2 / 2 + tokens * h * (10 - 10 / 2))
+    _, on = _eight_b(tmp_path, "trainer.attention=sdpa", "trainer.recompute=none")
+    _, off = _eight_b(tmp_path, "trainer.attention=sdpa", "trainer.recompute=none", "parallel.sequence_parallel=false")
+    assert off.activations - on.activations == pytest.approx(36 * tokens * h * (10 - 10 / 2))
+    # At TP1 sequence parallelism is a no-op: the same plan.
+    args = ("parallel.tensor_parallel=1", "parallel.num_trainer_ranks=2")
+    _, tp1_on = _eight_b(tmp_path, *args)
+    _, tp1_off = _eight_b(tmp_path, *args, "parallel.sequence_parallel=false")
+    assert tp1_on == tp1_off
+
+
+def test_kl_coef_adds_the_reference_model(tmp_path):
+    """trainer.loss.kl_coef > 0 (or reward_kl_coef with an estimator that shapes rewards by it) builds the reference
+    model: its weights in bf16, sharded like the policy's; its forward runs in turn with training (not added)."""
+    _, grpo = _eight_b(tmp_path)
+    cfg, kl = _eight_b(tmp_path, "trainer.loss.kl_coef=0.01")
+    assert grpo.reference == 0 and kl.reference == kl.weights
+    assert kl.total == pytest.approx(grpo.total + kl.weights)
+    assert 0 < kl.reference_activations < kl.activations + kl.logits  # one chunk of logits twice, not thrice
+    _, unused = _eight_b(tmp_path, "trainer.loss.reward_kl_coef=0.01")  # grpo does not shape rewards
+    _, shaped = _eight_b(tmp_path, "trainer.loss.reward_kl_coef=0.01",
+                         "trainer.loss.advantage_estimator=reinforce_plus_plus")
+    assert unused.reference == 0 and shaped.reference == kl.weights
+    from slimish.planning.report import plan_text
+
+    assert "  ref   " in plan_text(cfg, QWEN3_8B) and "  ref   " not in plan_text(recipe("qwen3_8b_math_grpo",
+                                                                                          tmp_path), QWEN3_8B)
+
+
+def test_ppo_adds_the_critic(tmp_path):
+    """advantage_estimator ppo builds the critic: the policy's weights plus a value head (hidden + 1) on the last
+    stage, fp32 grads and optimizer state of all but its frozen output layer, and activations as the policy's (in
+    turn with them: not added)."""
+    cfg, ppo = _eight_b(tmp_path, "trainer.loss.advantage_estimator=ppo")
+    _, grpo = _eight_b(tmp_path)
+    h, vocab = 4096, 151936
+    trained = ppo.weights / 2 - vocab * h / 2 + h + 1  # TP2: half the output layer is frozen
+    assert ppo.critic_weights == ppo.weights + 2 * (h + 1)
+    assert ppo.critic_grads == 4 * trained
+    assert ppo.critic_optimizer == pytest.approx(12 * trained / 2)  # distributed over DP2
+    assert ppo.critic_activations == ppo.activations and ppo.reference == 0
+    assert ppo.total == pytest.approx(grpo.total + ppo.critic)
+    from slimish.planning.report import plan_text
+
+    assert "  critic " in plan_text(cfg, QWEN3_8B)
 
 
 def test_the_405b_full_broadcast_sync_is_its_bytes_over_one_link(tmp_path):
