@@ -75,10 +75,10 @@ class Layout:
 
 
 def layout(cfg) -> Layout:
-    """The layout of `cfg`'s trainer ranks. Context parallelism and virtual pipeline stages have no config keys yet:
-    read them here when they come (context parallelism also divides the data-parallel size)."""
+    """The layout of `cfg`'s trainer ranks (context parallelism also divides the data-parallel size). Virtual
+    pipeline stages have no config key yet: read it here when it comes."""
     par = cfg.parallel
-    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, 1
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
     return Layout(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=par.expert_parallel,
                   data_parallel=par.num_trainer_ranks // (tp * pp * cp),
                   sequence_parallel=par.sequence_parallel and tp > 1, context_parallel=cp)

@@ -18,11 +18,13 @@ def plan_text(cfg, hf_config: dict) -> str:
 
 def _header(cfg, arch, params: ParamCount) -> list[str]:
     par, engine = cfg.parallel, cfg.rollout.engine
-    dp = par.num_trainer_ranks // (par.tensor_parallel * par.pipeline_parallel)
+    cp = par.context_parallel
+    dp = par.num_trainer_ranks // (par.tensor_parallel * par.pipeline_parallel * cp)
     return [f"model: {arch.family}, {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active per "
             f"token), {cfg.model.dtype}",
             f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
-            f"DP{dp} (EP{par.expert_parallel}); engines {engine.num_engines} x TP{engine.tensor_parallel}"
+            + (f"CP{cp} x " if cp > 1 else "") + f"DP{dp} (EP{par.expert_parallel}); "
+            f"engines {engine.num_engines} x TP{engine.tensor_parallel}"
             + (f", each over {engine.nodes_per_engine} nodes" if engine.nodes_per_engine > 1 else "")
             + (", on the trainer's GPUs (colocated)" if cfg.placement.colocate else ""),
             _lr_schedule(cfg)]

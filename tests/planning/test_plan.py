@@ -351,3 +351,14 @@ def test_every_recipe_fits_the_gpus_its_header_names(name, tmp_path):
         trainer = trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
         engine = engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
         assert colocated_gpu(cfg, trainer, engine).peak <= gpu_gb * 1e9
+
+
+def test_context_parallelism_divides_a_ranks_tokens(tmp_path):
+    """parallel.context_parallel: each rank holds 1/cp of every sequence's activations (the [s, s]-free attention's
+    too), and the data-parallel size is what is left of the ranks (TP2 x CP2 of 4 ranks: DP1)."""
+    from slimish.planning.memory import layout
+
+    cfg, one = _eight_b(tmp_path, "trainer.recompute=none")
+    cfg_cp, two = _eight_b(tmp_path, "trainer.recompute=none", "parallel.context_parallel=2")
+    assert two.activations == pytest.approx(one.activations / 2)
+    assert layout(cfg).data_parallel == 2 and layout(cfg_cp).data_parallel == 1
