@@ -118,7 +118,10 @@ CASES = [
     # layouts the model (4 heads, 2 KV heads, 2 layers, 512 positions) cannot take
     (["parallel.tensor_parallel=3", "parallel.num_trainer_ranks=3"], ["'parallel.tensor_parallel'", "4 attention"]),
     (["parallel.tensor_parallel=4", "parallel.num_trainer_ranks=4"], ["'parallel.tensor_parallel'", "2 KV heads"]),
-    (["parallel.pipeline_parallel=3", "parallel.num_trainer_ranks=3"], ["'parallel.pipeline_parallel'", "2 layers"]),
+    (["parallel.pipeline_parallel=3", "parallel.num_trainer_ranks=3"], ["'parallel.pipeline_parallel'", "2 layers",
+                                                                        "first_stage_layers"]),
+    (["parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2", "parallel.first_stage_layers=2"],
+     ["'parallel.first_stage_layers'", "0 layers after 2 on the first / last stage over 1 stage"]),
     (["rollout.engine.tensor_parallel=3"], ["'rollout.engine.tensor_parallel'", "4 attention heads"]),
     # datasets, read as the job reads them
     (["data.path={empty.jsonl}"], ["'data.path'", "no rows"]),

@@ -46,6 +46,11 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel: int = doc(1, "Megatron tensor-parallel size.")
     pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
+    first_stage_layers: int = doc(0, "Transformer layers on the first pipeline stage (it also holds the embedding); "
+                                     "0: an even share. With last_stage_layers, for layer counts pipeline_parallel "
+                                     "does not divide (DeepSeek-V3's 61 over PP4: 16, then 15 on each other stage).")
+    last_stage_layers: int = doc(0, "Transformer layers on the last pipeline stage (it also holds the output layer "
+                                    "and the loss); 0: an even share. The stages between share the rest evenly.")
     expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
     sequence_parallel: bool = doc(False, "Megatron sequence parallelism (at tensor_parallel > 1): the norms, "
                                          "residuals and dropouts hold 1/tensor_parallel of the sequence; "

@@ -334,8 +334,8 @@ MLA_LOCAL_SPEC_AT_TP = ("multi-latent attention at tensor_parallel > 1 trains co
 
 def _check_layout(cfg: JobConfig) -> None:
     """What Megatron and SGLang can split: attention heads and KV heads by tensor parallelism (trainer and
-    engines), layers by pipeline parallelism (no uneven stages yet)."""
-    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    engines), layers by pipeline parallelism (evenly, or with parallel.first_stage_layers / last_stage_layers)."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, pipeline_stage_layers, read_hf_config
 
     arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
     ro = cfg.rollout
@@ -363,9 +363,13 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is not None and tp > 1 and cfg.trainer.attention in ("sdpa", "local"):
         raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
                                                f"{MLA_LOCAL_SPEC_AT_TP}")
-    if arch.num_layers % pp:
-        raise ConfigError("parallel.pipeline_parallel", f"got {pp}; it must divide the model's {arch.num_layers} "
-                                                        "layers (uneven pipeline stages are not supported)")
+    try:
+        pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
+                              last=cfg.parallel.last_stage_layers)
+    except ValueError as exc:
+        key = "parallel.pipeline_parallel" if not (cfg.parallel.first_stage_layers or cfg.parallel.last_stage_layers) \
+            else "parallel.first_stage_layers"
+        raise ConfigError(key, f"got pipeline_parallel {pp}: {exc}") from None
     engine_tp = cfg.rollout.engine.tensor_parallel
     if heads % engine_tp:
         raise ConfigError("rollout.engine.tensor_parallel", f"got {engine_tp}; it must divide the model's {heads} "

@@ -174,7 +174,7 @@ def _architecture(cfg: dict) -> Architecture:
 def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        expert_parallel: int = 1, params_dtype=None, use_cpu_initialization: bool = False,
                        sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
-                       **overrides):
+                       first_stage_layers: int = 0, last_stage_layers: int = 0, **overrides):
     """The Megatron-Core TransformerConfig for `arch` (dropout off: RL logprobs must be deterministic)."""
     import torch
     from megatron.core.transformer import TransformerConfig
@@ -208,6 +208,9 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         persist_layer_norm=False,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        # Uneven stages (`pipeline_stage_layers`); None: Megatron's even split.
+        num_layers_in_first_pipeline_stage=first_stage_layers or None,
+        num_layers_in_last_pipeline_stage=last_stage_layers or None,
         sequence_parallel=sequence_parallel and tensor_parallel > 1,  # Megatron: a no-op at TP1
         context_parallel_size=context_parallel,
         cp_comm_type=cp_comm_type,  # read by Transformer Engine's attention only
@@ -219,6 +222,28 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         **mla,
         **overrides,
     )
+
+
+def pipeline_stage_layers(num_layers: int, pipeline_parallel: int, *, first: int = 0, last: int = 0) -> list[int]:
+    """The transformer layers on each pipeline stage, as Megatron-Core splits them: `first` / `last` on the first /
+    last stage when given (0: not given), the other stages an even share of the rest. Raises ValueError, saying what
+    Megatron would refuse, for a split it cannot make."""
+    if pipeline_parallel == 1:
+        if first or last:
+            raise ValueError("first / last stage layer counts need pipeline_parallel > 1")
+        return [num_layers]
+    fixed = {0: first, pipeline_parallel - 1: last}
+    fixed = {stage: count for stage, count in fixed.items() if count}
+    if any(count < 1 for count in fixed.values()) or first < 0 or last < 0:
+        raise ValueError("stage layer counts must be positive")
+    rest, stages = num_layers - sum(fixed.values()), pipeline_parallel - len(fixed)
+    if rest < stages or (stages and rest % stages) or (not stages and rest):
+        given = f" after {sum(fixed.values())} on the first / last stage" if fixed else ""
+        raise ValueError(f"{num_layers} layers do not split over {pipeline_parallel} pipeline stages: {rest} "
+                         f"layers{given} over {stages} stage(s) is not an even whole number of at least one; "
+                         f"set parallel.first_stage_layers / last_stage_layers")
+    share = rest // stages if stages else 0
+    return [fixed.get(stage, share) for stage in range(pipeline_parallel)]
 
 
 def gpt_model_kwargs(arch: Architecture) -> dict:

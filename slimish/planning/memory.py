@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slimish.megatron_bridge.hf_config import pipeline_stage_layers
 from slimish.planning.params import ParamCount
 
 GB = 1e9
@@ -154,7 +155,10 @@ def builds_roles(cfg) -> tuple[bool, bool]:
 def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> TrainerMemory:
     tr, lay = cfg.trainer, layout(cfg)
     tp, pp, ep, dp = lay.tensor_parallel, lay.pipeline_parallel, lay.expert_parallel, lay.data_parallel
-    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s) for s in range(pp)]
+    split = pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
+                                  last=cfg.parallel.last_stage_layers)
+    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s, stage_layers=split)
+              for s in range(pp)]
     fullest = max(range(pp), key=lambda s: sum(stages[s]))
     dense, experts = stages[fullest]
     dtype = DTYPE_BYTES[cfg.model.dtype]
@@ -171,7 +175,7 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
     else:
         tokens, samples_at_once = tr.micro_batch_size * longest, tr.micro_batch_size
     tokens /= lay.context_parallel
-    layers = -(-arch.num_layers // pp)
+    layers = max(split)  # the activations of the fullest stage
     h, heads = arch.hidden_size, arch.num_attention_heads / tp
     scale = dtype / 2  # the per-layer formula counts half-precision bytes
     outside = 10 / tp if lay.sequence_parallel else 10  # outside the tensor-parallel regions

@@ -2,8 +2,8 @@
 
 The tensors are those transformers builds for the config (`hf_shapes.expected_hf_shapes`, on the meta device: no
 memory, no weights), so the count is the checkpoint's. Per rank, as Megatron-Core lays the model out:
-  - the layers split evenly over the pipeline stages; the embedding sits on the first stage and the output layer
-    on the last (vocab split over tensor parallelism);
+  - the layers split over the pipeline stages evenly or as parallel.first_stage_layers / last_stage_layers say;
+    the embedding sits on the first stage and the output layer on the last (vocab split over tensor parallelism);
   - matrices split over tensor parallelism (norms, one-dimensional, are kept whole on every rank);
   - routed experts split over expert parallelism, and each expert's matrices over tensor parallelism (Megatron's
     default expert tensor parallelism is the tensor-parallel size).
@@ -29,10 +29,15 @@ class ParamCount:
     matrices_per_layer: list[int]  # of per_layer: the ones tensor parallelism splits (two-dimensional)
 
     def rank(self, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
-             stage: int) -> tuple[int, int]:
-        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`."""
+             stage: int, stage_layers: list[int] | None = None) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`; `stage_layers`:
+        each stage's layer count (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`; None: even)."""
         layers = len(self.per_layer)
-        first, last = stage * layers // pipeline_parallel, (stage + 1) * layers // pipeline_parallel
+        if stage_layers is None:
+            first, last = stage * layers // pipeline_parallel, (stage + 1) * layers // pipeline_parallel
+        else:
+            first = sum(stage_layers[:stage])
+            last = first + stage_layers[stage]
         dense = experts = 0
         for k in range(first, last):
             whole = self.per_layer[k] - self.matrices_per_layer[k]

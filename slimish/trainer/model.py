@@ -10,7 +10,8 @@ from slimish.trainer.device import trainer_device
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
                     dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
-                    sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p"):
+                    sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
+                    first_stage_layers: int = 0, last_stage_layers: int = 0):
     """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
     as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
     Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
@@ -18,7 +19,9 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
     parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
     `context_parallel` (parallel.context_parallel): each rank gets its load-balanced share of every sequence
-    (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values."""
+    (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values.
+    `first_stage_layers` / `last_stage_layers` (0: an even share): uneven pipeline stages
+    (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -33,7 +36,8 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
                                 use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel,
-                                context_parallel=context_parallel, cp_comm_type=cp_comm_type)
+                                context_parallel=context_parallel, cp_comm_type=cp_comm_type,
+                                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)

@@ -71,7 +71,9 @@ class TrainerWorker:
                                     recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention,
                                     sequence_parallel=self.cfg.parallel.sequence_parallel,
                                     context_parallel=self.layout.context_parallel,
-                                    cp_comm_type=self.cfg.parallel.cp_comm_type)
+                                    cp_comm_type=self.cfg.parallel.cp_comm_type,
+                                    first_stage_layers=self.cfg.parallel.first_stage_layers,
+                                    last_stage_layers=self.cfg.parallel.last_stage_layers)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
             model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
             return model

@@ -59,3 +59,85 @@ def test_real_moe_configs_route_as_released():
     glm = architecture_from_hf(REAL_CONFIGS["glm45"])
     assert glm.moe.layer_pattern == (0, 0, 0) + (1,) * 89 and glm.moe.shared_ffn_hidden_size == 1536
     assert (glm.rotary_percent, glm.add_qkv_bias, glm.qk_layernorm) == (0.5, True, True)
+
+
+def _few_experts(name: str) -> dict:
+    """`name`'s config at its real layer count, with 8 routed experts (the pipeline split is about layers; building
+    every expert of every layer on the meta device only costs time) and no multi-token-prediction layer."""
+    cfg = {**REAL_CONFIGS[name]}
+    cfg.pop("num_nextn_predict_layers", None)
+    for key in ("n_routed_experts", "num_experts"):
+        if key in cfg:
+            cfg[key] = 8
+    if "n_group" in cfg:
+        cfg["n_group"], cfg["topk_group"] = 1, 1
+    if "num_experts_per_tok" in cfg:
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], 8)
+    return cfg
+
+
+def _split_for(num_layers: int, pp: int) -> dict:
+    """The first / last stage overrides that make `num_layers` split over `pp` stages: none when pp divides it,
+    else the remainder on the first stage."""
+    if num_layers % pp == 0:
+        return {}
+    return {"first": num_layers - (pp - 1) * (num_layers // pp)}
+
+
+def _build_stages(arch, pp: int, split: dict) -> list[list[int]]:
+    """Each pipeline stage of `arch` over `pp` stages built on the meta device (Megatron's mock pipeline rank and
+    size): the global layer numbers each stage holds (its layer count from the build, its offset Megatron's)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from slimish.trainer.model import build_gpt_model
+
+    held = []
+    try:
+        ps.set_pipeline_model_parallel_world_size(pp)
+        for stage in range(pp):
+            ps.set_pipeline_model_parallel_rank(stage)
+            with torch.device("meta"):
+                model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=pp, first_stage_layers=split.get(
+                    "first", 0), last_stage_layers=split.get("last", 0))
+            # The layers' own numbers come from the (real, one-rank) pipeline group; Megatron's offset of the stage:
+            offset = get_transformer_layer_offset(model.config, pp_rank=stage)
+            held.append(list(range(offset + 1, offset + 1 + len(model.decoder.layers))))
+            assert (model.pre_process, model.post_process) == (stage == 0, stage == pp - 1)
+    finally:
+        ps.set_pipeline_model_parallel_world_size(None)
+        ps.set_pipeline_model_parallel_rank(None)
+    return held
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_30b_a3b", "llama31_405b", "deepseek_v3", "glm45"])
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_every_pipeline_split_check_config_accepts_builds(name, pp, megatron_world):
+    """What `pipeline_stage_layers` (check-config and plan) accepts, Megatron builds: every stage on the meta device,
+    each layer on exactly one stage, as many on each as the split says (DeepSeek-V3's 61 layers over PP4 and PP8 with
+    the remainder on the first stage); and an even split of a layer count the stages do not divide is refused by both
+    (Megatron at build time)."""
+    from slimish.megatron_bridge.hf_config import pipeline_stage_layers
+
+    arch = architecture_from_hf(_few_experts(name))
+    split = _split_for(arch.num_layers, pp)
+    counts = pipeline_stage_layers(arch.num_layers, pp, **split)
+    held = _build_stages(arch, pp, split)
+    assert [len(stage) for stage in held] == counts
+    assert [n for stage in held for n in stage] == list(range(1, arch.num_layers + 1))
+    if split:
+        with pytest.raises(ValueError, match="do not split"):
+            pipeline_stage_layers(arch.num_layers, pp)
+        with pytest.raises(AssertionError, match="divisible by pipeline_model_parallel_size"):  # Megatron
+            _build_stages(arch, pp, {})
+
+
+def test_stage_layer_counts_are_megatrons_split():
+    from slimish.megatron_bridge.hf_config import pipeline_stage_layers
+
+    assert pipeline_stage_layers(61, 4, first=16) == [16, 15, 15, 15]
+    assert pipeline_stage_layers(61, 8, first=5, last=8) == [5, 8, 8, 8, 8, 8, 8, 8]
+    assert pipeline_stage_layers(126, 7) == [18] * 7 and pipeline_stage_layers(3, 2, last=2) == [1, 2]
+    for args, kwargs in (((61, 4), {}), ((61, 4), {"first": 15}), ((4, 2), {"first": 4}), ((4, 1), {"last": 1})):
+        with pytest.raises(ValueError):
+            pipeline_stage_layers(*args, **kwargs)

@@ -196,3 +196,34 @@ def test_moe_context_parallel_step_is_the_one_rank_step(task_assets, tiny_moe_mo
 def _by_sample(result: dict, key: str) -> torch.Tensor:
     """A result's per-sample rows in sample order (packed rows hold them in the packer's order)."""
     return result[key][torch.argsort(torch.tensor(result["rows"]))]
+
+
+@pytest.fixture(scope="module")
+def three_layers(task_assets, tmp_path_factory):
+    """The task with a three-layer model (two pipeline stages cannot split it evenly), and its one-rank step."""
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("three") / "model", corpus=echo_digit.corpus(),
+                             num_hidden_layers=3)
+    assets = {**task_assets, "model": str(model)}
+    return assets, _run(assets, tmp_path_factory.mktemp("three-one"), world_size=1, tp=1)[0]
+
+
+@pytest.mark.parametrize("split", ["parallel.first_stage_layers=2", "parallel.last_stage_layers=2"])
+def test_uneven_pipeline_stages_match_one_rank(three_layers, tmp_path, split):
+    """Three layers over PP2, two on the first stage (with the embedding) or on the last (with the output layer and
+    the loss): the step, its logprobs and the exported weights (every layer once, by its global number) are the
+    one-rank trainer's."""
+    assets, one = three_layers
+    results = _run(assets, tmp_path, world_size=2, tp=1, pp=2, overrides=(split,))
+    last = results[1]
+    assert last["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], abs=1e-5)
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+    assert torch.allclose(last["before"], one["before"], atol=1e-5)
+    assert torch.allclose(last["after"], one["after"], atol=1e-4)
+    state = results[0]["state"]
+    assert state.keys() == one["state"].keys() and any("layers.2." in name for name in state)
+    for name, tensor in state.items():
+        diff = (tensor - one["state"][name]).abs()
+        assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
