@@ -174,3 +174,26 @@ def test_mla_at_tp2_on_the_local_spec_is_refused_where_the_trainer_starts():
         attentions.check_trainable("auto", multi_latent=True, tensor_parallel=2)
     attentions.check_trainable("auto", multi_latent=True, tensor_parallel=1)
     attentions.check_trainable("auto", multi_latent=False, tensor_parallel=8)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_the_te_spec_names_map_to_the_local_names(model_paths, family, megatron_world):
+    """trainer.attention=te builds Megatron's Transformer-Engine spec, whose pre-norms are fused into the next linear
+    layer. Megatron's own map from the local spec's names to TE's (each layer's `sharded_state_dict_keys_map`, what
+    its checkpoints use) gives the names that spec builds; the bridge (`dense.canonical_megatron_name`: loading,
+    export, weight sync) maps each back to the local name, and the checkpoint keys are those TE names: one set of
+    names for both specs. (TE itself cannot be imported here: the TE build is listed in docs/gpu.md.)"""
+    from slimish.megatron_bridge import dense
+
+    model = _model(model_paths[family], "sdpa")
+    arch = architecture_from_hf(read_hf_config(model_paths[family]))
+    keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map
+    assert keys_map, "Megatron's local spec names its TE equivalents"
+    for name, _ in model.named_parameters():
+        te_name = name
+        for local, te in keys_map.items():
+            te_name = te_name.replace(f".{local}", f".{te}")
+        assert dense.canonical_megatron_name(te_name) == name, (name, te_name)
+        if te_name != name:  # a fused norm: the checkpoint keys it under TE's name
+            stacked = dense.checkpoint_key(name, arch)[0]
+            assert stacked.endswith(te_name.split(".", 3)[-1]), (name, stacked)
