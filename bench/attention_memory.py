@@ -5,11 +5,12 @@
 
 Two implementations, measured in the same run on the same inputs (one layer of a Qwen3-8B-shaped attention by
 default: 32 query heads, 8 KV heads, head dim 128, bf16):
-  local  what the trainer runs today: Megatron-Core's local `DotProductAttention` (the local layer spec), through
+  local  trainer.attention=local: Megatron-Core's local `DotProductAttention` (the local layer spec), through
          slimish's packed wrapper (`slimish.compat.packed_attention`) for packed rows. It materialises the scores
          of every (query, key) pair of a sample, S x S per head, with an fp32 softmax and its saved copies;
-  sdpa   torch's `scaled_dot_product_attention`, causal, per sample (flash attention on a GPU: memory linear in S),
-         the candidate that replaces it.
+  sdpa   trainer.attention=sdpa (auto without Transformer Engine): `slimish.trainer.attention.SdpaAttention`, torch's
+         `scaled_dot_product_attention`, causal, per sample of a packed row with its bounds on the host (flash
+         attention on a GPU: memory linear in S).
 Two layouts for each number of tokens T: padded (one sample of T tokens) and packed (T tokens in four samples of
 T/2, T/4, T/8, T/8, each attending causally to itself only).
 
@@ -64,6 +65,19 @@ def local_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     return module.to(device)
 
 
+def sdpa_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+    """The trainer's SDPA core attention (`slimish.trainer.attention.SdpaAttention`), as its layer spec builds it."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from slimish.trainer.attention import SdpaAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=kv_heads, kv_channels=head_dim, attention_dropout=0.0,
+                               bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    return SdpaAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").to(device)
+
+
 def run_local(module, q, k, v, lengths: list[int]):
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -77,16 +91,17 @@ def run_local(module, q, k, v, lengths: list[int]):
     return module(q, k, v, None, packed_seq_params=params)  # THD: [t, heads, dim], as the trainer passes it
 
 
-def run_sdpa(q, k, v, lengths: list[int]):
-    """[t, heads, dim] queries, [t, kv_heads, dim] keys and values -> [t, heads * dim]: causal per sample."""
-    outputs, start = [], 0
-    for length in lengths:
-        end = start + length
-        per = [x[start:end].transpose(0, 1)[None] for x in (q, k, v)]  # [1, heads, s, dim]
-        out = torch.nn.functional.scaled_dot_product_attention(*per, is_causal=True, enable_gqa=True)
-        outputs.append(out[0].transpose(0, 1).reshape(length, -1))
-        start = end
-    return torch.cat(outputs, dim=0)
+def run_sdpa(module, q, k, v, lengths: list[int]):
+    """[t, heads, dim] queries, [t, kv_heads, dim] keys and values -> [t, heads * dim]: causal per sample, as the
+    trainer passes them (padded: [s, b=1, heads, dim]; packed: THD with the bounds on the host)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if len(lengths) == 1:
+        return module(q[:, None], k[:, None], v[:, None], None)[:, 0]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    return module(q, k, v, None, packed_seq_params=params)
 
 
 def measure(fn, q, k, v, device: str) -> dict:
@@ -142,6 +157,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     setup_megatron(args.device, args.port)
     module = local_attention(args.heads, args.kv_heads, args.head_dim, dtype, args.device)
+    sdpa = sdpa_attention(args.heads, args.kv_heads, args.head_dim, dtype, args.device)
     results: dict[tuple[int, str, str], dict] = {}
     token_counts = [int(t) for t in args.tokens.split(",")]
     print(f"attention of {args.heads} heads ({args.kv_heads} KV), head dim {args.head_dim}, {args.dtype}, "
@@ -153,7 +169,7 @@ def main() -> None:
                        .requires_grad_() for h in (args.heads, args.kv_heads, args.kv_heads))
             scores = args.heads * sum(n * n for n in lengths)
             calls = {"local": functools.partial(run_local, module, q, k, v, lengths),
-                     "sdpa": functools.partial(run_sdpa, q, k, v, lengths)}
+                     "sdpa": functools.partial(run_sdpa, sdpa, q, k, v, lengths)}
             for name, fn in calls.items():
                 try:
                     result = measure(fn, q, k, v, args.device)
@@ -171,7 +187,7 @@ def main() -> None:
             if tokens == token_counts[0]:
                 with torch.no_grad():
                     diff = (run_local(module, q, k, v, lengths).reshape(tokens, -1).float()
-                            - run_sdpa(q, k, v, lengths).float()).abs().max().item()
+                            - run_sdpa(sdpa, q, k, v, lengths).float()).abs().max().item()
                 print(f"{tokens:>6} tokens {layout:>6}: max |local - sdpa| = {diff:.2e}", flush=True)
             del q, k, v, calls
     near = min(token_counts, key=lambda t: abs(math.log(t / 8192)))

@@ -14,6 +14,7 @@ from tests.conftest import REPO
 
 SCRIPT = REPO / "tools/gpu_battery.sh"
 LAST_LINES = {"env.txt": "transformer_engine: ", "attention.log": "sdpa_vs_local_peak_8k=",
+              "long.log": "long_packed_step tokens=",
               "nccl.log": "nccl_weight_group=ok", "copies.log": "fresh_vs_reused=",
               "moe.log": "test_a_moe_step_on_the_gpu_is_the_cpu_step[deepseek_v3]", "tests_gpu.log": "collected"}
 
@@ -33,7 +34,8 @@ def test_the_dry_run_starts_every_part(dry_run):
     out, result = dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (out / "summary.txt").read_text().split("\n")
-    assert [line.split()[0] for line in summary if line] == ["env", "moe", "attention", "nccl", "copies", "tests_gpu"]
+    assert [line.split()[0] for line in summary if line] == ["env", "moe", "attention", "long", "nccl", "copies",
+                                                                 "tests_gpu"]
     assert all("rc=0" in line for line in summary if line)
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all(p.is_file() for p in out.iterdir()), files  # what a device call sends back

@@ -14,7 +14,8 @@
 # Parts, in the order of what their evidence is worth (each with its own timeout; PART_TIMEOUT_SCALE scales them):
 #   env        nvidia-smi, versions, `slimish check-gpu`                                                  env.txt
 #   moe        one-rank RL steps of a tiny Qwen3-MoE and a tiny DeepSeek-V3 on the GPU against the CPU     moe.log
-#   attention  the trainer's attention against torch's SDPA at 2k / 8k / 32k tokens, padded and packed     attention.log
+#   attention  the trainer's local attention against its SDPA one at 2k / 8k / 32k tokens, padded, packed attention.log
+#   long       one RL step of a 32k-token packed micro-batch (SDPA attention, bf16): peak memory, time  long.log
 #   nccl       the weight-sync group on NCCL at one rank: a bucket, an abort, a second group               nccl.log
 #   copies     host<->device rates pinned / pageable; flatten + CUDA-IPC buckets of a 4 GiB model          copies.log
 #   tests_gpu  tests/gpu as `make test-gpu` runs it (the rest of the trainer's one-rank checks)             tests_gpu.log
@@ -24,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 LIMIT_MIB=${LIMIT_MIB:-64}  # what a device call carries (a test lowers it)
 LIMIT_BYTES=$((LIMIT_MIB * 1024 * 1024))
-PARTS_ALL="env moe attention nccl copies tests_gpu"
+PARTS_ALL="env moe attention long nccl copies tests_gpu"
 
 travelling_bytes() {
   # What a device call carries: tracked and untracked-not-ignored files, plus the carried .whl/ and .gpu/.
@@ -111,6 +112,7 @@ run() {
     run_part moe 120 moe.log "$py" -m pytest tests/gpu/test_trainer_on_gpu.py -k moe --collect-only -q -p no:cacheprovider
     run_part attention 120 attention.log "$py" bench/attention_memory.py --device cpu --tokens 64,128 --heads 4 \
       --kv-heads 2 --head-dim 16 --dtype float32
+    run_part long 120 long.log "$py" tools/gpu_checks/long_packed_step.py --device cpu --tokens 1024 --chunk 256
     run_part nccl 60 nccl.log "$py" tools/gpu_checks/nccl_weight_group.py --backend gloo --mib 4
     run_part copies 120 copies.log bash -c "$py bench/host_device_copies.py --device cpu --mib 8 --rounds 2 &&
       $py bench/tensor_buckets.py --device cpu --model-mib 16 --bucket-mb 4 --rounds 1"
@@ -118,6 +120,7 @@ run() {
   else
     run_part moe 240 moe.log python3 -m pytest tests/gpu/test_trainer_on_gpu.py -k moe -n 2 "${pytest_gpu[@]}"
     run_part attention 150 attention.log python3 bench/attention_memory.py
+    run_part long 180 long.log python3 tools/gpu_checks/long_packed_step.py --tokens 32768
     run_part nccl 60 nccl.log python3 tools/gpu_checks/nccl_weight_group.py
     run_part copies 120 copies.log bash -c "python3 bench/host_device_copies.py &&
       python3 bench/tensor_buckets.py --device cuda --model-mib 4096 --bucket-mb 512 --rounds 2"
