@@ -120,6 +120,8 @@ CASES = [
     (["parallel.tensor_parallel=4", "parallel.num_trainer_ranks=4"], ["'parallel.tensor_parallel'", "2 KV heads"]),
     (["parallel.pipeline_parallel=3", "parallel.num_trainer_ranks=3"], ["'parallel.pipeline_parallel'", "2 layers",
                                                                         "first_stage_layers"]),
+    (["parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2", "parallel.virtual_pipeline=2"],
+     ["'parallel.virtual_pipeline'", "needs pipeline_parallel > 2"]),
     (["parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=2", "parallel.first_stage_layers=2"],
      ["'parallel.first_stage_layers'", "0 layers after 2 on the first / last stage over 1 stage"]),
     (["rollout.engine.tensor_parallel=3"], ["'rollout.engine.tensor_parallel'", "4 attention heads"]),

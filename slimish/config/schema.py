@@ -46,6 +46,9 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel: int = doc(1, "Megatron tensor-parallel size.")
     pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
+    virtual_pipeline: int = doc(1, "Model chunks per pipeline rank (Megatron's interleaved 1F1B schedule: the "
+                                   "pipeline's bubble shrinks by this factor); the layers split over pipeline_parallel "
+                                   "x virtual_pipeline chunks, rank r holding chunks r, r + pipeline_parallel, ...")
     first_stage_layers: int = doc(0, "Transformer layers on the first pipeline stage (it also holds the embedding); "
                                      "0: an even share. With last_stage_layers, for layer counts pipeline_parallel "
                                      "does not divide (DeepSeek-V3's 61 over PP4: 16, then 15 on each other stage).")

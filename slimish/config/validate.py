@@ -366,9 +366,13 @@ def _check_layout(cfg: JobConfig) -> None:
     try:
         pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
                               last=cfg.parallel.last_stage_layers)
+        pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
+                              last=cfg.parallel.last_stage_layers, virtual_pipeline=cfg.parallel.virtual_pipeline)
     except ValueError as exc:
         key = "parallel.pipeline_parallel" if not (cfg.parallel.first_stage_layers or cfg.parallel.last_stage_layers) \
             else "parallel.first_stage_layers"
+        if "virtual" in str(exc):
+            key = "parallel.virtual_pipeline"
         raise ConfigError(key, f"got pipeline_parallel {pp}: {exc}") from None
     engine_tp = cfg.rollout.engine.tensor_parallel
     if heads % engine_tp:

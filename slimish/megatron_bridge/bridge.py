@@ -55,6 +55,12 @@ def _local_experts(arch: Architecture) -> tuple[int, int]:
     return rank * count, count
 
 
+def model_chunks(model) -> list[torch.nn.Module]:
+    """A rank's model chunks: `model` itself, or the list of its virtual-pipeline chunks (each a stage of its own,
+    with its own layers: Megatron's interleaved schedule)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
@@ -88,12 +94,25 @@ def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Ru
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Architecture) -> None:
-    """Copy every parameter of `model` (this rank's shard) from the HF checkpoint; strict both ways (multi-token
-    prediction layers are skipped by name, see `dense.is_mtp_tensor`)."""
+def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture) -> None:
+    """Copy every parameter of `model` (this rank's shard: a module or a list of model chunks) from the HF
+    checkpoint; strict both ways (multi-token prediction layers are skipped by name, see `dense.is_mtp_tensor`)."""
     ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
-    rules = _rules_for(model, arch)
     used: set[str] = set()
+    mapped: set[str] = set()
+    for chunk in model_chunks(model):
+        rules = _rules_for(chunk, arch)
+        mapped.update(n for r in rules.values() for n in r.hf)
+        _load_chunk(chunk, rules, ckpt, arch, used)
+    unfilled = mapped - used
+    if unfilled:
+        raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
+    unknown = dense.unmapped_hf_names(ckpt.names(), arch)
+    if unknown:
+        raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {unknown[:5]}")
+
+
+def _load_chunk(model: torch.nn.Module, rules: dict, ckpt: HFCheckpoint, arch: Architecture, used: set[str]) -> None:
     for raw, canonical, param in _named_params(model):
         rule = rules.get(canonical)
         if rule is None:
@@ -105,24 +124,19 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str, arch: Arch
             raise MappingError(f"{raw}: HF {rule.hf} give shape {tuple(local.shape)}, model has {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
         used.update(rule.hf)
-    unfilled = {n for r in rules.values() for n in r.hf} - used
-    if unfilled:
-        raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
-    unknown = dense.unmapped_hf_names(ckpt.names(), arch)
-    if unknown:
-        raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {unknown[:5]}")
 
 
-def export_entries(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[dense.Rule, torch.Tensor, bool]]:
-    """(rule, local tensor, is expert) of every parameter this rank exports, in model order (replicas skipped).
-    Purely local: no communication."""
-    rules = _rules_for(model, arch)
-    for raw, canonical, param in _named_params(model):
-        rule = rules.get(canonical)
-        if rule is None:
-            raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
-        if not rule.replica:
-            yield rule, param, moe.is_expert(canonical)
+def export_entries(model, arch: Architecture) -> Iterator[tuple[dense.Rule, torch.Tensor, bool]]:
+    """(rule, local tensor, is expert) of every parameter this rank exports (of each of its model chunks in turn),
+    in model order (replicas skipped). Purely local: no communication."""
+    for chunk in model_chunks(model):
+        rules = _rules_for(chunk, arch)
+        for raw, canonical, param in _named_params(chunk):
+            rule = rules.get(canonical)
+            if rule is None:
+                raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
+            if not rule.replica:
+                yield rule, param, moe.is_expert(canonical)
 
 
 def gather_full(param: torch.Tensor, rule: dense.Rule, *, expert: bool) -> torch.Tensor:
@@ -132,7 +146,7 @@ def gather_full(param: torch.Tensor, rule: dense.Rule, *, expert: bool) -> torch
 
 
 @torch.no_grad()
-def export_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_tensors(model, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter this pipeline stage owns, in model order, with global layer
     numbers: the union over stages is the whole checkpoint, each tensor exactly once. With expert parallelism each
     rank yields only its own experts (global numbers) besides the parameters every expert-parallel rank holds.

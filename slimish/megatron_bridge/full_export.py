@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from slimish import collectives
 from slimish.megatron_bridge import dense, sharding
-from slimish.megatron_bridge.bridge import _tp_info, export_entries, export_hf_tensors, gather_full
+from slimish.megatron_bridge.bridge import _tp_info, export_entries, export_hf_tensors, gather_full, model_chunks
 from slimish.megatron_bridge.hf_config import Architecture
 
 Meta = tuple[str, tuple[int, ...], torch.dtype]  # (hf name, shape, dtype)
@@ -187,7 +187,7 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
             collectives.send(item[1].contiguous(), dst=source, group=ranks.pp_group)
         return
     yield from stage
-    device = next(model.parameters()).device
+    device = next(model_chunks(model)[0].parameters()).device
     for stage_rank in ranks.pp_ranks[1:]:
         box = [None]
         dist.recv_object_list(box, src=stage_rank, group=ranks.pp_group)

@@ -76,21 +76,24 @@ class Layout:
 
 
 def layout(cfg) -> Layout:
-    """The layout of `cfg`'s trainer ranks (context parallelism also divides the data-parallel size). Virtual
-    pipeline stages have no config key yet: read it here when it comes."""
+    """The layout of `cfg`'s trainer ranks (context parallelism also divides the data-parallel size)."""
     par = cfg.parallel
     tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
     return Layout(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=par.expert_parallel,
                   data_parallel=par.num_trainer_ranks // (tp * pp * cp),
-                  sequence_parallel=par.sequence_parallel and tp > 1, context_parallel=cp)
+                  sequence_parallel=par.sequence_parallel and tp > 1, context_parallel=cp,
+                  virtual_pipeline=par.virtual_pipeline)
 
 
 def in_flight_layers(lay: Layout, layers_per_stage: int) -> int:
     """Layers' activations the first pipeline stage holds at its peak: pipeline_parallel micro-batches in flight
-    (1F1B), each through its stage's layers. The interleaved schedule (virtual pipeline stages) holds a different
-    count: its formula goes here when its key comes."""
-    assert lay.virtual_pipeline == 1, "interleaved 1F1B is not planned yet"
-    return lay.pipeline_parallel * layers_per_stage
+    (1F1B), each through its stage's layers. Interleaved (virtual_pipeline v > 1, Megatron's groups of pp
+    micro-batches): its warm-up runs 2 (pp - 1) + (v - 1) pp chunk forwards before the first backward, one more in
+    flight, each through a chunk's layers_per_stage / v layers: about (1 + (pp - 1) / (pp v)) times 1F1B's."""
+    pp, v = lay.pipeline_parallel, lay.virtual_pipeline
+    if v == 1:
+        return pp * layers_per_stage
+    return (2 * (pp - 1) + (v - 1) * pp + 1) * layers_per_stage // v
 
 
 def core_attention(attention: str, *, dtype: int, heads: float, tokens: float, longest: int,
@@ -156,7 +159,7 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
     tr, lay = cfg.trainer, layout(cfg)
     tp, pp, ep, dp = lay.tensor_parallel, lay.pipeline_parallel, lay.expert_parallel, lay.data_parallel
     split = pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
-                                  last=cfg.parallel.last_stage_layers)
+                                  last=cfg.parallel.last_stage_layers, virtual_pipeline=cfg.parallel.virtual_pipeline)
     stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s, stage_layers=split)
               for s in range(pp)]
     fullest = max(range(pp), key=lambda s: sum(stages[s]))

@@ -115,16 +115,18 @@ class MicroBatch:
         return out
 
 
-def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None, multiple_of: int = 1,
-            per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
+def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None, rows: int | None = None,
+            multiple_of: int = 1, per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """Pack `samples` into one micro-batch in host memory, padded to `seq_len` (default: the longest sample, rounded
     up to a multiple of `multiple_of`: sequence parallelism splits the sequence evenly over the tensor-parallel
-    ranks). `per_token`: MicroBatch field -> each sample's values over its response (e.g. "rollout_logprobs")."""
-    longest = max(len(s.tokens) for s in samples)
+    ranks) and to `rows` rows (default: one per sample; the rest padding that trains nothing: the interleaved
+    pipeline needs every micro-batch of a schedule in one shape). `per_token`: MicroBatch field -> each sample's
+    values over its response (e.g. "rollout_logprobs")."""
+    longest = max((len(s.tokens) for s in samples), default=1)
     seq_len = seq_len or _round_up(longest, multiple_of)
     if seq_len < longest:
         raise ValueError(f"seq_len {seq_len} shorter than the longest sample ({longest} tokens)")
-    batch = len(samples)
+    batch = max(rows or len(samples), len(samples), 1)
     tokens = torch.full((batch, seq_len), pad_id, dtype=torch.long, device=HOST)
     loss_mask = torch.zeros(batch, seq_len - 1, device=HOST)
     fields = {key: torch.zeros(batch, seq_len - 1, device=HOST) for key in (per_token or {})}
@@ -140,11 +142,11 @@ def collate(samples: list[Sample], *, pad_id: int, seq_len: int | None = None, m
             fields[key][row, start:end] = torch.tensor(values[row], dtype=torch.float32, device=HOST)
     position_ids = torch.arange(seq_len, dtype=torch.long, device=HOST).expand(batch, seq_len).contiguous()
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, spans=spans,
-                      rows=list(range(batch)), **fields)
+                      rows=list(range(len(samples))), **fields)
 
 
 def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1, sequence_multiple: int = 1,
-                   per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
+                   length: int | None = None, per_token: dict[str, list[list[float]]] | None = None) -> MicroBatch:
     """`samples` back to back in one row of sum(len(tokens)) tokens (in host memory), described to the model by
     `cu_seqlens` (`packed_seq_params`): every token attends causally within its own sample only and positions
     restart per sample, so each sample's logprobs are those it gets alone. The predictions across a boundary (last
@@ -152,10 +154,11 @@ def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1, 
     samples: one padding token, nothing trained. Each sequence is padded to a multiple of `sequence_multiple`
     (context parallelism cuts every sequence into 2 x cp chunks): padding tokens after its sample, in its segment of
     `cu_seqlens`, trained on by nothing. A row whose length is not a multiple of `multiple_of` ends with a segment
-    of padding tokens of its own (attending to itself only)."""
-    lengths = [_round_up(len(s.tokens), sequence_multiple) for s in samples] or [_round_up(1, sequence_multiple)]
-    if padding := _round_up(sum(lengths), multiple_of) - sum(lengths):
-        lengths.append(padding)
+    of padding tokens of its own (attending to itself only), as does a row shorter than `length` (the interleaved
+    pipeline's one shape for every micro-batch of a schedule: `packed_lengths` gives it)."""
+    lengths = packed_lengths(samples, multiple_of=multiple_of, sequence_multiple=sequence_multiple)
+    if length is not None and length > sum(lengths):
+        lengths.append(length - sum(lengths))
     seq_len = sum(lengths)
     tokens = torch.full((1, seq_len), pad_id, dtype=torch.long, device=HOST)
     positions = torch.cat([torch.arange(n, dtype=torch.long, device=HOST) for n in lengths])[None]
@@ -176,6 +179,15 @@ def collate_packed(samples: list[Sample], *, pad_id: int, multiple_of: int = 1, 
         cu_seqlens.append(cu_seqlens[-1] + n)
     return MicroBatch(tokens=tokens, position_ids=positions, loss_mask=loss_mask, spans=spans,
                       rows=[0] * len(samples), cu_seqlens=cu_seqlens, **fields)
+
+
+def packed_lengths(samples: list[Sample], *, multiple_of: int = 1, sequence_multiple: int = 1) -> list[int]:
+    """The segments of `collate_packed`'s row for `samples`: each sample's tokens rounded up to `sequence_multiple`,
+    then a padding segment that rounds the row up to `multiple_of`."""
+    lengths = [_round_up(len(s.tokens), sequence_multiple) for s in samples] or [_round_up(1, sequence_multiple)]
+    if padding := _round_up(sum(lengths), multiple_of) - sum(lengths):
+        lengths.append(padding)
+    return lengths
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -35,10 +35,16 @@ def _is_distributed(optimizer) -> bool:
     return bool(_distributed_parts(optimizer))
 
 
-def _state(module, optimizer, *, is_loading: bool) -> dict:
-    model_sd = module.sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=METADATA)}
+def _model_keys(chunks: list) -> list[str]:
+    """Where each model chunk's state sits in the checkpoint's dict: "model", or "model0", "model1", ... for
+    virtual-pipeline chunks (as Megatron-LM names them). Only the dict's shape: the tensors are keyed by their global
+    names, so a checkpoint loads at any layout, virtual pipeline or not."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _state(chunks: list, optimizer, *, is_loading: bool) -> dict:
+    models = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+    return {**models, "optimizer": optimizer.sharded_state_dict(models, is_loading=is_loading, metadata=METADATA)}
 
 
 def critic_path(policy_path: str | Path) -> str:
@@ -46,13 +52,13 @@ def critic_path(policy_path: str | Path) -> str:
     return str(Path(policy_path).parent / "critic")
 
 
-def save(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
-    """Write the model's and the optimizer's (Adam moments, step, fp32 main params) sharded state to `path`, and the
-    learning-rate schedule's position with it."""
+def save(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+    """Write the model's (this rank's model `chunks`) and the optimizer's (Adam moments, step, fp32 main params)
+    sharded state to `path`, and the learning-rate schedule's position with it."""
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_state(module, optimizer, is_loading=False), str(path))
+    dist_checkpointing.save(_state(chunks, optimizer, is_loading=False), str(path))
     if torch.distributed.get_rank() == 0:
         record = {"distributed": _is_distributed(optimizer)}
         if lr_schedule is not None:
@@ -60,9 +66,10 @@ def save(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
         (Path(path) / OPTIMIZER_FILE).write_text(json.dumps(record) + "\n")
 
 
-def load(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
-    """Overwrite the model's weights and the optimizer's state in place with the checkpoint at `path`; continue
-    `lr_schedule` from the checkpoint's step (a checkpoint without one restarts the schedule)."""
+def load(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+    """Overwrite the model's weights (this rank's model `chunks`) and the optimizer's state in place with the
+    checkpoint at `path`; continue `lr_schedule` from the checkpoint's step (a checkpoint without one restarts the
+    schedule)."""
     from megatron.core import dist_checkpointing
 
     if not (Path(path) / "metadata.json").is_file():
@@ -81,8 +88,9 @@ def load(module, optimizer, path: str | Path, *, lr_schedule=None) -> None:
     for part in distributed_parts:
         _create_empty_adam_state(part)
         _keep_adam_step_out_of_restored_tensors(part)
-    state = dist_checkpointing.load(_state(module, optimizer, is_loading=True), str(path))
-    module.load_state_dict(state["model"])
+    state = dist_checkpointing.load(_state(chunks, optimizer, is_loading=True), str(path))
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        chunk.load_state_dict(state[key])
     optimizer.load_state_dict(state["optimizer"])
     for part in distributed_parts:
         _unshare_adam_steps(part)

@@ -60,10 +60,10 @@ class Critic(TrainedRole):
 
     def __init__(self, cfg, build, load_weights, *, total_steps: int):
         self.cfg = cfg
-        module = build()
-        load_weights(module)
-        self.head = ValueHead(module)  # before the optimizer is built: it trains the head too
-        super().__init__(module, cfg.trainer.optimizer, lr=cfg.trainer.critic.lr, total_steps=total_steps)
+        chunks = build()
+        load_weights(chunks)
+        self.head = ValueHead(chunks[-1])  # before the optimizer is built: it trains the head too
+        super().__init__(chunks, cfg.trainer.optimizer, lr=cfg.trainer.critic.lr, total_steps=total_steps)
 
     def values(self, microbatches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, S-1] values per micro-batch (empty off the last stage)."""
@@ -71,7 +71,7 @@ class Critic(TrainedRole):
             return hidden.new_zeros(()), {"values": host_tensor(self.head.values(hidden, mb.shard))}
 
         with torch.no_grad():
-            return [out["values"] for out in run_schedule(self.model, microbatches, collect, forward_only=True)]
+            return [out["values"] for out in run_schedule(self.models, microbatches, collect, forward_only=True)]
 
     def train(self, microbatches: list[MicroBatch], *, denom: float, scale: float) -> tuple[list[dict], float]:
         """One optimizer step on the micro-batches' `returns` and `old_values` (loss over loss_mask tokens)."""
@@ -82,4 +82,4 @@ class Critic(TrainedRole):
                                        mb.loss_mask, clip=clip, denom=denom)
             return loss * scale, metrics
 
-        return optimizer_step(self.model, self.optimizer, microbatches, loss_fn, self.lr_schedule)
+        return optimizer_step(self.models, self.optimizer, microbatches, loss_fn, self.lr_schedule)

@@ -11,17 +11,20 @@ from slimish.trainer.device import trainer_device
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
                     dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
                     sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
-                    first_stage_layers: int = 0, last_stage_layers: int = 0):
-    """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
-    as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
-    Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
+                    first_stage_layers: int = 0, last_stage_layers: int = 0, virtual_pipeline: int = 1,
+                    vp_stage: int | None = None):
+    """An unwrapped GPTModel for this pipeline stage (with `virtual_pipeline` > 1: its model chunk `vp_stage`); a
+    mixture-of-experts model gets sparse or dense MLPs per layer as config.json says. `attention`
+    (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds Megatron's Transformer-Engine layer spec,
+    `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
     per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
     parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
     `context_parallel` (parallel.context_parallel): each rank gets its load-balanced share of every sequence
     (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values.
     `first_stage_layers` / `last_stage_layers` (0: an even share): uneven pipeline stages
-    (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`)."""
+    (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`). `virtual_pipeline` (parallel.virtual_pipeline):
+    Megatron's interleaved schedule, this rank's layers in that many chunks, each built by a call of its own."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -37,16 +40,19 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
                                 expert_parallel=expert_parallel, params_dtype=dtype,
                                 use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel,
                                 context_parallel=context_parallel, cp_comm_type=cp_comm_type,
-                                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+                                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                                virtual_pipeline=virtual_pipeline)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
     else:
-        spec = _local_spec(config, attention)
-    model = GPTModel(config=config, transformer_layer_spec=spec,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(), **gpt_model_kwargs(arch))
+        spec = _local_spec(config, attention, vp_stage)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vp_stage=vp_stage,
+                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     **gpt_model_kwargs(arch))
     # torch's RMSNorm (WrappedTorchNorm) ignores config.params_dtype and makes fp32 weights. Every parameter takes the
     # model's dtype, as Megatron's Float16Module would give it: SGLang's norms hold the same dtype, and Megatron's
     # mixed-precision optimizer checkpoints only parameters of the model's dtype (an fp32 norm beside bf16 layers
@@ -59,14 +65,14 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     return model.to(device) if device.type != "cpu" else model
 
 
-def _local_spec(config, attention: str):
+def _local_spec(config, attention: str, vp_stage: int | None = None):
     """Megatron's local (non-Transformer-Engine) decoder block spec with `attention` (sdpa or local) as every
     layer's core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from slimish.trainer import attention as attentions
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
     # The block's final norm is the spec module's LNImpl: apex's FusedLayerNorm whenever `import apex` succeeds (NGC
     # containers ship apex), and FusedLayerNorm refuses RMSNorm. Every norm, the final one too, is `RMSNorm`.
     spec = _with_norm(spec, RMSNorm)
@@ -120,8 +126,9 @@ def _with_norm(spec, norm):
     return replace(copy.deepcopy(spec), set())
 
 
-def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
-    """(DDP-wrapped model, Megatron Adam optimizer with fp32 main params, its learning-rate schedule) for
+def wrap_for_training(chunks: list, opt_cfg, *, lr: float, total_steps: int):
+    """(each of the rank's model `chunks` wrapped in Megatron's DDP, one Megatron Adam optimizer over them all with
+    fp32 main params, its learning-rate schedule) for
     trainer.optimizer `opt_cfg` peaking at `lr` (`slimish.trainer.lr_schedule`; `total_steps`: the run's optimizer
     steps). trainer.optimizer.distributed shards the main params, grads and moments over the data-parallel ranks
     (Megatron's distributed optimizer)."""
@@ -131,15 +138,16 @@ def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
 
     from slimish.trainer.lr_schedule import build_lr_schedule
 
-    config = model.config
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=opt_cfg.distributed),
-        module=model)
-    # Without this, data-parallel replicas never all-reduce their grads and silently diverge.
-    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=opt_cfg.distributed)
+    models = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+    for chunk in chunks:
+        # Without this, data-parallel replicas never all-reduce their grads and silently diverge.
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+    config = chunks[0].config
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr * opt_cfg.min_lr_ratio, weight_decay=opt_cfg.weight_decay,
         adam_beta1=opt_cfg.adam_beta1, adam_beta2=opt_cfg.adam_beta2, adam_eps=opt_cfg.adam_eps,
         clip_grad=opt_cfg.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=opt_cfg.distributed), [ddp])
-    return ddp, optimizer, build_lr_schedule(optimizer, opt_cfg, lr=lr, total_steps=total_steps)
+        use_distributed_optimizer=opt_cfg.distributed), models)
+    return models, optimizer, build_lr_schedule(optimizer, opt_cfg, lr=lr, total_steps=total_steps)

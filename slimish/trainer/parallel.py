@@ -22,6 +22,7 @@ class ParallelLayout:
     pipeline_parallel: int = 1
     expert_parallel: int = 1
     context_parallel: int = 1
+    virtual_pipeline: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -48,6 +49,8 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
                                                  pipeline_model_parallel_size=layout.pipeline_parallel,
                                                  context_parallel_size=layout.context_parallel,
+                                                 virtual_pipeline_model_parallel_size=layout.virtual_pipeline
+                                                 if layout.virtual_pipeline > 1 else None,
                                                  expert_model_parallel_size=layout.expert_parallel)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -24,7 +24,7 @@ from slimish.config.schema import JobConfig
 from slimish.sample import Sample
 from slimish.trainer import losses
 from slimish.trainer.balance import balanced_partition, imbalance
-from slimish.trainer.batch import MicroBatch, collate, collate_packed, split
+from slimish.trainer.batch import MicroBatch, collate, collate_packed, packed_lengths, split
 from slimish.trainer.estimators import Estimator, StepInputs
 from slimish.trainer.lr_schedule import current_lr
 from slimish.trainer.packing import pack_ranks
@@ -94,6 +94,10 @@ def plan(ctx: StepContext, samples: list[Sample], num_minibatches: int) -> tuple
             chunks = [[mine[i] for i in b] for b in bins]
         else:
             chunks = split(mine, ctx.cfg.trainer.micro_batch_size)
+        if ctx.cfg.parallel.virtual_pipeline > 1:
+            # Megatron's interleaved 1F1B runs micro-batches in groups of pipeline_parallel: padding micro-batches
+            # (nothing trained) complete the last group. Every rank plans the same count.
+            chunks += [[] for _ in range(-len(chunks) % ctx.pp_size)]
         indices += [i for chunk in chunks for i in chunk]
         chunks_per_minibatch.append([[samples[i] for i in chunk] for chunk in chunks])
     return chunks_per_minibatch, indices, imbalance(loads)
@@ -108,6 +112,24 @@ def sequence_multiples(cfg: JobConfig) -> tuple[int, int]:
     if par.context_parallel == 1:
         return sp, 1
     return 2 * par.context_parallel * sp, 2 * par.context_parallel * sp
+
+
+def collate_minibatch(ctx: StepContext, minibatch: list[list[Sample]], per_token=None) -> list[MicroBatch]:
+    """The micro-batches of one minibatch's chunks (`collate_chunk`; `per_token(chunk)`: each one's per-token
+    inputs). The interleaved pipeline (parallel.virtual_pipeline > 1) sends activations of one fixed shape from
+    chunk to chunk: every micro-batch of the minibatch is then padded to the same rows and length."""
+    shape: dict = {}
+    if ctx.cfg.parallel.virtual_pipeline > 1:
+        row, sequence = sequence_multiples(ctx.cfg)
+        if ctx.cfg.trainer.max_tokens_per_micro_batch:
+            shape["length"] = max(sum(packed_lengths(chunk, multiple_of=row, sequence_multiple=sequence))
+                                  for chunk in minibatch)
+        else:
+            longest = max((len(s.tokens) for chunk in minibatch for s in chunk), default=1)
+            shape["seq_len"] = -(-longest // row) * row
+            shape["rows"] = max(len(chunk) for chunk in minibatch)
+    return [collate_chunk(ctx, chunk, **shape, **({"per_token": per_token(chunk)} if per_token else {}))
+            for chunk in minibatch]
 
 
 def collate_chunk(ctx: StepContext, chunk: list[Sample], **kwargs) -> MicroBatch:
@@ -140,8 +162,8 @@ def prepare(ctx: StepContext, samples: list[Sample], *, policy_version: int | No
     batch = RolloutBatch(samples=samples, indices=indices, chunks=chunks, microbatches=[])
     entropy_sum = entropy_tokens = 0.0
     for minibatch in chunks:
-        mbs = [collate_chunk(ctx, chunk, per_token={"rollout_logprobs": [s.rollout_logprobs for s in chunk]})
-               for chunk in minibatch]
+        mbs = collate_minibatch(ctx, minibatch, lambda chunk: {"rollout_logprobs": [s.rollout_logprobs
+                                                                                    for s in chunk]})
         batch.microbatches.append(mbs)
         logprobs, entropy_sums = ctx.policy.logprobs(mbs, temperature=ctx.temperature, entropy=True)
         for mb, lp in zip(mbs, logprobs):
@@ -241,7 +263,7 @@ def train(ctx: StepContext, batch: RolloutBatch) -> dict:
 def sft_step(ctx: StepContext, samples: list[Sample]) -> dict:
     """One supervised step: mean token NLL over the loss-masked (response) tokens."""
     (chunks,), _, _ = plan(ctx, samples, num_minibatches=1)
-    mbs = [collate_chunk(ctx, chunk) for chunk in chunks]
+    mbs = collate_minibatch(ctx, chunks)
     denom = denominator(ctx, mbs, "token_mean", len(samples))
     scale = len(mbs) * ctx.dp_size
 

@@ -36,7 +36,7 @@ class TrainerWorker:
         par = cfg.parallel
         self.layout = ParallelLayout(rank=rank, world_size=world_size, tensor_parallel=par.tensor_parallel,
                                      pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel,
-                                     context_parallel=par.context_parallel)
+                                     context_parallel=par.context_parallel, virtual_pipeline=par.virtual_pipeline)
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
         self.step: rl_step.StepContext | None = None  # what every step runs with (setup)
         self.sender = WeightSender(cfg, self.arch, rank=rank, pipeline_parallel=par.pipeline_parallel,
@@ -64,7 +64,7 @@ class TrainerWorker:
         check_trainable(self.cfg.trainer.attention, multi_latent=self.arch.mla is not None,
                         tensor_parallel=self.layout.tensor_parallel)
 
-        def build():
+        def build_chunk(vp_stage):
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
                                     expert_parallel=self.layout.expert_parallel, dtype=dtype,
@@ -73,10 +73,17 @@ class TrainerWorker:
                                     context_parallel=self.layout.context_parallel,
                                     cp_comm_type=self.cfg.parallel.cp_comm_type,
                                     first_stage_layers=self.cfg.parallel.first_stage_layers,
-                                    last_stage_layers=self.cfg.parallel.last_stage_layers)
+                                    last_stage_layers=self.cfg.parallel.last_stage_layers,
+                                    virtual_pipeline=self.layout.virtual_pipeline, vp_stage=vp_stage)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
-            model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1
+            # The interleaved schedule hangs exchanging shapes (measured: PP3 x VPP2 on gloo): there the micro-batches
+            # of a schedule share one shape (`rl_step.collate_minibatch`) and none is exchanged.
+            model.config.variable_seq_lengths = self.layout.pipeline_parallel > 1 and self.layout.virtual_pipeline == 1
             return model
+
+        def build():  # this rank's model chunks: parallel.virtual_pipeline of them (interleaved 1F1B), or one
+            vpp = self.layout.virtual_pipeline
+            return [build_chunk(i if vpp > 1 else None) for i in range(vpp)]
 
         def load_weights(module):
             load_hf_weights(module, self.cfg.model.hf_path, self.arch)
@@ -96,7 +103,7 @@ class TrainerWorker:
             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
             dp_group=ps.get_data_parallel_group(), pp_size=self.layout.pipeline_parallel,
             pp_group=ps.get_pipeline_model_parallel_group(), pp_last_rank=ps.get_pipeline_model_parallel_last_rank())
-        return {"num_params": sum(p.numel() for p in policy.module.parameters()),
+        return {"num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
                 # where this rank's GPUs are, and the rank that sends its colocated engine the weights: that
                 # engine must see the sender's GPU (see engines.server.visible_devices)
                 "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
@@ -144,7 +151,7 @@ class TrainerWorker:
         parts = tuple(self._offloaded_parts)
         if parts:  # saved from the device (Megatron's dist checkpoint), and offloaded again after
             self.onload()
-        check_weights_finite(self.step.policy.module, doing=f"saving the checkpoint {Path(path).parent.name}")
+        check_weights_finite(self.step.policy.chunks, doing=f"saving the checkpoint {Path(path).parent.name}")
         self.step.policy.save(path)
         if self.step.critic is not None:
             self.step.critic.save(checkpoint.critic_path(path))
@@ -168,8 +175,8 @@ class TrainerWorker:
     def sync_weights(self, version: int) -> dict:
         """Send the current weights to the engines as weight version `version` (`WeightSender.send`), after checking
         that every one of them is finite (bad weights are never sent)."""
-        check_weights_finite(self.step.policy.module, doing=f"sending weight version {version} to the engines")
-        return self.sender.send(self.step.policy.module, version)
+        check_weights_finite(self.step.policy.chunks, doing=f"sending weight version {version} to the engines")
+        return self.sender.send(self.step.policy.chunks, version)
 
     def hung_engines(self) -> list[str]:
         """After a failed `sync_weights`: the engines that had not answered by a bucket's deadline (the sending
@@ -186,11 +193,11 @@ class TrainerWorker:
     def _role_memory(self) -> list[tuple[list, object]]:
         """(modules, optimizer) of each role this rank holds: the policy, the critic, the reference model."""
         step = self.step
-        roles = [([step.policy.module], step.policy.optimizer)]
+        roles = [(step.policy.chunks, step.policy.optimizer)]
         if step.critic is not None:
-            roles.append(([step.critic.module], step.critic.optimizer))
+            roles.append((step.critic.chunks, step.critic.optimizer))
         if step.reference is not None:
-            roles.append(([step.reference.module], None))
+            roles.append((step.reference.chunks, None))
         return roles
 
     def offload(self, parts: tuple[str, ...] | list[str] = ("params", "state")) -> dict:

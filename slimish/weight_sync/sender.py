@@ -180,7 +180,8 @@ class WeightSender:
 
     # ------------------------------------------------------------------------------------------------- send
     def send(self, module, version: int) -> dict:
-        """Send `module`'s weights (the trainer's Megatron model) to the connected engines as weight version
+        """Send `module`'s weights (the trainer's Megatron model: this rank's model chunks) to the connected engines
+        as weight version
         `version`; every rank calls it (the export's gathers span the replica). Ranks outside the sending replicas
         return {} at once; a failed send raises, after recording `hung` and the stall (reported with the next whole
         send as time_sync_stalled_s)."""

@@ -80,4 +80,4 @@ def export_state(worker) -> dict[str, torch.Tensor]:
 
     if not in_source_replica():
         return {}
-    return {name: t.clone() for name, t in export_full_hf_tensors(worker.step.policy.module, worker.arch)}
+    return {name: t.clone() for name, t in export_full_hf_tensors(worker.step.policy.chunks, worker.arch)}

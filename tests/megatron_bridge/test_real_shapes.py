@@ -138,6 +138,9 @@ def test_stage_layer_counts_are_megatrons_split():
     assert pipeline_stage_layers(61, 4, first=16) == [16, 15, 15, 15]
     assert pipeline_stage_layers(61, 8, first=5, last=8) == [5, 8, 8, 8, 8, 8, 8, 8]
     assert pipeline_stage_layers(126, 7) == [18] * 7 and pipeline_stage_layers(3, 2, last=2) == [1, 2]
-    for args, kwargs in (((61, 4), {}), ((61, 4), {"first": 15}), ((4, 2), {"first": 4}), ((4, 1), {"last": 1})):
+    assert pipeline_stage_layers(64, 4, virtual_pipeline=2) == [16] * 4
+    assert pipeline_stage_layers(60, 4, first=14, last=14, virtual_pipeline=2) == [14, 16, 16, 14]
+    for args, kwargs in (((61, 4), {}), ((61, 4), {"first": 15}), ((4, 2), {"first": 4}), ((4, 1), {"last": 1}),
+                         ((61, 4), {"first": 16, "virtual_pipeline": 2}), ((8, 2), {"virtual_pipeline": 2})):
         with pytest.raises(ValueError):
             pipeline_stage_layers(*args, **kwargs)

@@ -362,3 +362,14 @@ def test_context_parallelism_divides_a_ranks_tokens(tmp_path):
     cfg_cp, two = _eight_b(tmp_path, "trainer.recompute=none", "parallel.context_parallel=2")
     assert two.activations == pytest.approx(one.activations / 2)
     assert layout(cfg).data_parallel == 2 and layout(cfg_cp).data_parallel == 1
+
+
+def test_the_interleaved_pipeline_holds_more_micro_batches_in_flight():
+    """Megatron's interleaved 1F1B (virtual_pipeline v): the first stage's warm-up runs 2 (pp - 1) + (v - 1) pp chunk
+    forwards before its first backward, each through 1/v of the stage's layers: PP4 x VPP2 holds 11 chunk forwards
+    of 4 layers where 1F1B holds 4 micro-batches of 8 (44 layers' activations against 32)."""
+    from slimish.planning.memory import Layout, in_flight_layers
+
+    base = dict(tensor_parallel=1, pipeline_parallel=4, expert_parallel=1, data_parallel=1, sequence_parallel=False)
+    assert in_flight_layers(Layout(**base), 8) == 32
+    assert in_flight_layers(Layout(**base, virtual_pipeline=2), 8) == 44

@@ -166,7 +166,7 @@ def test_non_finite_weights_are_neither_saved_nor_synced(task_assets, megatron_w
 
     worker = _worker(task_assets)
     worker.save_checkpoint(str(tmp_path / "step_1" / "trainer"))  # finite: saved as usual
-    name, param = next(iter(worker.step.policy.module.named_parameters()))
+    name, param = next(iter(worker.step.policy.chunks[0].named_parameters()))
     with torch.no_grad():
         param.view(-1)[0] = float("nan")
     with pytest.raises(NonFiniteWeights, match=r"^1 weight tensor\(s\) hold NaN or inf .*not saving the checkpoint "

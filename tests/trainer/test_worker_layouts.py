@@ -227,3 +227,49 @@ def test_uneven_pipeline_stages_match_one_rank(three_layers, tmp_path, split):
     for name, tensor in state.items():
         diff = (tensor - one["state"][name]).abs()
         assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
+
+
+@pytest.fixture(scope="module")
+def six_layers(task_assets, tmp_path_factory):
+    """The task with a six-layer model (PP3 x two virtual-pipeline chunks: a layer per chunk), its one-rank step."""
+    from slimish.tasks import echo_digit
+    from slimish.tasks.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("six") / "model", corpus=echo_digit.corpus(),
+                             num_hidden_layers=6)
+    assets = {**task_assets, "model": str(model)}
+    return assets, _run(assets, tmp_path_factory.mktemp("six-one"), world_size=1, tp=1)[0]
+
+
+VIRTUAL_PIPELINE = ("parallel.virtual_pipeline=2",)
+
+
+@pytest.mark.parametrize("overrides", [VIRTUAL_PIPELINE, VIRTUAL_PIPELINE + PACKED,
+                                       VIRTUAL_PIPELINE + ("trainer.loss.advantage_estimator=ppo",
+                                                           "trainer.critic.lr=0.01")],
+                         ids=["padded", "packed", "ppo"])
+def test_interleaved_pipeline_matches_one_rank(six_layers, tmp_path, overrides):
+    """PP3 with two model chunks per rank (Megatron's interleaved 1F1B: rank r holds layers r and r + 3, the output
+    layer on the last rank's second chunk; every micro-batch of a schedule padded to one shape): the step, its
+    logprobs, PPO's critic and the exported weights (each layer once, from the chunk that holds it) are the one-rank
+    trainer's; a checkpoint of the chunks loads back exactly."""
+    assets, one = six_layers
+    if "ppo" in str(overrides):
+        (one,) = _run(assets, tmp_path / "one", world_size=1, tp=1, overrides=overrides[1:])
+    more = overrides == VIRTUAL_PIPELINE  # also the export's buckets, a checkpoint saved and loaded, an SFT step
+    results = _run(assets, tmp_path, world_size=3, tp=1, pp=3, overrides=overrides,
+                   extra=("--more-steps",) if more else ())
+    last = results[-1]
+    if more:
+        assert torch.equal(last["after_load"], last["after"]), "the checkpoint (a model dict per chunk) loads back"
+        assert last["sft"]["sft_loss"] > 0
+    for key in ("pg_loss", "value_loss") if "ppo" in str(overrides) else ("pg_loss",):
+        assert last["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-5), key
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+    for key, atol in (("before", 1e-5), ("after", 1e-4)):
+        assert torch.allclose(_by_sample(last, key), _by_sample(one, key), atol=atol), key
+    state = results[0]["state"]
+    assert state.keys() == one["state"].keys()
+    for name, tensor in state.items():
+        diff = (tensor - one["state"][name]).abs()
+        assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
