@@ -47,6 +47,10 @@ class ParallelConfig:
     tensor_parallel: int = doc(1, "Megatron tensor-parallel size.")
     pipeline_parallel: int = doc(1, "Megatron pipeline-parallel size.")
     expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
+    expert_tensor_parallel: int = doc(0, "Megatron expert-tensor-parallel size: how many ranks split each expert's "
+                                         "weights (MoE only); 0: tensor_parallel. The experts' data-parallel size is "
+                                         "num_trainer_ranks / (expert_tensor_parallel * expert_parallel * "
+                                         "pipeline_parallel), which must be whole.")
     sequence_parallel: bool = doc(False, "Megatron sequence parallelism (at tensor_parallel > 1): the norms, "
                                          "residuals and dropouts hold 1/tensor_parallel of the sequence; "
                                          "micro-batches are padded to a multiple of tensor_parallel tokens.")

@@ -49,8 +49,10 @@ class TrainerMemory:
 def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> TrainerMemory:
     par, tr = cfg.parallel, cfg.trainer
     tp, pp, ep = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel
-    dp = par.num_trainer_ranks // (tp * pp)
-    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s) for s in range(pp)]
+    etp = par.expert_tensor_parallel or tp
+    dp, edp = par.num_trainer_ranks // (tp * pp), par.num_trainer_ranks // (etp * ep * pp)
+    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, expert_tensor_parallel=etp,
+                          stage=s) for s in range(pp)]
     dense, experts = max(stages, key=sum)
     dtype = DTYPE_BYTES[cfg.model.dtype]
     state = 8 + (4 if dtype < 4 else 0)
@@ -58,7 +60,7 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
     def optimizer(distributed: bool) -> float:
         if not distributed:
             return (dense + experts) * state
-        return dense * state / dp + experts * state / max(dp // ep, 1)
+        return dense * state / dp + experts * state / max(edp, 1)
 
     longest = prompt_tokens + cfg.rollout.max_new_tokens
     tokens = tr.max_tokens_per_micro_batch or tr.micro_batch_size * longest

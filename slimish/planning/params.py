@@ -29,15 +29,17 @@ class ParamCount:
     matrices_per_layer: list[int]  # of per_layer: the ones tensor parallelism splits (two-dimensional)
 
     def rank(self, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
-             stage: int) -> tuple[int, int]:
-        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`."""
+             stage: int, expert_tensor_parallel: int = 0) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`
+        (`expert_tensor_parallel` 0: tensor_parallel)."""
+        expert_split = expert_parallel * (expert_tensor_parallel or tensor_parallel)
         layers = len(self.per_layer)
         first, last = stage * layers // pipeline_parallel, (stage + 1) * layers // pipeline_parallel
         dense = experts = 0
         for k in range(first, last):
             whole = self.per_layer[k] - self.matrices_per_layer[k]
             dense += whole + self.matrices_per_layer[k] // tensor_parallel
-            experts += self.experts_per_layer[k] // (expert_parallel * tensor_parallel)
+            experts += self.experts_per_layer[k] // expert_split
         if stage == 0:
             dense += self.embedding // tensor_parallel
         if stage == pipeline_parallel - 1:

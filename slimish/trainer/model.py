@@ -9,14 +9,16 @@ from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
-                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
-                    sequence_parallel: bool = False):
+                    expert_tensor_parallel: int = 0, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                    attention: str = "auto", sequence_parallel: bool = False):
     """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
     as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
     Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
     per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
-    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long."""
+    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
+    `expert_tensor_parallel` (0: tensor_parallel) splits each expert; it must be the size Megatron's parallel state
+    was set up with."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -29,8 +31,9 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     device = trainer_device()
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                expert_parallel=expert_parallel, params_dtype=dtype,
-                                use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel)
+                                expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
+                                params_dtype=dtype, use_cpu_initialization=device.type == "cpu",
+                                sequence_parallel=sequence_parallel)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)

@@ -21,14 +21,26 @@ class ParallelLayout:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1
+    expert_tensor_parallel: int = 0  # 0: tensor_parallel (Megatron's default)
 
     @property
     def data_parallel(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
+    @property
+    def expert_tensor(self) -> int:
+        """How many ranks split each expert's weights (parallel.expert_tensor_parallel, 0 resolved to TP)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The experts' data-parallel size: Megatron's world / (ETP x EP x PP)."""
+        return self.world_size // (self.expert_tensor * self.expert_parallel * self.pipeline_parallel)
+
 
 def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int, backend: str, seed: int) -> None:
-    """Join the trainer process group and set up Megatron's TP/PP/EP/DP groups; seeds Megatron's RNG tracker."""
+    """Join the trainer process group and set up Megatron's TP/PP/DP groups and the experts' ETP/EP/EDP groups;
+    seeds Megatron's RNG tracker."""
     from slimish.compat import megatron_cpu
 
     megatron_cpu.apply()  # no-op with CUDA
@@ -46,7 +58,8 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
                                                  pipeline_model_parallel_size=layout.pipeline_parallel,
-                                                 expert_model_parallel_size=layout.expert_parallel)
+                                                 expert_model_parallel_size=layout.expert_parallel,
+                                                 expert_tensor_parallel_size=layout.expert_tensor)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

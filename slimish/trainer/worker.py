@@ -35,7 +35,8 @@ class TrainerWorker:
         self.cfg = cfg
         par = cfg.parallel
         self.layout = ParallelLayout(rank=rank, world_size=world_size, tensor_parallel=par.tensor_parallel,
-                                     pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel)
+                                     pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel,
+                                     expert_tensor_parallel=par.expert_tensor_parallel)
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
         self.step: rl_step.StepContext | None = None  # what every step runs with (setup)
         self.sender = WeightSender(cfg, self.arch, rank=rank, pipeline_parallel=par.pipeline_parallel,
@@ -66,7 +67,8 @@ class TrainerWorker:
         def build():
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
-                                    expert_parallel=self.layout.expert_parallel, dtype=dtype,
+                                    expert_parallel=self.layout.expert_parallel,
+                                    expert_tensor_parallel=self.layout.expert_tensor, dtype=dtype,
                                     recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention,
                                     sequence_parallel=self.cfg.parallel.sequence_parallel)
             # Micro-batches are padded to their own longest sample: stages exchange each activation's shape first.
