@@ -50,9 +50,25 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     for param in model.parameters():
         if param.dtype != config.params_dtype and param.is_floating_point():
             param.data = param.data.to(config.params_dtype)
+    _mark_expert_data_parallel(model, config)
     # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
     # moves (a model built on the meta device, to read its shapes, stays there).
     return model.to(device) if device.type != "cpu" else model
+
+
+def _mark_expert_data_parallel(model, config) -> None:
+    """Megatron's DDP and optimizer reduce a parameter's gradient over the experts' data-parallel group (EDP: world /
+    (ETP x EP x PP)), and give it an optimizer of its own (a second part of a chained optimizer), only when it is
+    flagged `allreduce = False`; Megatron-Core 0.16 flags the experts' weights so only at expert_parallel > 1. At EP1
+    with an expert tensor parallelism other than TP, EDP is not the data-parallel group (TP2 with each expert whole:
+    DP1, EDP2): the experts' gradients, each from the tokens of one rank, would not be summed over EDP and its ranks'
+    experts would drift apart. Flagged at every layout (at EP1 and ETP = TP, EDP's ranks are DP's: the same sums),
+    the optimizer has the same parts at every layout, so a checkpoint's optimizer state loads at any of them."""
+    if not config.num_moe_experts:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def _local_spec(config, attention: str):
