@@ -15,6 +15,7 @@ The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the par
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,10 +33,8 @@ Meta = tuple[str, tuple[int, ...], torch.dtype]  # (hf name, shape, dtype)
 @dataclass(frozen=True)
 class _Ranks:
     tp: int
-    dp: int
     etp: int
     ep: int
-    edp: int
     ep_size: int
     ep_group: object
     ep_ranks: list[int]
@@ -43,7 +42,9 @@ class _Ranks:
     pp_size: int
     pp_group: object
     pp_ranks: list[int]
-    self_contained: bool  # every data-parallel replica holds whole experts: a TP group is an ETP x EP group
+    tp_size: int
+    expert_group_size: int  # ETP x EP: the ranks that hold one copy of a layer's experts between them
+    offset: int  # this rank's place in its replica (`replica_size` consecutive ranks of its pipeline stage)
 
     @classmethod
     def current(cls) -> _Ranks | None:
@@ -53,40 +54,43 @@ class _Ranks:
         if not ps.model_parallel_is_initialized():
             return None
         ep_group, pp_group = ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         ep_size = ps.get_expert_model_parallel_world_size()
-        return cls(tp=ps.get_tensor_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
-                   etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
-                   edp=ps.get_expert_data_parallel_rank(), ep_size=ep_size, ep_group=ep_group,
-                   ep_ranks=dist.get_process_group_ranks(ep_group),
+        expert_group_size = ps.get_expert_tensor_parallel_world_size() * ep_size
+        # Megatron's default order (tp-cp-ep-dp-pp) numbers a stage's ranks TP first, then DP (the experts': ETP
+        # first, then EP, then EDP): a replica is lcm(TP, ETP x EP) consecutive ranks, whole TP and ETP x EP groups.
+        index = tp + tp_size * ps.get_data_parallel_rank()
+        return cls(tp=tp, etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
+                   ep_size=ep_size, ep_group=ep_group, ep_ranks=dist.get_process_group_ranks(ep_group),
                    pp=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-                   pp_group=pp_group, pp_ranks=dist.get_process_group_ranks(pp_group),
-                   self_contained=(ps.get_expert_tensor_parallel_world_size() * ep_size
-                                   == ps.get_tensor_model_parallel_world_size()))
+                   pp_group=pp_group, pp_ranks=dist.get_process_group_ranks(pp_group), tp_size=tp_size,
+                   expert_group_size=expert_group_size, offset=index % math.lcm(tp_size, expert_group_size))
 
     @property
     def stage_leader(self) -> bool:
-        return self.tp == 0 and self.etp == 0 and self.ep == 0
+        """The first rank of its replica's stage (tp = etp = ep = 0), where the stage's tensors end."""
+        return self.offset == 0
 
     @property
     def dense(self) -> bool:
-        """Whether this rank takes part in the gathers of the parameters outside the experts: the source's
-        tensor-parallel group (data-parallel rank 0), or every one when replicas hold whole experts (each then
-        exports to its own source: colocated replica senders)."""
-        return self.self_contained or self.dp == 0
+        """Whether this rank takes part in the gathers of the parameters outside the experts: the first
+        tensor-parallel group of its replica (the replica's other TP groups hold copies)."""
+        return self.offset < self.tp_size
 
     @property
     def experts(self) -> bool:
-        """Whether this rank takes part in the experts' gathers and sends: the source's expert-tensor x
-        expert-parallel group (expert-data-parallel rank 0), or every one when replicas hold whole experts."""
-        return self.self_contained or self.edp == 0
+        """Whether this rank takes part in the experts' gathers and sends: the first expert-tensor x expert-parallel
+        group of its replica (the others hold copies)."""
+        return self.offset < self.expert_group_size
 
 
 def in_source_replica() -> bool:
     """True on the ranks that take part in the export that reaches the engines, whose source is global rank 0: the
     tensor-parallel group of each of its pipeline stages (data-parallel rank 0) for the parameters outside the
     experts, and their expert-tensor x expert-parallel group (expert-data-parallel rank 0) for the experts. These
-    are one group when expert_tensor_parallel x expert_parallel = tensor_parallel, else they differ (ETP != TP: one
-    may be larger than the other). Every group the export uses lies inside these ranks, so others may skip it."""
+    are one group when expert_tensor_parallel x expert_parallel = tensor_parallel, else they differ (one may be
+    larger than the other). Every group the export uses lies inside these ranks, so others may skip it. (Every rank
+    may also run the export: each replica of lcm(TP, ETP x EP) ranks per stage then exports to its own first rank.)"""
     from megatron.core import parallel_state as ps
 
     return (not ps.model_parallel_is_initialized() or ps.get_data_parallel_rank() == 0
