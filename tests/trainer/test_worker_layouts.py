@@ -157,7 +157,9 @@ def test_moe_sequence_parallel_step_is_the_one_rank_step(task_assets, tiny_moe_m
 # over two ranks, each expert whole on both, its tokens half the sequence on each: expert-data-parallel 2 at data
 # parallel 1 (the experts' grads all-reduced over the TP group; Megatron 0.16 does it only at EP > 1 unless told:
 # `trainer.model._mark_expert_data_parallel`), also with the distributed optimizer. EP2 at TP1 over four ranks: data
-# parallel 4, two copies of each expert half (EDP2). TP2 with ETP1 and EP2 over four ranks: DP2, EDP2.
+# parallel 4, two copies of each expert half (EDP2). TP2 with ETP1 and EP2 over four ranks: DP2, EDP2. ETP2 at TP1:
+# each expert split over two data-parallel ranks, which gather each other's tokens (uneven counts: on gloo padded,
+# `slimish.compat.megatron_cpu._all_gather`); TP2 x EP2 (ETP = TP) over four ranks the same.
 EXPERT_LAYOUTS = {
     "qwen3_moe-tp2-etp1": ("qwen3_moe", 2, 2, SEQUENCE_PARALLEL + ("parallel.expert_tensor_parallel=1",), (1, 1, 2)),
     "qwen3_moe-tp2-etp1-distributed-optimizer": (
@@ -166,6 +168,8 @@ EXPERT_LAYOUTS = {
     "glm4_moe-ep2-edp2": ("glm4_moe", 4, 1, ("parallel.expert_parallel=2",), (1, 2, 2)),
     "glm4_moe-tp2-etp1-ep2": ("glm4_moe", 4, 2, SEQUENCE_PARALLEL + ("parallel.expert_tensor_parallel=1",
                                                                       "parallel.expert_parallel=2"), (1, 2, 2)),
+    "qwen3_moe-tp1-etp2": ("qwen3_moe", 2, 1, ("parallel.expert_tensor_parallel=2",), (2, 1, 1)),
+    "qwen3_moe-tp2-ep2": ("qwen3_moe", 4, 2, SEQUENCE_PARALLEL + ("parallel.expert_parallel=2",), (2, 2, 1)),
 }
 
 
