@@ -177,6 +177,23 @@ def test_non_finite_weights_are_neither_saved_nor_synced(task_assets, megatron_w
         worker.sync_weights(2)
 
 
+def test_moe_checkpoint_of_a_single_optimizer_is_one_line(task_assets, tiny_moe_models, megatron_world, tmp_path,
+                                                          monkeypatch):
+    """A mixture-of-experts checkpoint saved when the experts shared the optimizer with the rest (slimish b8785f8 and
+    older, at expert_parallel 1: here by undoing `_mark_expert_data_parallel`) is refused in one line naming what to
+    do, not by Megatron's loader listing every key."""
+    import slimish.trainer.model
+
+    assets = {**task_assets, "model": str(tiny_moe_models["qwen3_moe"])}
+    with monkeypatch.context() as patch:
+        patch.setattr(slimish.trainer.model, "_mark_expert_data_parallel", lambda model, config: None)
+        old = _worker(assets)
+    old.save_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"optimizer of 1 part\(s\), this model's has 2") as err:
+        _worker(assets).load_checkpoint(str(tmp_path / "ckpt"))
+    assert "\n" not in str(err.value)
+
+
 # A GLM-4.5 MoE model at parallel.expert_tensor_parallel=1 and TP2: each expert whole on both ranks (expert data
 # parallel 2); with EP2 too, the experts split between them. (Megatron's MoE at TP > 1 trains with sequence
 # parallelism.) (ranks, TP, PP, overrides)
