@@ -39,14 +39,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
-    """family -> a tiny random mixture-of-experts model (Qwen3-MoE: softmax router; DeepSeek-V3: grouped sigmoid
-    router, shared expert, multi-latent attention), with the same locally trained tokenizer as `tiny_models`."""
+    """family -> a tiny random mixture-of-experts model (Qwen3-MoE: softmax router; GLM-4.5: sigmoid router with
+    correction bias, shared expert, a first dense layer; DeepSeek-V3: grouped sigmoid router, shared expert,
+    multi-latent attention), with the same locally trained tokenizer as `tiny_models`."""
     from slimish.tasks import echo_digit
     from slimish.tasks.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-moe")
     return {family: build_tiny_model(root / family, corpus=echo_digit.corpus(), family=family)
-            for family in ("qwen3_moe", "deepseek_v3")}
+            for family in ("qwen3_moe", "glm4_moe", "deepseek_v3")}
 
 
 @pytest.fixture(scope="session")

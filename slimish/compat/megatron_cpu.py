@@ -71,10 +71,38 @@ def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes
                                                **kwargs)
 
 
+class _Done:
+    """The handle of a collective that has already finished."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    # gloo gathers equal shapes only; the MoE alltoall dispatcher gathers each rank's token count over the experts'
+    # tensor-parallel group (NCCL takes uneven ones): uneven ones go padded to the longest, then are cut back.
+    shapes = {tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}
+    if len(shapes) == 1:
+        return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    longest = max(t.shape[0] for t in [*tensor_list, tensor])
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in tensor_list]
+    torch.distributed.all_gather(parts, padded, group=group)
+    for out, part in zip(tensor_list, parts):
+        out.copy_(part[:out.shape[0]])
+    return _Done() if async_op else None
+
+
 class _DistributedForMegatron(types.ModuleType):
-    """What `torch.distributed` means inside megatron.* modules: the real one but for `_all_to_all_single`."""
+    """What `torch.distributed` means inside megatron.* modules: the real one but for `_all_to_all_single` and
+    `_all_gather`."""
 
     all_to_all_single = staticmethod(_all_to_all_single)
+    all_gather = staticmethod(_all_gather)
 
     def __getattr__(self, name):
         return getattr(torch.distributed, name)

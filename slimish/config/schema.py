@@ -55,6 +55,10 @@ class ParallelConfig:
     last_stage_layers: int = doc(0, "Transformer layers on the last pipeline stage (it also holds the output layer "
                                     "and the loss); 0: an even share. The stages between share the rest evenly.")
     expert_parallel: int = doc(1, "Megatron expert-parallel size (MoE only).")
+    expert_tensor_parallel: int = doc(0, "Megatron expert-tensor-parallel size: how many ranks split each expert's "
+                                         "weights (MoE only); 0: tensor_parallel. The experts' data-parallel size is "
+                                         "num_trainer_ranks / (expert_tensor_parallel * expert_parallel * "
+                                         "pipeline_parallel), which must be whole.")
     sequence_parallel: bool = doc(False, "Megatron sequence parallelism (at tensor_parallel > 1): the norms, "
                                          "residuals and dropouts hold 1/tensor_parallel of the sequence; "
                                          "micro-batches are padded to a multiple of tensor_parallel tokens.")

@@ -411,23 +411,40 @@ def _check_resume(resume: str) -> None:
 
 
 def _check_expert_parallel(cfg: JobConfig, data_parallel: int) -> None:
-    """Expert parallelism splits a mixture-of-experts model's experts, and Megatron carves it out of the
-    data-parallel ranks. (`_check_model` has already shown that the bridge reads config.json.)"""
+    """Expert parallelism splits a mixture-of-experts model's experts, expert tensor parallelism each expert's
+    weights; Megatron lays the experts' ETP x EP x PP model-parallel groups over the trainer's ranks, the rest being
+    the experts' data parallelism (`initialize_model_parallel`: the world must be a multiple of ETP x EP x PP).
+    (`_check_model` has already shown that the bridge reads config.json.)"""
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
 
-    ep = cfg.parallel.expert_parallel
-    if ep == 1:
+    par = cfg.parallel
+    ep, etp = par.expert_parallel, par.expert_tensor_parallel
+    _positive("parallel.expert_tensor_parallel", etp, allow_zero=True)
+    if ep == 1 and etp in (0, par.tensor_parallel):
         return
+    key, size = ("parallel.expert_parallel", ep) if ep != 1 else ("parallel.expert_tensor_parallel", etp)
     moe = architecture_from_hf(read_hf_config(cfg.model.hf_path)).moe
     if moe is None:
-        raise ConfigError("parallel.expert_parallel", f"got {ep}; expert parallelism needs a mixture-of-experts "
-                                                      f"model, {cfg.model.hf_path!r} is dense: use 1")
+        what = "expert parallelism" if ep != 1 else "expert tensor parallelism other than tensor_parallel"
+        raise ConfigError(key, f"got {size}; {what} needs a mixture-of-experts model, {cfg.model.hf_path!r} is "
+                               f"dense: use {1 if ep != 1 else 0}")
     if moe.num_experts % ep:
         raise ConfigError("parallel.expert_parallel", f"must divide the model's {moe.num_experts} experts, got {ep}")
-    if data_parallel % ep:
-        raise ConfigError("parallel.expert_parallel",
-                          f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
-                          f"pipeline_parallel * context_parallel) = {data_parallel}, got {ep}")
+    etp = etp or par.tensor_parallel
+    if moe.ffn_hidden_size % etp:
+        raise ConfigError("parallel.expert_tensor_parallel", f"got {etp}; it must divide each expert's "
+                                                             f"{moe.ffn_hidden_size} hidden units "
+                                                             "(moe_intermediate_size)")
+    expert_model = etp * ep * par.pipeline_parallel
+    if par.num_trainer_ranks % expert_model:
+        if par.expert_tensor_parallel in (0, par.tensor_parallel):
+            raise ConfigError("parallel.expert_parallel",
+                              f"must divide the data-parallel size num_trainer_ranks / (tensor_parallel * "
+                              f"pipeline_parallel * context_parallel) = {data_parallel}, got {ep}")
+        raise ConfigError("parallel.expert_tensor_parallel",
+                          f"got {etp}: Megatron needs num_trainer_ranks ({par.num_trainer_ranks}) to be a multiple "
+                          f"of expert_tensor_parallel * expert_parallel * pipeline_parallel = {etp} * {ep} * "
+                          f"{par.pipeline_parallel} = {expert_model}")
 
 
 def _check_serving(cfg: JobConfig) -> None:

@@ -1,17 +1,21 @@
 """The whole model as HF tensors on one rank (the weight-sync source), from a TP x PP x EP sharded Megatron model.
 
-`export_full_hf_tensors` is a collective over every rank of one model replica (its tensor-, pipeline- and
-expert-parallel groups): each of them must iterate it to the end. The source rank (tp = pp = ep = 0) yields every HF
-tensor of the model exactly once, full, in a fixed order (stage by stage; within a stage model order, a layer's
-experts in global order); every other rank yields nothing. One tensor moves at a time: a parameter is gathered over
-its TP group, an expert travels from its expert-parallel rank to expert-parallel rank 0 (send/recv), and each later
-stage's leader (tp = ep = 0) sends its tensors to the source after one metadata message (names, shapes, dtypes).
+`export_full_hf_tensors` is a collective over the ranks of one model replica (`in_source_replica`: the
+tensor-parallel group of each pipeline stage, and its experts' expert-tensor x expert-parallel group, which differ
+when expert_tensor_parallel x expert_parallel != tensor_parallel): each of them must iterate it to the end. The
+source rank (tp = etp = pp = ep = 0) yields every HF tensor of the model exactly once, full, in a fixed order
+(stage by stage; within a stage model order, a layer's experts in global order); every other rank yields nothing.
+One tensor moves at a time: a parameter outside the experts is gathered over its TP group, an expert's over its
+expert-tensor-parallel (ETP) group, an expert travels from its expert-parallel rank to expert-parallel rank 0
+(send/recv), and each later stage's leader (tp = etp = ep = 0) sends its tensors to the source after one metadata
+message (names, shapes, dtypes). Other data-parallel and expert-data-parallel replicas hold copies and skip it.
 The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the parameters' device.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,6 +42,9 @@ class _Ranks:
     pp_size: int
     pp_group: object
     pp_ranks: list[int]
+    tp_size: int
+    expert_group_size: int  # ETP x EP: the ranks that hold one copy of a layer's experts between them
+    offset: int  # this rank's place in its replica (`replica_size` consecutive ranks of its pipeline stage)
 
     @classmethod
     def current(cls) -> _Ranks | None:
@@ -46,26 +53,49 @@ class _Ranks:
 
         if not ps.model_parallel_is_initialized():
             return None
-        if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
-            raise NotImplementedError("full export needs expert_tensor_parallel == tensor_parallel")
         ep_group, pp_group = ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-        return cls(tp=ps.get_tensor_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
-                   ep=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-                   ep_group=ep_group, ep_ranks=dist.get_process_group_ranks(ep_group),
+        tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        ep_size = ps.get_expert_model_parallel_world_size()
+        expert_group_size = ps.get_expert_tensor_parallel_world_size() * ep_size
+        # Megatron's default order (tp-cp-ep-dp-pp) numbers a stage's ranks TP first, then DP (the experts': ETP
+        # first, then EP, then EDP): a replica is lcm(TP, ETP x EP) consecutive ranks, whole TP and ETP x EP groups.
+        index = tp + tp_size * ps.get_data_parallel_rank()
+        return cls(tp=tp, etp=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
+                   ep_size=ep_size, ep_group=ep_group, ep_ranks=dist.get_process_group_ranks(ep_group),
                    pp=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-                   pp_group=pp_group, pp_ranks=dist.get_process_group_ranks(pp_group))
+                   pp_group=pp_group, pp_ranks=dist.get_process_group_ranks(pp_group), tp_size=tp_size,
+                   expert_group_size=expert_group_size, offset=index % math.lcm(tp_size, expert_group_size))
 
     @property
     def stage_leader(self) -> bool:
-        return self.tp == 0 and self.ep == 0
+        """The first rank of its replica's stage (tp = etp = ep = 0), where the stage's tensors end."""
+        return self.offset == 0
+
+    @property
+    def dense(self) -> bool:
+        """Whether this rank takes part in the gathers of the parameters outside the experts: the first
+        tensor-parallel group of its replica (the replica's other TP groups hold copies)."""
+        return self.offset < self.tp_size
+
+    @property
+    def experts(self) -> bool:
+        """Whether this rank takes part in the experts' gathers and sends: the first expert-tensor x expert-parallel
+        group of its replica (the others hold copies)."""
+        return self.offset < self.expert_group_size
 
 
 def in_source_replica() -> bool:
-    """True on the ranks whose replica holds global rank 0 (expert-data-parallel rank 0): the only replica whose
-    export reaches the engines. Every group the export uses lies inside one replica, so other replicas may skip it."""
+    """True on the ranks that take part in the export that reaches the engines, whose source is global rank 0: the
+    tensor-parallel group of each of its pipeline stages (data-parallel rank 0) for the parameters outside the
+    experts, and their expert-tensor x expert-parallel group (expert-data-parallel rank 0) for the experts. These
+    are one group when expert_tensor_parallel x expert_parallel = tensor_parallel, else they differ (one may be
+    larger than the other). Every group the export uses lies inside these ranks, so others may skip it. (Every rank
+    may also run the export: each replica of lcm(TP, ETP x EP) ranks per stage then exports to its own first rank.)"""
     from megatron.core import parallel_state as ps
 
-    return not ps.model_parallel_is_initialized() or ps.get_expert_data_parallel_rank() == 0
+    # Context-parallel ranks hold replicas of the weights as data-parallel ranks do: rank 0 of the two together.
+    return (not ps.model_parallel_is_initialized() or ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            or ps.get_expert_data_parallel_rank() == 0)
 
 
 def _full_shape(param: torch.Tensor, *, expert: bool) -> list[int]:
@@ -106,14 +136,16 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
     groups (every rank of the stage iterates it to the end)."""
     for src, index in order:
         rule, param, expert = entries[index]
-        if src is None:  # replicated over EP: a TP group shares its EP rank, so ep > 0 groups skip together
-            if ranks.ep == 0:
+        if src is None:  # outside the experts: gathered over the source's TP group, the other groups skip together
+            if ranks.dense:
                 full = gather_full(param, rule, expert=False)
-                if ranks.tp == 0:
+                if ranks.stage_leader:
                     yield from zip(rule.hf, dense.to_hf(rule, full, arch))
-        elif ranks.ep == src:
+        elif not ranks.experts:
+            continue
+        elif ranks.ep == src:  # gathered over its ETP group, whose rank 0 holds it whole
             full = gather_full(param, rule, expert=True)
-            if src == 0 and ranks.tp == 0:
+            if src == 0 and ranks.stage_leader:
                 yield from zip(rule.hf, dense.to_hf(rule, full, arch))
             elif src != 0 and ranks.etp == 0:
                 collectives.send(full.contiguous(), dst=ranks.ep_ranks[0], group=ranks.ep_group)
@@ -131,7 +163,7 @@ def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks):
     entries = list(export_entries(model, arch))
     local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
     metas = [local_metas]
-    if ranks.ep_size > 1:  # the leader needs the other ranks' expert names (one message per rank)
+    if ranks.ep_size > 1 and ranks.experts:  # the leader needs the other ranks' expert names (one message per rank)
         metas = [None] * ranks.ep_size
         dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
     order = _stage_order(entries, ranks.ep_size)
@@ -141,8 +173,9 @@ def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks):
 
 @torch.no_grad()
 def export_stage_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor) of this rank's pipeline stage on the stage's leader (tp = ep = 0), each exactly once;
-    nothing on the stage's other ranks. A collective over the stage's TP and EP groups: all of them iterate it.
+    """(hf_name, full tensor) of this rank's pipeline stage on the stage's leader (tp = etp = ep = 0), each exactly
+    once; nothing on the stage's other ranks. A collective over the stage's TP, ETP and EP groups of the source
+    replica (`in_source_replica`): all of them iterate it.
     Without pipeline parallelism this is the whole model (`export_full_hf_tensors`)."""
     ranks = _Ranks.current()
     if ranks is None:
@@ -168,8 +201,9 @@ def stage_leader_rank(stage: int) -> int:
 
 @torch.no_grad()
 def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor) of the whole model on the source rank (tp = pp = ep = 0), each HF tensor exactly once;
-    nothing on the other ranks. A collective over the replica's TP, PP and EP groups: all of them iterate it."""
+    """(hf_name, full tensor) of the whole model on the source rank (tp = etp = pp = ep = 0), each HF tensor exactly
+    once; nothing on the other ranks. A collective over the replica's TP, ETP, PP and EP groups (`in_source_replica`):
+    all of them iterate it."""
     ranks = _Ranks.current()
     if ranks is None:
         yield from export_hf_tensors(model, arch)

@@ -172,11 +172,12 @@ def _architecture(cfg: dict) -> Architecture:
 
 
 def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       expert_parallel: int = 1, params_dtype=None, use_cpu_initialization: bool = False,
-                       sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
-                       first_stage_layers: int = 0, last_stage_layers: int = 0, virtual_pipeline: int = 1,
-                       **overrides):
-    """The Megatron-Core TransformerConfig for `arch` (dropout off: RL logprobs must be deterministic)."""
+                       expert_parallel: int = 1, expert_tensor_parallel: int = 0, params_dtype=None,
+                       use_cpu_initialization: bool = False, sequence_parallel: bool = False,
+                       context_parallel: int = 1, cp_comm_type: str = "p2p", first_stage_layers: int = 0,
+                       last_stage_layers: int = 0, virtual_pipeline: int = 1, **overrides):
+    """The Megatron-Core TransformerConfig for `arch` (dropout off: RL logprobs must be deterministic).
+    `expert_tensor_parallel`: how many ranks split each expert (0: tensor_parallel, as Megatron's default)."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -220,7 +221,8 @@ def transformer_config(arch: Architecture, *, tensor_parallel: int = 1, pipeline
         pipeline_dtype=dtype,  # activations cross pipeline stages in the parameter dtype
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
-        **moe_config.megatron_fields(arch.moe, expert_parallel=expert_parallel),
+        **moe_config.megatron_fields(arch.moe, expert_parallel=expert_parallel,
+                                     expert_tensor_parallel=expert_tensor_parallel or tensor_parallel),
         **mla,
         **overrides,
     )

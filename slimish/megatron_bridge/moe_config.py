@@ -119,8 +119,9 @@ def deepseek_style(cfg: dict) -> MoE | None:
                shared_ffn_hidden_size=cfg["moe_intermediate_size"] * shared if shared else None)
 
 
-def megatron_fields(moe: MoE | None, *, expert_parallel: int) -> dict:
-    """TransformerConfig fields of the sparse MLP (none for a dense model)."""
+def megatron_fields(moe: MoE | None, *, expert_parallel: int, expert_tensor_parallel: int | None = None) -> dict:
+    """TransformerConfig fields of the sparse MLP (none for a dense model). `expert_tensor_parallel`: how many ranks
+    split each expert (None: tensor parallelism's size, Megatron's default)."""
     if moe is None:
         if expert_parallel != 1:
             raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model")
@@ -149,4 +150,5 @@ def megatron_fields(moe: MoE | None, *, expert_parallel: int) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine / CUDA kernels
         expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )

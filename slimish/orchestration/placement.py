@@ -75,15 +75,20 @@ def reserve(name: str, *, count: int, gpus_each: int, timeout_s: float, cpus_eac
     return [Slot(group, i, nodes[i], gpus_each, 0.0 if gpus_each else cpus_each) for i in order]
 
 
-def trainer_group_size(*, tensor_parallel: int, expert_parallel: int, node_gpus: int) -> int:
+def trainer_group_size(*, tensor_parallel: int, expert_parallel: int, node_gpus: int,
+                       expert_tensor_parallel: int = 0) -> int:
     """How many consecutive trainer ranks must share a node: a tensor-parallel group always (Megatron's ranks are
-    ordered tensor-parallel first: ranks [k * tp, (k + 1) * tp) are one group), and the block of tp x ep ranks that
-    holds whole expert-parallel groups when one node has the GPUs for it (ep groups over several nodes are the rule
-    for large MoE models; then only the tp groups are kept whole). `node_gpus`: the largest node's GPUs (0: none)."""
-    block = tensor_parallel * expert_parallel
+    ordered tensor-parallel first: ranks [k * tp, (k + 1) * tp) are one group), and an expert-tensor-parallel group
+    (`expert_tensor_parallel`, 0: tp; [k * etp, (k + 1) * etp)) too, and the block of etp x ep ranks that holds
+    whole expert-parallel groups when one node has the GPUs for it (ep groups over several nodes are the rule for
+    large MoE models; then only the tp and etp groups are kept whole). `node_gpus`: the largest node's GPUs (0:
+    none)."""
+    etp = expert_tensor_parallel or tensor_parallel
+    whole = math.lcm(tensor_parallel, etp)
+    block = math.lcm(whole, etp * expert_parallel)
     if expert_parallel > 1 and (node_gpus == 0 or block <= node_gpus):
         return block
-    return tensor_parallel
+    return whole
 
 
 def largest_node_gpus() -> int:

@@ -133,6 +133,7 @@ def reserve_slots(cfg: JobConfig) -> dict:
     timeout, cpus = cfg.ray.placement_timeout_s, cfg.ray.cpus_per_slot
     layout = cfg.parallel
     group_size = trainer_group_size(tensor_parallel=layout.tensor_parallel, expert_parallel=layout.expert_parallel,
+                                    expert_tensor_parallel=layout.expert_tensor_parallel,
                                     node_gpus=largest_node_gpus() if gpus else 0)
     if cfg.placement.colocate:
         bundles = reserve_grouped("slimish-colocated", count=layout.num_trainer_ranks, group_size=group_size,

@@ -156,12 +156,15 @@ def builds_roles(cfg) -> tuple[bool, bool]:
 
 
 def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> TrainerMemory:
-    tr, lay = cfg.trainer, layout(cfg)
+    tr, lay, par = cfg.trainer, layout(cfg), cfg.parallel
     tp, pp, ep, dp = lay.tensor_parallel, lay.pipeline_parallel, lay.expert_parallel, lay.data_parallel
-    split = pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
-                                  last=cfg.parallel.last_stage_layers, virtual_pipeline=cfg.parallel.virtual_pipeline)
-    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, stage=s, stage_layers=split)
-              for s in range(pp)]
+    etp = par.expert_tensor_parallel or tp
+    # Megatron's distributed optimizer shards over the data x context-parallel group; the experts' over EDP.
+    dp_cp, edp = dp * lay.context_parallel, par.num_trainer_ranks // (etp * ep * pp)
+    split = pipeline_stage_layers(arch.num_layers, pp, first=par.first_stage_layers, last=par.last_stage_layers,
+                                  virtual_pipeline=par.virtual_pipeline)
+    stages = [params.rank(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, expert_tensor_parallel=etp,
+                          stage=s, stage_layers=split) for s in range(pp)]
     fullest = max(range(pp), key=lambda s: sum(stages[s]))
     dense, experts = stages[fullest]
     dtype = DTYPE_BYTES[cfg.model.dtype]
@@ -170,7 +173,7 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
     def optimizer(dense: float, experts: float, distributed: bool) -> float:
         if not distributed:
             return (dense + experts) * state
-        return dense * state / dp + experts * state / max(dp // ep, 1)
+        return dense * state / dp_cp + experts * state / max(edp, 1)
 
     longest = prompt_tokens + cfg.rollout.max_new_tokens
     if tr.max_tokens_per_micro_batch:  # packed: a longer sample gets a micro-batch of its own

@@ -29,9 +29,11 @@ class ParamCount:
     matrices_per_layer: list[int]  # of per_layer: the ones tensor parallelism splits (two-dimensional)
 
     def rank(self, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
-             stage: int, stage_layers: list[int] | None = None) -> tuple[int, int]:
-        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`; `stage_layers`:
-        each stage's layer count (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`; None: even)."""
+             stage: int, expert_tensor_parallel: int = 0, stage_layers: list[int] | None = None) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters held by one trainer rank of pipeline stage `stage`
+        (`expert_tensor_parallel` 0: tensor_parallel); `stage_layers`: each stage's layer count
+        (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`; None: even)."""
+        expert_split = expert_parallel * (expert_tensor_parallel or tensor_parallel)
         layers = len(self.per_layer)
         if stage_layers is None:
             first, last = stage * layers // pipeline_parallel, (stage + 1) * layers // pipeline_parallel
@@ -42,7 +44,7 @@ class ParamCount:
         for k in range(first, last):
             whole = self.per_layer[k] - self.matrices_per_layer[k]
             dense += whole + self.matrices_per_layer[k] // tensor_parallel
-            experts += self.experts_per_layer[k] // (expert_parallel * tensor_parallel)
+            experts += self.experts_per_layer[k] // expert_split
         if stage == 0:
             dense += self.embedding // tensor_parallel
         if stage == pipeline_parallel - 1:

@@ -16,6 +16,12 @@ def plan_text(cfg, hf_config: dict) -> str:
                       *_colocated(cfg, arch, params), *_walls(cfg, arch, params)])
 
 
+def _expert_tensor(par) -> str:
+    """", ETPn" where each expert is split other than tensor_parallel ways (parallel.expert_tensor_parallel)."""
+    etp = par.expert_tensor_parallel
+    return f", ETP{etp}" if etp and etp != par.tensor_parallel else ""
+
+
 def _header(cfg, arch, params: ParamCount) -> list[str]:
     par, engine = cfg.parallel, cfg.rollout.engine
     cp = par.context_parallel
@@ -23,7 +29,7 @@ def _header(cfg, arch, params: ParamCount) -> list[str]:
     return [f"model: {arch.family}, {params.total / 1e9:.2f}B parameters ({params.active / 1e9:.2f}B active per "
             f"token), {cfg.model.dtype}",
             f"layout: trainer {par.num_trainer_ranks} GPUs = TP{par.tensor_parallel} x PP{par.pipeline_parallel} x "
-            + (f"CP{cp} x " if cp > 1 else "") + f"DP{dp} (EP{par.expert_parallel}); "
+            + (f"CP{cp} x " if cp > 1 else "") + f"DP{dp} (EP{par.expert_parallel}{_expert_tensor(par)}); "
             f"engines {engine.num_engines} x TP{engine.tensor_parallel}"
             + (f", each over {engine.nodes_per_engine} nodes" if engine.nodes_per_engine > 1 else "")
             + (", on the trainer's GPUs (colocated)" if cfg.placement.colocate else ""),

@@ -83,6 +83,7 @@ def load(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None
         raise CheckpointError(f"{path} holds the state of a {'distributed' if distributed else 'plain'} optimizer: set "
                               f"trainer.optimizer.distributed={str(distributed).lower()} to resume from it (the two "
                               "keep Adam's state in different layouts)")
+    _check_optimizer_parts(optimizer, path)
     # Megatron-Core 0.16's distributed optimizer mishandles torch's Adam (used without Transformer Engine / Apex)
     # when it loads; the three helpers below work around it.
     for part in distributed_parts:
@@ -98,6 +99,24 @@ def load(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None
         from slimish.trainer.lr_schedule import load_position
 
         load_position(lr_schedule, record["lr_schedule"])
+
+
+def _check_optimizer_parts(optimizer, path: str | Path) -> None:
+    """A mixture-of-experts model's optimizer has two parts (the rest, and the experts: `trainer.model.
+    _mark_expert_data_parallel`), a dense model's one; Megatron prefixes each part's state when there are two. A
+    checkpoint saved with another number of parts (a MoE model's before its experts had a part of their own at
+    expert_parallel 1) would fail in Megatron's loader with every key listed: say it in one line."""
+    from megatron.core import dist_checkpointing
+
+    parts = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    keys = dist_checkpointing.load_tensors_metadata(str(path))
+    saved_parts = 2 if any(key.startswith("chained_") for key in keys) else 1
+    if saved_parts != parts:
+        raise CheckpointError(f"{path} holds an optimizer of {saved_parts} part(s), this model's has {parts}: a "
+                              "mixture-of-experts checkpoint saved before the experts' Adam state was kept apart at "
+                              "every layout (slimish b8785f8 or older, at expert_parallel 1), or another model's. "
+                              "Resume it with the slimish that saved it, or convert its model (slimish convert "
+                              "megatron-to-hf) and start from that")
 
 
 def _create_empty_adam_state(part) -> None:

@@ -9,10 +9,10 @@ from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
-                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
-                    sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
-                    first_stage_layers: int = 0, last_stage_layers: int = 0, virtual_pipeline: int = 1,
-                    vp_stage: int | None = None):
+                    expert_tensor_parallel: int = 0, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                    attention: str = "auto", sequence_parallel: bool = False, context_parallel: int = 1,
+                    cp_comm_type: str = "p2p", first_stage_layers: int = 0, last_stage_layers: int = 0,
+                    virtual_pipeline: int = 1, vp_stage: int | None = None):
     """An unwrapped GPTModel for this pipeline stage (with `virtual_pipeline` > 1: its model chunk `vp_stage`); a
     mixture-of-experts model gets sparse or dense MLPs per layer as config.json says. `attention`
     (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds Megatron's Transformer-Engine layer spec,
@@ -24,7 +24,9 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values.
     `first_stage_layers` / `last_stage_layers` (0: an even share): uneven pipeline stages
     (`slimish.megatron_bridge.hf_config.pipeline_stage_layers`). `virtual_pipeline` (parallel.virtual_pipeline):
-    Megatron's interleaved schedule, this rank's layers in that many chunks, each built by a call of its own."""
+    Megatron's interleaved schedule, this rank's layers in that many chunks, each built by a call of its own.
+    `expert_tensor_parallel` (0: tensor_parallel) splits each expert; it must be the size Megatron's parallel state
+    was set up with."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -37,11 +39,11 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     device = trainer_device()
     # Megatron creates the parameters on the device it finds current, unless told to build them on the CPU.
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                expert_parallel=expert_parallel, params_dtype=dtype,
-                                use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel,
-                                context_parallel=context_parallel, cp_comm_type=cp_comm_type,
-                                first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-                                virtual_pipeline=virtual_pipeline)
+                                expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
+                                params_dtype=dtype, use_cpu_initialization=device.type == "cpu",
+                                sequence_parallel=sequence_parallel, context_parallel=context_parallel,
+                                cp_comm_type=cp_comm_type, first_stage_layers=first_stage_layers,
+                                last_stage_layers=last_stage_layers, virtual_pipeline=virtual_pipeline)
     if recompute == "full":
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
@@ -60,9 +62,25 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     for param in model.parameters():
         if param.dtype != config.params_dtype and param.is_floating_point():
             param.data = param.data.to(config.params_dtype)
+    _mark_expert_data_parallel(model, config)
     # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
     # moves (a model built on the meta device, to read its shapes, stays there).
     return model.to(device) if device.type != "cpu" else model
+
+
+def _mark_expert_data_parallel(model, config) -> None:
+    """Megatron's DDP and optimizer reduce a parameter's gradient over the experts' data-parallel group (EDP: world /
+    (ETP x EP x PP)), and give it an optimizer of its own (a second part of a chained optimizer), only when it is
+    flagged `allreduce = False`; Megatron-Core 0.16 flags the experts' weights so only at expert_parallel > 1. At EP1
+    with an expert tensor parallelism other than TP, EDP is not the data-parallel group (TP2 with each expert whole:
+    DP1, EDP2): the experts' gradients, each from the tokens of one rank, would not be summed over EDP and its ranks'
+    experts would drift apart. Flagged at every layout (at EP1 and ETP = TP, EDP's ranks are DP's: the same sums),
+    the optimizer has the same parts at every layout, so a checkpoint's optimizer state loads at any of them."""
+    if not config.num_moe_experts:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def _local_spec(config, attention: str, vp_stage: int | None = None):

@@ -23,14 +23,26 @@ class ParallelLayout:
     expert_parallel: int = 1
     context_parallel: int = 1
     virtual_pipeline: int = 1
+    expert_tensor_parallel: int = 0  # 0: tensor_parallel (Megatron's default)
 
     @property
     def data_parallel(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
 
+    @property
+    def expert_tensor(self) -> int:
+        """How many ranks split each expert's weights (parallel.expert_tensor_parallel, 0 resolved to TP)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The experts' data-parallel size: Megatron's world / (ETP x EP x PP)."""
+        return self.world_size // (self.expert_tensor * self.expert_parallel * self.pipeline_parallel)
+
 
 def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int, backend: str, seed: int) -> None:
-    """Join the trainer process group and set up Megatron's TP/PP/CP/EP/DP groups; seeds Megatron's RNG tracker."""
+    """Join the trainer process group and set up Megatron's TP/PP/CP/DP groups and the experts' ETP/EP/EDP groups;
+    seeds Megatron's RNG tracker."""
     from slimish.compat import megatron_cpu
 
     megatron_cpu.apply()  # no-op with CUDA
@@ -51,7 +63,8 @@ def init_parallel(layout: ParallelLayout, *, master_addr: str, master_port: int,
                                                  context_parallel_size=layout.context_parallel,
                                                  virtual_pipeline_model_parallel_size=layout.virtual_pipeline
                                                  if layout.virtual_pipeline > 1 else None,
-                                                 expert_model_parallel_size=layout.expert_parallel)
+                                                 expert_model_parallel_size=layout.expert_parallel,
+                                                 expert_tensor_parallel_size=layout.expert_tensor)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

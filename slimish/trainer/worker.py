@@ -36,7 +36,8 @@ class TrainerWorker:
         par = cfg.parallel
         self.layout = ParallelLayout(rank=rank, world_size=world_size, tensor_parallel=par.tensor_parallel,
                                      pipeline_parallel=par.pipeline_parallel, expert_parallel=par.expert_parallel,
-                                     context_parallel=par.context_parallel, virtual_pipeline=par.virtual_pipeline)
+                                     context_parallel=par.context_parallel, virtual_pipeline=par.virtual_pipeline,
+                                     expert_tensor_parallel=par.expert_tensor_parallel)
         self.arch = architecture_from_hf(read_hf_config(cfg.model.hf_path))
         self.step: rl_step.StepContext | None = None  # what every step runs with (setup)
         self.sender = WeightSender(cfg, self.arch, rank=rank, pipeline_parallel=par.pipeline_parallel,
@@ -67,7 +68,8 @@ class TrainerWorker:
         def build_chunk(vp_stage):
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
-                                    expert_parallel=self.layout.expert_parallel, dtype=dtype,
+                                    expert_parallel=self.layout.expert_parallel,
+                                    expert_tensor_parallel=self.layout.expert_tensor, dtype=dtype,
                                     recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention,
                                     sequence_parallel=self.cfg.parallel.sequence_parallel,
                                     context_parallel=self.layout.context_parallel,

@@ -9,8 +9,9 @@ the trainer. Who sends:
 - with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
   also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
   with rank 0's buckets;
-- colocated with the tensor transport (no expert parallelism, whose export spans replicas), the source rank of every
-  data-parallel replica sends to the engines on its replica's GPUs, from its own GPU by CUDA IPC.
+- colocated with the tensor transport (no expert parallelism, whose export spans replicas, and experts split as
+  tensor_parallel splits the rest), the source rank of every data-parallel replica sends to the engines on its
+  replica's GPUs, from its own GPU by CUDA IPC.
 Other ranks only take part in the export's gathers.
 
 `sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
@@ -56,11 +57,13 @@ class WeightSender:
     # ------------------------------------------------------------------------------------------------ who sends
     @property
     def replica_senders(self) -> bool:
-        """Colocated with the tensor transport (and no expert parallelism, whose export spans replicas): every
-        data-parallel replica exports the model, and its source rank sends it to the engines on the replica's GPUs,
-        from its own GPU by CUDA IPC; else rank 0 sends to every engine."""
+        """Colocated with the tensor transport (and no expert parallelism, nor an expert tensor parallelism other
+        than tensor_parallel: their export spans replicas): every data-parallel replica exports the model, and its
+        source rank sends it to the engines on the replica's GPUs, from its own GPU by CUDA IPC; else rank 0 sends
+        to every engine."""
+        par = self.cfg.parallel
         return (self.cfg.placement.colocate and self.cfg.weight_sync.transport == "tensor"
-                and self.expert_parallel == 1)
+                and self.expert_parallel == 1 and par.expert_tensor_parallel in (0, par.tensor_parallel))
 
     @property
     def stage_senders(self) -> bool:

@@ -69,6 +69,7 @@ BAD_CASES = [
     ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb", "must be > 0"),
     ("parallel.pipeline_parallel=2", "parallel.num_trainer_ranks", "multiple of tensor_parallel * pipeline"),
     ("parallel.expert_parallel=2", "parallel.expert_parallel", "needs a mixture-of-experts model"),
+    ("parallel.expert_tensor_parallel=2", "parallel.expert_tensor_parallel", "needs a mixture-of-experts model"),
     ("rollout.engine=3", "rollout.engine", "expected a mapping"),
     ("checkpoint.save_every=-1", "checkpoint.save_every", "must be >= 0"),
     ("checkpoint.keep_last=-2", "checkpoint.keep_last", "must be >= 0"),
@@ -152,6 +153,39 @@ def test_rl_mode_checks(base, overrides, key, fragment):
     cfg = _loads_or_names(base, overrides, key, fragment)
     if key is None:
         assert cfg.rl.mode == overrides[0][8:]
+
+
+EXPERT_LAYOUT_CASES = [
+    # (overrides on the tiny Qwen3-MoE model, key named in the error or None, a fragment of the explanation).
+    # Megatron's initialize_model_parallel needs num_trainer_ranks to be a multiple of ETP x EP x PP.
+    (["parallel.num_trainer_ranks=2", "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=2"],
+     "parallel.expert_tensor_parallel", "multiple of expert_tensor_parallel * expert_parallel * pipeline_parallel = "
+                                        "2 * 2 * 1 = 4"),
+    (["parallel.num_trainer_ranks=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+      "parallel.expert_parallel=4"], "parallel.expert_parallel", "must divide the data-parallel size"),
+    (["parallel.expert_tensor_parallel=3"], "parallel.expert_tensor_parallel", "divide each expert's 32 hidden"),
+    (["parallel.expert_tensor_parallel=-1"], "parallel.expert_tensor_parallel", "must be >= 0"),
+    # TP2 with each expert whole, split over two expert-parallel ranks; TP2 with each expert whole on both (EDP2)
+    (["parallel.num_trainer_ranks=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+      "parallel.expert_tensor_parallel=1", "parallel.expert_parallel=2"], None, None),
+    (["parallel.num_trainer_ranks=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+      "parallel.expert_tensor_parallel=1"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", EXPERT_LAYOUT_CASES,
+                         ids=[" ".join(c[0]) for c in EXPERT_LAYOUT_CASES])
+def test_expert_layouts_megatron_refuses_name_the_key(base, tiny_moe_models, overrides, key, fragment):
+    """A layout whose expert groups Megatron cannot lay over the trainer's ranks is one line naming the key."""
+    moe = [f"model.hf_path={tiny_moe_models['qwen3_moe']}"]
+    if key is None:
+        cfg = _loads_or_names(base, moe + overrides, key, fragment)
+        assert cfg.parallel.expert_tensor_parallel == 1
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/quickstart_cpu.yaml", base + moe + overrides)
+    assert err.value.key == key and fragment in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
 
 
 LR_SCHEDULE_CASES = [

@@ -3,10 +3,11 @@ checkpoint (or a Megatron distributed checkpoint), run one forward through every
 Several models share one world because starting the processes (imports) costs more than the models.
 
 Launched by tests.multiproc.run_world; by hand (one line per rank, same port):
-  python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 [--ep 1] \
+  python tests/megatron_bridge/bridge_rank.py --rank 0 --world-size 2 --port 29555 --tp 2 --pp 1 [--ep 1] [--etp 0] \
       --model qwen3=HF_DIR [--model tied=HF_DIR:DIST_CKPT_DIR ...] --out OUT [--save-dist DIR] [--full-export]
-Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}, TP rank 0
-only; with expert parallelism, the tensors outside the experts from expert-parallel rank 0 only)}; with
+Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "exported" ({hf name: tensor}: the tensors
+outside the experts from TP and DP rank 0 only, the experts from ETP and EDP rank 0 only), "sizes" (Megatron's TP,
+ETP, EP, DP and EDP sizes)}; with
 --full-export also "full": the [(hf name, tensor)] this rank got from the whole-model (weight-sync) export.
 With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
 With --save-dist, Megatron-Core's own dist_checkpointing.save writes each loaded model to DIR/NAME.
@@ -41,7 +42,7 @@ def forward(model, tokens: torch.Tensor) -> torch.Tensor | None:
     return outputs[0]["logits"] if outputs else None
 
 
-def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out: Path,
+def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, etp: int, out: Path,
               save_to: Path | None, full_export: bool = False) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -51,7 +52,8 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out:
     from slimish.trainer.model import build_gpt_model
 
     arch = architecture_from_hf(read_hf_config(hf))
-    model = build_gpt_model(arch, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep).eval()
+    model = build_gpt_model(arch, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                            expert_tensor_parallel=etp).eval()
     if dist_ckpt:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), dist_ckpt))
     else:
@@ -61,12 +63,17 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, out:
     tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = forward(model, tokens)
     exported = {name: tensor.clone() for name, tensor in export_hf_tensors(model, arch)}
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
-        exported = {}
-    if parallel_state.get_expert_model_parallel_rank() != 0:
-        # Every expert-parallel rank holds (and exports) the same non-expert tensors; keep one copy.
-        exported = {name: tensor for name, tensor in exported.items() if ".mlp.experts." in name}
-    result = {"tokens": tokens, "logits": logits, "exported": exported}
+    # Every rank exports the tensors it holds, gathered: keep one copy of each (the tensors outside the experts from
+    # TP and data-parallel rank 0, the experts from ETP and expert-data-parallel rank 0).
+    ps = parallel_state
+    keep_dense = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    keep_experts = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    exported = {name: tensor for name, tensor in exported.items()
+                if (keep_experts if ".mlp.experts." in name else keep_dense)}
+    sizes = {"tp": ps.get_tensor_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+             "ep": ps.get_expert_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+             "edp": ps.get_expert_data_parallel_world_size()}
+    result = {"tokens": tokens, "logits": logits, "exported": exported, "sizes": sizes}
     if full_export:
         result["full"] = [(name, tensor.clone()) for name, tensor in export_full_hf_tensors(model, arch)]
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +85,7 @@ def main() -> None:
     for name in ("--rank", "--world-size", "--port", "--tp", "--pp"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=0, help="expert tensor parallelism (0: --tp)")
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR or NAME=HF_DIR:DIST_CKPT_DIR")
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-dist", help="also save each model with Megatron's dist_checkpointing to DIR/NAME")
@@ -88,7 +96,8 @@ def main() -> None:
     from slimish.trainer.parallel import ParallelLayout, init_parallel, shutdown_parallel
 
     init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
-                                 pipeline_parallel=args.pp, expert_parallel=args.ep),
+                                 pipeline_parallel=args.pp, expert_parallel=args.ep,
+                                 expert_tensor_parallel=args.etp),
                   master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
     for spec in args.model:
         name, paths = spec.split("=", 1)
@@ -97,8 +106,8 @@ def main() -> None:
         if save_to is not None and dist.get_rank() == 0:
             save_to.mkdir(parents=True)
         dist.barrier()
-        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, ep=args.ep, out=Path(args.out) / name,
-                  save_to=save_to, full_export=args.full_export)
+        run_model(hf=hf, dist_ckpt=dist_ckpt or None, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                  out=Path(args.out) / name, save_to=save_to, full_export=args.full_export)
     shutdown_parallel()
 
 

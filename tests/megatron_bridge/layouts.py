@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -13,13 +14,13 @@ from tests.multiproc import run_world
 RANK_SCRIPT = Path(__file__).with_name("bridge_rank.py")
 
 
-def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str], ep: int = 1,
+def run_layout(out: Path, *, tp: int, pp: int, models: dict[str, str], ep: int = 1, etp: int = 0,
                save_dist: Path | None = None) -> dict[str, list[dict]]:
-    """Run bridge_rank.py on a TP x PP x EP world (data parallel = EP) over `models` (name -> "HF_DIR[:DIST_CKPT]");
-    results by name, rank, each with the whole-model export too. With `save_dist`, Megatron-Core also saves each
-    model to save_dist/NAME."""
-    world = tp * pp * ep
-    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(out), "--full-export"]
+    """Run bridge_rank.py over `models` (name -> "HF_DIR[:DIST_CKPT]") on the smallest world of TP x PP that also
+    holds the experts' ETP x EP x PP (`etp` 0: TP; ETP = TP: data parallel = EP); results by name, rank, each with
+    the whole-model export too. With `save_dist`, Megatron-Core also saves each model to save_dist/NAME."""
+    world = math.lcm(tp, (etp or tp) * ep) * pp
+    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--out", str(out), "--full-export"]
     if save_dist is not None:
         args += ["--save-dist", str(save_dist)]
     for name, spec in models.items():

@@ -36,7 +36,12 @@ MODELS = {
                                         attention_bias=False)),
 }
 FAMILIES = ["qwen3_moe", "glm4_moe", "deepseek_v3"]
-LAYOUTS = {"ep2": dict(tp=1, pp=1, ep=2), "tp2": dict(tp=2, pp=1, ep=1), "pp2": dict(tp=1, pp=2, ep=1)}
+# tp2-etp1-ep2: two ranks, attention split over both (TP2), each expert whole (expert tensor parallelism 1) and the
+# experts split between them (EP2): a parameter outside the experts is gathered over TP, an expert sent over EP.
+LAYOUTS = {"ep2": dict(tp=1, pp=1, ep=2), "tp2": dict(tp=2, pp=1, ep=1), "pp2": dict(tp=1, pp=2, ep=1),
+           "tp2-etp1-ep2": dict(tp=2, pp=1, ep=2, etp=1)}
+SIZES = {"ep2": dict(tp=1, etp=1, ep=2, dp=2, edp=1), "tp2": dict(tp=2, etp=2, ep=1, dp=1, edp=1),
+         "pp2": dict(tp=1, etp=1, ep=1, dp=1, edp=1), "tp2-etp1-ep2": dict(tp=2, etp=1, ep=2, dp=1, edp=1)}
 
 
 def with_config(src: Path, dst: Path, **fields) -> Path:
@@ -156,7 +161,9 @@ def layout_run(request, moe_models, dist_ckpts, tmp_path_factory):
     for name in FAMILIES:
         models[name] = str(moe_models[name])
         models[f"{name}_converted"] = f"{moe_models[name]}:{dist_ckpts[name]}"
-    return run_layout(out / "results", models=models, save_dist=out / "saved", **LAYOUTS[request.param]), out
+    results = run_layout(out / "results", models=models, save_dist=out / "saved", **LAYOUTS[request.param])
+    assert all(r["sizes"] == SIZES[request.param] for rs in results.values() for r in rs), "Megatron's groups"
+    return results, out
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -6,7 +6,18 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+from slimish.orchestration.placement import trainer_group_size
 from tests.orchestration.ray_probe import run_probe
+
+
+def test_trainer_groups_keep_expert_tensor_groups_whole():
+    """An expert-tensor-parallel group (parallel.expert_tensor_parallel) shares a node as a tensor-parallel group
+    does, and the block holding whole ETP x EP groups too where a node has the GPUs for it."""
+    assert trainer_group_size(tensor_parallel=1, expert_parallel=1, expert_tensor_parallel=2, node_gpus=8) == 2
+    assert trainer_group_size(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1, node_gpus=8) == 2
+    assert trainer_group_size(tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=1, node_gpus=8) == 4
+    assert trainer_group_size(tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=4, node_gpus=8) == 4
+    assert trainer_group_size(tensor_parallel=2, expert_parallel=2, node_gpus=0) == 4  # ETP = TP, as before
 
 
 def test_engines_get_a_slot_per_node_part_and_spanning_more_nodes_than_the_cluster_has_is_one_line():

@@ -61,6 +61,9 @@ def test_experts_split_over_expert_and_tensor_parallelism():
     params = count_params(trimmed("qwen3_30b_a3b"))
     dense, experts = params.rank(tensor_parallel=2, pipeline_parallel=1, expert_parallel=4, stage=0)
     assert experts == sum(params.experts_per_layer) // 8
+    # parallel.expert_tensor_parallel=1: each expert whole, the same dense part
+    assert params.rank(tensor_parallel=2, pipeline_parallel=1, expert_parallel=4, expert_tensor_parallel=1,
+                       stage=0) == (dense, sum(params.experts_per_layer) // 4)
     assert params.active < params.total and params.experts_per_layer[-1] == 128 * 3 * 2048 * 768
 
 

@@ -273,3 +273,47 @@ def test_interleaved_pipeline_matches_one_rank(six_layers, tmp_path, overrides):
     for name, tensor in state.items():
         diff = (tensor - one["state"][name]).abs()
         assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
+
+
+# Expert layouts: (MoE family, world size, TP, overrides, the experts' (ETP, EP, EDP)). ETP1 at TP2: attention split
+# over two ranks, each expert whole on both, its tokens half the sequence on each: expert-data-parallel 2 at data
+# parallel 1 (the experts' grads all-reduced over the TP group; Megatron 0.16 does it only at EP > 1 unless told:
+# `trainer.model._mark_expert_data_parallel`), also with the distributed optimizer. EP2 at TP1 over four ranks: data
+# parallel 4, two copies of each expert half (EDP2). TP2 with ETP1 and EP2 over four ranks: DP2, EDP2. ETP2 at TP1:
+# each expert split over two data-parallel ranks, which gather each other's tokens (uneven counts: on gloo padded,
+# `slimish.compat.megatron_cpu._all_gather`); TP2 x EP2 (ETP = TP) over four ranks the same.
+EXPERT_LAYOUTS = {
+    "qwen3_moe-tp2-etp1": ("qwen3_moe", 2, 2, SEQUENCE_PARALLEL + ("parallel.expert_tensor_parallel=1",), (1, 1, 2)),
+    "qwen3_moe-tp2-etp1-distributed-optimizer": (
+        "qwen3_moe", 2, 2, SEQUENCE_PARALLEL + DISTRIBUTED_OPTIMIZER + ("parallel.expert_tensor_parallel=1",),
+        (1, 1, 2)),
+    "glm4_moe-ep2-edp2": ("glm4_moe", 4, 1, ("parallel.expert_parallel=2",), (1, 2, 2)),
+    "glm4_moe-tp2-etp1-ep2": ("glm4_moe", 4, 2, SEQUENCE_PARALLEL + ("parallel.expert_tensor_parallel=1",
+                                                                      "parallel.expert_parallel=2"), (1, 2, 2)),
+    "qwen3_moe-tp1-etp2": ("qwen3_moe", 2, 1, ("parallel.expert_tensor_parallel=2",), (2, 1, 1)),
+    "qwen3_moe-tp2-ep2": ("qwen3_moe", 4, 2, SEQUENCE_PARALLEL + ("parallel.expert_parallel=2",), (2, 2, 1)),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_expert_layout_step_is_the_one_rank_step(task_assets, tiny_moe_models, tmp_path, layout):
+    """Expert tensor parallelism other than TP, and expert data parallelism > 1: the same logprobs, step and
+    whole-model export (rank 0's, what weight sync sends: experts gathered over ETP, the rest over TP) as one rank."""
+    family, world, tp, overrides, (etp, ep, edp) = EXPERT_LAYOUTS[layout]
+    assets = {**task_assets, "model": str(tiny_moe_models[family])}
+    (one,) = _run(assets, tmp_path / "one", world_size=1, tp=1)
+    results = _run(assets, tmp_path / "layout", world_size=world, tp=tp, overrides=overrides)
+    assert sorted(row for result in results[::tp] for row in result["rows"]) == list(range(8))
+    for result in results:
+        assert result["expert_sizes"] == {"etp": etp, "ep": ep, "edp": edp}
+        assert result["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], abs=1e-5)
+        assert result["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+        assert result["parity"]["entropy"] == pytest.approx(one["parity"]["entropy"], abs=1e-5)
+        assert torch.allclose(result["before"], one["before"][result["rows"]], atol=1e-5)
+        assert torch.allclose(result["after"], one["after"][result["rows"]], atol=1e-4)
+    state, expected = results[0]["state"], one["state"]
+    assert state.keys() == expected.keys() and any(".mlp.experts." in name for name in state)
+    for name, tensor in state.items():
+        diff = (tensor - expected[name]).abs()
+        assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
+    assert all(result["state"] == {} for result in results[1:])

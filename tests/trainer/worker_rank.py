@@ -5,7 +5,8 @@ Launched by tests.multiproc.run_world:
       --data JSONL --out OUT
 Writes OUT/rank{R}.pt with the response logprobs before and after one GRPO step with a KL penalty (None on a
 pipeline stage other than the last), the step's advantages (fixed ones, or the configured estimator's from fixed
-rewards) and metrics, the parity metrics of `rl_step.prepare`, and the whole-model export
+rewards) and metrics, the parity metrics of `rl_step.prepare`, the experts' ETP / EP / EDP sizes, and the whole-model
+export
 (`tests.kit.trainer.export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
 --offload, every role is offloaded (as a colocated step does, a checkpoint saved meanwhile) and onloaded right after
 the step ("offload": `offload_round_trip`'s figures).
@@ -128,8 +129,13 @@ def main() -> None:
     offloaded = offload_round_trip(worker, out) if args.offload else None
     after, _ = response_logprobs(worker, samples)
     state = export_state(worker)  # on the trainer's device
+    from megatron.core import parallel_state as ps
+
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
               "advantages": advantages, "dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size,
+              "expert_sizes": {"etp": ps.get_expert_tensor_parallel_world_size(),
+                               "ep": ps.get_expert_model_parallel_world_size(),
+                               "edp": ps.get_expert_data_parallel_world_size()},
               "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
