@@ -145,8 +145,19 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
-    recompute: Literal["none", "full"] = doc("none", "Activation recomputation: full = keep only each transformer "
-                                                    "layer's input and recompute the layer in the backward pass.")
+    recompute: Literal["none", "full", "selective"] = doc(
+        "none", "Activation recomputation: full = keep only each transformer layer's input and recompute the layer in "
+                "the backward pass; selective = recompute only trainer.recompute_modules of every layer (Megatron's "
+                "selective granularity).")
+    recompute_modules: list[Literal["core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj"]] = doc(
+        ["core_attn"], "What trainer.recompute=selective recomputes in the backward pass, in every layer: core_attn "
+                       "(the core attention: with trainer.attention=local its [s, s] scores and softmax; te and sdpa "
+                       "keep little to drop), layernorm "
+                       "(the norms before the attention and the MLP; none to recompute in TE's spec, where the "
+                       "norms are fused into the next linear), mlp (a dense MLP), moe (a whole mixture-of-experts "
+                       "layer), shared_experts (its shared experts), mla_up_proj (multi-latent attention's up "
+                       "projections and RoPE). Megatron's moe_act needs its grouped GEMM, which the trainer never "
+                       "builds.")
     attention: Literal["auto", "te", "sdpa", "local"] = doc(
         "auto", "The trainer's core attention (`slimish/trainer/attention.py`): te = Transformer Engine's fused "
                 "attention (Megatron's TE layer spec; needs TE and a GPU); sdpa = torch's scaled_dot_product_attention "

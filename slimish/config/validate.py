@@ -363,6 +363,7 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is not None and tp > 1 and cfg.trainer.attention in ("sdpa", "local"):
         raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
                                                f"{MLA_LOCAL_SPEC_AT_TP}")
+    _check_recompute(cfg.trainer, arch)
     if arch.num_layers % pp:
         raise ConfigError("parallel.pipeline_parallel", f"got {pp}; it must divide the model's {arch.num_layers} "
                                                         "layers (uneven pipeline stages are not supported)")
@@ -373,6 +374,23 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is None and kv % engine_tp and engine_tp % kv:
         raise ConfigError("rollout.engine.tensor_parallel", f"got {engine_tp}; with the model's {kv} KV heads it must "
                                                             "divide them or be a multiple of them (SGLang replicates)")
+
+
+def _check_recompute(tr, arch) -> None:
+    """trainer.recompute_modules: read at trainer.recompute=selective only, and what Megatron builds for the model."""
+    modules = tr.recompute_modules
+    if tr.recompute != "selective":
+        if modules != ["core_attn"]:
+            raise ConfigError("trainer.recompute_modules", f"got {modules}, read only with trainer.recompute=selective "
+                                                           f"(it is {tr.recompute!r}): set trainer.recompute=selective "
+                                                           "or leave the modules out")
+        return
+    if not modules:
+        raise ConfigError("trainer.recompute_modules", "is empty: with trainer.recompute=selective name what to "
+                                                       "recompute, e.g. [core_attn]")
+    if "mla_up_proj" in modules and arch.mla is None:
+        raise ConfigError("trainer.recompute_modules", "mla_up_proj recomputes multi-latent attention's up "
+                                                       "projections, which this model has none of: leave it out")
 
 
 def _check_model(path: str) -> None:

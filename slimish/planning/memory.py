@@ -22,7 +22,10 @@ Trainer rank (the fullest pipeline stage), bytes:
                           two fp32 gradients), 12 in fp32: `core_attention`. Measured against Megatron's class on
                           the CPU by tests/planning/test_plan.py.
               The first stage holds pipeline_parallel micro-batches in flight (1F1B). Full recompute keeps each
-              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set.
+              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set. Selective
+              recompute with core_attn keeps what the core attention keeps for its backward pass (the local
+              attention's [s, s] tensors) in the layer being recomputed only; its other modules (norms, MLP, MoE,
+              MLA's up projections) are counted as kept.
   logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp in fp32, three copies (logits, softmax, grad).
   reference   (trainer.loss.kl_coef > 0, or an estimator that needs it: `slimish.trainer.estimators`) the frozen
               initial policy, sharded like it: weights in the model dtype; its forward (no grad) holds one layer's
@@ -118,7 +121,7 @@ class TrainerMemory:
     optimizer: float                # as configured
     optimizer_other: float          # with the distributed optimizer switched the other way
     activations: float              # as configured
-    activations_other: float        # with recompute switched the other way
+    activations_other: float        # with full recompute, or with none when it is full
     logits: float
     tokens: int                     # per micro-batch (per rank of its sequence)
     attention: str                  # the core attention planned (`planned_attention`)
@@ -183,19 +186,23 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
         return core_attention(attention, dtype=dtype, heads=heads, tokens=tokens, longest=longest,
                               samples_at_once=samples_at_once)
 
-    def activations(recompute: bool, attention: str) -> float:
+    def activations(recompute: str, attention: str) -> float:
         kept, computing = attention_bytes(attention)
-        if recompute:
+        if recompute == "full":
             return in_flight * layer_input + linear + kept + computing
+        if recompute == "selective" and "core_attn" in tr.recompute_modules:  # kept by the layer being recomputed
+            return in_flight * linear + kept + computing
         return in_flight * (linear + kept) + computing
 
-    full, attention = tr.recompute == "full", planned_attention(tr.attention)
+    recompute, attention = tr.recompute, planned_attention(tr.attention)
+    other_recompute = "none" if recompute == "full" else "full"
     chunk_logits = 4 * min(tr.logprob_chunk_tokens, tokens) * arch.vocab_size / tp
     mem = dict(weights=(dense + experts) * dtype, grads=(dense + experts) * 4,
                optimizer=optimizer(dense, experts, tr.optimizer.distributed),
                optimizer_other=optimizer(dense, experts, not tr.optimizer.distributed),
-               activations=activations(full, attention), activations_other=activations(not full, attention),
-               activations_attention_other=activations(full, "te" if attention == "local" else "local"),
+               activations=activations(recompute, attention),
+               activations_other=activations(other_recompute, attention),
+               activations_attention_other=activations(recompute, "te" if attention == "local" else "local"),
                logits=3 * chunk_logits, tokens=round(tokens), attention=attention)
     reference, critic = builds_roles(cfg)
     if reference:  # forward only: one layer's working set, and a chunk's logits and log-softmax
@@ -206,7 +213,7 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
         trained = dense - (params.output // tp if head else 0) + head
         mem.update(critic_weights=(dense + experts + head) * dtype, critic_grads=(trained + experts) * 4,
                    critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed),
-                   critic_activations=activations(full, attention))
+                   critic_activations=activations(recompute, attention))
     return TrainerMemory(**mem)
 
 

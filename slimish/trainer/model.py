@@ -9,14 +9,18 @@ from slimish.trainer.device import trainer_device
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
-                    dtype: torch.dtype = torch.float32, recompute: str = "none", attention: str = "auto",
+                    dtype: torch.dtype = torch.float32, recompute: str = "none",
+                    recompute_modules: tuple[str, ...] = ("core_attn",), attention: str = "auto",
                     sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p"):
     """An unwrapped GPTModel for this pipeline stage; a mixture-of-experts model gets sparse or dense MLPs per layer
     as config.json says. `attention` (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds
     Megatron's Transformer-Engine layer spec, `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
-    per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
-    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
+    per checkpoint); recompute="selective" recomputes only `recompute_modules` of every layer (Megatron's selective
+    granularity: "core_attn" checkpoints the core attention, whichever runs: `SdpaAttention`, Megatron's local
+    `DotProductAttention` or TE's). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1):
+    Megatron's sequence parallelism; the sequences fed to the model must then be a multiple of tensor_parallel
+    tokens long.
     `context_parallel` (parallel.context_parallel): each rank gets its load-balanced share of every sequence
     (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values."""
     from megatron.core import parallel_state
@@ -33,9 +37,8 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     config = transformer_config(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                 expert_parallel=expert_parallel, params_dtype=dtype,
                                 use_cpu_initialization=device.type == "cpu", sequence_parallel=sequence_parallel,
-                                context_parallel=context_parallel, cp_comm_type=cp_comm_type)
-    if recompute == "full":
-        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+                                context_parallel=context_parallel, cp_comm_type=cp_comm_type,
+                                **recompute_fields(recompute, recompute_modules))
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
     else:
@@ -53,6 +56,20 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
     # Megatron builds its parameters on the device; what it keeps elsewhere (buffers) follows. On the CPU nothing
     # moves (a model built on the meta device, to read its shapes, stays there).
     return model.to(device) if device.type != "cpu" else model
+
+
+def recompute_fields(recompute: str, modules: tuple[str, ...] | list[str] = ("core_attn",)) -> dict:
+    """Megatron TransformerConfig fields for trainer.recompute `recompute` (and trainer.recompute_modules `modules`,
+    read at "selective"), set when the config is made so that Megatron checks them."""
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        if not modules:
+            raise ValueError("recompute='selective' needs at least one module to recompute")
+        return dict(recompute_granularity="selective", recompute_modules=list(dict.fromkeys(modules)))
+    raise ValueError(f"recompute={recompute!r}: none, full or selective")
 
 
 def _local_spec(config, attention: str):

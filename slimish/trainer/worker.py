@@ -68,7 +68,9 @@ class TrainerWorker:
             model = build_gpt_model(self.arch, tensor_parallel=self.layout.tensor_parallel,
                                     pipeline_parallel=self.layout.pipeline_parallel,
                                     expert_parallel=self.layout.expert_parallel, dtype=dtype,
-                                    recompute=self.cfg.trainer.recompute, attention=self.cfg.trainer.attention,
+                                    recompute=self.cfg.trainer.recompute,
+                                    recompute_modules=tuple(self.cfg.trainer.recompute_modules),
+                                    attention=self.cfg.trainer.attention,
                                     sequence_parallel=self.cfg.parallel.sequence_parallel,
                                     context_parallel=self.layout.context_parallel,
                                     cp_comm_type=self.cfg.parallel.cp_comm_type)

@@ -96,6 +96,10 @@ BAD_CASES = [
     ("rollout.temperature=.nan", "rollout.temperature", "must be a finite number, got nan"),
     ("reward.timeout_s=.inf", "reward.timeout_s", "must be a finite number, got inf"),
     ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps", "must be >= 0"),
+    # Memory knobs
+    ("trainer.recompute=partial", "trainer.recompute", "allowed values: 'none', 'full', 'selective'"),
+    ("trainer.recompute_modules=[mlp]", "trainer.recompute_modules", "read only with trainer.recompute=selective"),
+    ("trainer.recompute_modules=[moe_act]", "trainer.recompute_modules[0]", "allowed values: 'core_attn'"),
 ]
 
 
@@ -168,6 +172,19 @@ LR_SCHEDULE_CASES = [
 @pytest.mark.parametrize("overrides,key,fragment", LR_SCHEDULE_CASES,
                          ids=[" ".join(c[0]) for c in LR_SCHEDULE_CASES])
 def test_lr_schedule_checks(base, overrides, key, fragment):
+    _loads_or_names(base, overrides, key, fragment)
+
+
+MEMORY_CASES = [
+    (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "trainer.recompute_modules", "is empty"),
+    (["trainer.recompute=selective", "trainer.recompute_modules=[core_attn,mla_up_proj]"],
+     "trainer.recompute_modules", "mla_up_proj recomputes multi-latent attention's up projections"),
+    (["trainer.recompute=selective", "trainer.recompute_modules=[core_attn,layernorm,mlp]"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", MEMORY_CASES, ids=[" ".join(c[0]) for c in MEMORY_CASES])
+def test_memory_knobs(base, overrides, key, fragment):
     _loads_or_names(base, overrides, key, fragment)
 
 

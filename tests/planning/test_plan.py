@@ -130,6 +130,12 @@ def test_local_attention_grows_with_the_square_of_the_sequence_sdpa_linearly(tmp
     s, tokens = 8192, 2 * 8192
     assert no_recompute.activations == pytest.approx(36 * (tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s)
                                                      + heads * 2 * s * s * 8)
+    # Selective recompute of the core attention: every layer keeps its activations but the [s, s] ones, which only
+    # the layer being recomputed holds.
+    _, selective = _eight_b(tmp_path, "trainer.attention=local", "trainer.recompute=selective")
+    assert selective.activations == pytest.approx(36 * tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s
+                                                  + heads * 2 * s * s * 8)
+    assert selective.activations_other == pytest.approx(local_8k.activations)  # full recompute, the other way
 
 
 def _peak_bytes(keep, run, *args, **kwargs) -> int:

@@ -14,6 +14,7 @@ the step ("offload": `offload_round_trip`'s figures).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -122,7 +123,8 @@ def main() -> None:
             sample.reward = reward
         estimator = None
     advantages = rl_step.advantages(ctx, batch, estimator)
-    metrics = rl_step.train(ctx, batch)
+    with count_calls(ctx.policy.module) as calls:
+        metrics = rl_step.train(ctx, batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     offloaded = offload_round_trip(worker, out) if args.offload else None
@@ -130,11 +132,36 @@ def main() -> None:
     state = export_state(worker)  # on the trainer's device
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
               "advantages": advantages, "dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size,
-              "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded}
+              "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded,
+              "train_calls": dict(calls)}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
     worker.shutdown()
+
+
+@contextlib.contextmanager
+def count_calls(model: torch.nn.Module):
+    """{submodule of a transformer layer ("self_attention.core_attention", "mlp", "input_layernorm", ...): its calls
+    over every layer} while the block runs: activation recompute calls a recomputed module again in the backward
+    pass."""
+    import collections
+    import re
+
+    calls: collections.Counter = collections.Counter()
+    handles = []
+    for name, module in model.named_modules():
+        match = re.search(r"\.layers\.\d+\.(.+)$", name)
+        if match:
+            def hook(*_args, key=match.group(1)):
+                calls[key] += 1
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def offload_round_trip(worker, out: Path) -> dict:
