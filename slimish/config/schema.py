@@ -79,6 +79,11 @@ class OptimizerConfig:
     clip_grad: float = doc(1.0, "Global gradient-norm clip (0 disables).")
     distributed: bool = doc(False, "Megatron's distributed optimizer: fp32 main weights, grads and Adam moments "
                                    "sharded over data-parallel ranks (grads reduce-scattered, weights all-gathered).")
+    adam: Literal["auto", "torch", "te_fused"] = doc(
+        "auto", "Which Adam runs (`slimish/trainer/adam.py`; each trainer rank logs it at INFO): torch = "
+                "torch.optim.AdamW; te_fused = Transformer Engine's FusedAdam (needs TE and a CUDA GPU); auto = "
+                "te_fused where TE imports and CUDA is up, else torch. Both make the same AdamW update, and a "
+                "checkpoint of either loads into the other.")
 
 
 # The samples per prompt each advantage estimator needs (a group baseline needs 2): data the config checks read

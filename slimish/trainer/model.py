@@ -137,14 +137,16 @@ def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
     """(DDP-wrapped model, Megatron Adam optimizer with fp32 main params, its learning-rate schedule) for
     trainer.optimizer `opt_cfg` peaking at `lr` (`slimish.trainer.lr_schedule`; `total_steps`: the run's optimizer
     steps). trainer.optimizer.distributed shards the main params, grads and moments over the data-parallel ranks
-    (Megatron's distributed optimizer)."""
+    (Megatron's distributed optimizer); trainer.optimizer.adam is the Adam it runs (`slimish.trainer.adam`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from slimish.trainer import adam
     from slimish.trainer.lr_schedule import build_lr_schedule
 
     config = model.config
+    adam.install(opt_cfg.adam)
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=opt_cfg.distributed),
         module=model)

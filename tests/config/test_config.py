@@ -100,6 +100,7 @@ BAD_CASES = [
     ("trainer.recompute=partial", "trainer.recompute", "allowed values: 'none', 'full', 'selective'"),
     ("trainer.recompute_modules=[mlp]", "trainer.recompute_modules", "read only with trainer.recompute=selective"),
     ("trainer.recompute_modules=[moe_act]", "trainer.recompute_modules[0]", "allowed values: 'core_attn'"),
+    ("trainer.optimizer.adam=apex", "trainer.optimizer.adam", "allowed values: 'auto', 'torch', 'te_fused'"),
 ]
 
 
@@ -186,6 +187,7 @@ MEMORY_CASES = [
 @pytest.mark.parametrize("overrides,key,fragment", MEMORY_CASES, ids=[" ".join(c[0]) for c in MEMORY_CASES])
 def test_memory_knobs(base, overrides, key, fragment):
     _loads_or_names(base, overrides, key, fragment)
+
 
 
 def test_pipeline_parallel_is_allowed(base):

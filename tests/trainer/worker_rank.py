@@ -50,12 +50,18 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true", help="offload and onload every role after the RL step")
     parser.add_argument("--as-on-cuda", action="store_true",
                         help="Megatron's CPU shim leaves what it does on a CUDA machine (as_on_cuda)")
+    parser.add_argument("--stand-in-fused-adam", action="store_true",
+                        help="trainer.optimizer.adam=te_fused builds tests.kit.fused_adam's stand-in for TE's")
     return parser.parse_args()
 
 
 def make_worker(args: argparse.Namespace):
     """A set-up TrainerWorker for this rank of the layout in `args` (quickstart config, small micro-batches, a KL
     penalty so that the reference model runs)."""
+    if args.stand_in_fused_adam:
+        from tests.kit.fused_adam import use_stand_in
+
+        use_stand_in()
     return make_kit_worker(
         f"model.hf_path={args.hf}", f"data.path={args.data}", "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
