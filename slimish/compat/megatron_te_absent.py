@@ -9,6 +9,10 @@ projections) sets `self.fp8 = fp8 is not None`, so its default `fp8=False` reads
 calls Transformer Engine's `FP8GlobalStateManager`, which TE's absence leaves undefined: NameError on the first
 recomputed norm. Without TE there is no fp8 at all: the flag is made what the caller asked (`fp8` None or False:
 off).
+`megatron.core.optimizer.optimizer_config.OptimizerConfig` (with use_precision_aware_optimizer, which Megatron's
+optimizer CPU offload runs on: trainer.optimizer.cpu_offload) compares `get_te_version()` with "2.1.0", and without
+TE that version is None: TypeError when the config is made. No TE is no TE version at least anything: that module's
+`is_te_min_version` answers False (it then turns TE's store_param_remainders off, which slimish does anyway).
 This is not about the CPU: a GPU without TE (the lent test machine, a node before the GPU lock is installed) hits it
 as well, so it is applied wherever a model is built, not by `megatron_cpu.apply()` alone (which does nothing on a
 machine with CUDA).
@@ -31,7 +35,20 @@ def apply() -> list[str]:
     for name in defined:
         setattr(moe_utils, name, None)
     _checkpoint_without_output_fp8_as_given()
+    _optimizer_config_without_te()
     return defined
+
+
+def _optimizer_config_without_te() -> bool:
+    """Without TE, OptimizerConfig's TE version checks answer False (see the module docstring). True if patched (TE
+    absent); idempotent."""
+    import megatron.core.optimizer.optimizer_config as optimizer_config
+    from megatron.core.utils import get_te_version
+
+    if get_te_version() is not None:
+        return False
+    optimizer_config.is_te_min_version = lambda version, check_equality=True: False
+    return True
 
 
 def _checkpoint_without_output_fp8_as_given() -> bool:

@@ -84,6 +84,14 @@ class OptimizerConfig:
                 "torch.optim.AdamW; te_fused = Transformer Engine's FusedAdam (needs TE and a CUDA GPU); auto = "
                 "te_fused where TE imports and CUDA is up, else torch. Both make the same AdamW update, and a "
                 "checkpoint of either loads into the other.")
+    cpu_offload: bool | float = doc(
+        False, "Megatron's optimizer CPU offload: the fp32 main weights and Adam moments of this fraction of the "
+               "parameters (true = 1.0, all) live in host memory, updated there by torch's AdamW (their gradients "
+               "copied over, the new weights copied back), the rest on the GPU. Needs "
+               "trainer.optimizer.distributed=true, model.dtype=bfloat16 and trainers on GPUs; false or 0 = off.")
+    cpu_offload_overlap: bool = doc(True, "With cpu_offload: overlap the copies to and from host memory with the "
+                                          "CPU's Adam (one CPU optimizer per parameter, CUDA streams; Megatron's "
+                                          "overlap_cpu_optimizer_d2h_h2d).")
 
 
 # The samples per prompt each advantage estimator needs (a group baseline needs 2): data the config checks read

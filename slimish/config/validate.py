@@ -63,6 +63,29 @@ def _check_lr_schedule(cfg: JobConfig) -> None:
                           f"{where}: lower the warm-up, raise the decay steps, or use lr_decay_style=constant")
 
 
+def offload_fraction(cpu_offload: bool | float) -> float:
+    """The share of the optimizer's parameters trainer.optimizer.cpu_offload puts in host memory (true: all)."""
+    return float(cpu_offload) if not isinstance(cpu_offload, bool) else (1.0 if cpu_offload else 0.0)
+
+
+def _check_cpu_offload(cfg: JobConfig) -> None:
+    """What Megatron-Core 0.16's CPU-offloading optimizer (HybridDeviceOptimizer) runs with: the distributed
+    optimizer (it is built inside it), and bf16 parameters: it takes the distributed optimizer's shards of the
+    parameters themselves, and an fp32 parameter's shard is a view it refuses ("can't optimize a non-leaf
+    Tensor"). That it needs a GPU trainer is checked by the trainer (`slimish.trainer.model.wrap_for_training`)."""
+    opt = cfg.trainer.optimizer
+    if not offload_fraction(opt.cpu_offload):
+        return
+    if not opt.distributed:
+        raise ConfigError("trainer.optimizer.cpu_offload", "needs Megatron's distributed optimizer, which the CPU "
+                                                           "offload is built into: set trainer.optimizer.distributed="
+                                                           "true")
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError("trainer.optimizer.cpu_offload", f"needs model.dtype=bfloat16 (got {cfg.model.dtype}): "
+                                                           "Megatron-Core 0.16 offloads the fp32 main weights it keeps "
+                                                           "for bf16 parameters, and refuses fp32 parameters")
+
+
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # run.name: the run directory's own name, nothing above it
 # Numeric keys that may be negative; every other one must be >= 0 (and every one finite: `_check_numbers`).
 MAY_BE_NEGATIVE = {"reward.failure_reward"}
@@ -71,6 +94,7 @@ FRACTIONS = {
     "trainer.optimizer.adam_beta1": (0.0, 1.0, False), "trainer.optimizer.adam_beta2": (0.0, 1.0, False),
     "trainer.critic.gamma": (0.0, 1.0, True), "trainer.critic.lam": (0.0, 1.0, True),
     "eval.pass_threshold": (0.0, 1.0, True), "plan.mfu": (0.0, 1.0, True),
+    "trainer.optimizer.cpu_offload": (0.0, 1.0, True),
 }
 
 
@@ -189,6 +213,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
                           "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
     _check_rl_mode(cfg)
     _check_lr_schedule(cfg)
+    _check_cpu_offload(cfg)
     if ro.top_p != 1:
         # SGLang samples from the top-p-truncated distribution but returns the logprobs of the untruncated
         # softmax(logits / T): every importance ratio and the parity metric would compare the wrong policy.

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from slimish.config.errors import ConfigError
 from slimish.megatron_bridge.hf_config import Architecture, gpt_model_kwargs, transformer_config
 from slimish.trainer.device import trainer_device
+
+logger = logging.getLogger(__name__)
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
@@ -137,7 +142,8 @@ def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
     """(DDP-wrapped model, Megatron Adam optimizer with fp32 main params, its learning-rate schedule) for
     trainer.optimizer `opt_cfg` peaking at `lr` (`slimish.trainer.lr_schedule`; `total_steps`: the run's optimizer
     steps). trainer.optimizer.distributed shards the main params, grads and moments over the data-parallel ranks
-    (Megatron's distributed optimizer); trainer.optimizer.adam is the Adam it runs (`slimish.trainer.adam`)."""
+    (Megatron's distributed optimizer); trainer.optimizer.adam is the Adam it runs (`slimish.trainer.adam`), and
+    trainer.optimizer.cpu_offload puts a share of its state in host memory (`cpu_offload_fields`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -146,6 +152,7 @@ def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
     from slimish.trainer.lr_schedule import build_lr_schedule
 
     config = model.config
+    offload = cpu_offload_fields(opt_cfg)
     adam.install(opt_cfg.adam)
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=opt_cfg.distributed),
@@ -156,5 +163,30 @@ def wrap_for_training(model, opt_cfg, *, lr: float, total_steps: int):
         optimizer="adam", lr=lr, min_lr=lr * opt_cfg.min_lr_ratio, weight_decay=opt_cfg.weight_decay,
         adam_beta1=opt_cfg.adam_beta1, adam_beta2=opt_cfg.adam_beta2, adam_eps=opt_cfg.adam_eps,
         clip_grad=opt_cfg.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=opt_cfg.distributed), [ddp])
+        use_distributed_optimizer=opt_cfg.distributed, **offload), [ddp])
     return ddp, optimizer, build_lr_schedule(optimizer, opt_cfg, lr=lr, total_steps=total_steps)
+
+
+def cpu_offload_fields(opt_cfg) -> dict:
+    """Megatron OptimizerConfig fields for trainer.optimizer.cpu_offload (none when off). Megatron-Core 0.16's
+    CPU-offloading optimizer (`HybridDeviceOptimizer`) runs inside the distributed optimizer, on the precision-aware
+    path (as Megatron-LM requires: without it the offloaded state fails to load back from a checkpoint): the
+    distributed optimizer hands it the bf16 parameter shards and their fp32 gradients, and it keeps the fp32 main
+    weights itself, next to the moments, for each parameter where it updates it (the first `cpu_offload` share of
+    them, in host memory, by torch's AdamW; the rest on the GPU, by trainer.optimizer.adam). The config checks
+    refuse what it cannot run (`slimish.config.validate._check_cpu_offload`); that it needs a GPU is checked here,
+    where the trainer's device is known: on the CPU the state is in host memory already, and Megatron's optimizer,
+    which offloads what `is_cuda`, would find nothing to move and fail its first step."""
+    from slimish.config.validate import offload_fraction
+
+    fraction = offload_fraction(opt_cfg.cpu_offload)
+    if not fraction:
+        return {}
+    if trainer_device().type == "cpu":
+        raise ConfigError("trainer.optimizer.cpu_offload", "moves the optimizer's state from the GPU to host memory, "
+                                                           "and this trainer runs on the CPU, where the state is "
+                                                           "already: set trainer.optimizer.cpu_offload=false")
+    logger.info("trainer optimizer: %d%% of its fp32 main weights and Adam moments in host memory, updated there by "
+                "torch's AdamW (trainer.optimizer.cpu_offload=%s)", round(100 * fraction), opt_cfg.cpu_offload)
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True,
+                store_param_remainders=False, overlap_cpu_optimizer_d2h_h2d=opt_cfg.cpu_offload_overlap)

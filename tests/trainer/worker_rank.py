@@ -139,7 +139,7 @@ def main() -> None:
     result = {"before": before, "after": after, "rows": rows, "metrics": metrics, "parity": parity,
               "advantages": advantages, "dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size,
               "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded,
-              "train_calls": dict(calls)}
+              "train_calls": dict(calls), "moments": moment_bytes(worker)}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
@@ -168,6 +168,21 @@ def count_calls(model: torch.nn.Module):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def moment_bytes(worker) -> dict[str, int]:
+    """{"host": bytes, "device": bytes} of the policy optimizer's Adam moments (exp_avg, exp_avg_sq), by where they
+    live: host memory where Megatron's CPU offload (trainer.optimizer.cpu_offload) keeps them."""
+    from slimish.trainer.checkpoint import adams
+
+    optimizer, found = worker.step.policy.optimizer, {"host": 0, "device": 0}
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for adam in adams(part):
+            for state in adam.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        found["host" if state[key].device.type == "cpu" else "device"] += state[key].nbytes
+    return found
 
 
 def offload_round_trip(worker, out: Path) -> dict:
