@@ -4,7 +4,9 @@ Trainer rank (the fullest pipeline stage), bytes:
   weights     parameters x dtype bytes
   grads       parameters x 4 (Megatron's fp32 gradient buffer, grad_reduce_in_fp32)
   optimizer   Adam's two fp32 moments (8 bytes / parameter), plus fp32 main weights (4) when training in bf16;
-              divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel)
+              divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel).
+              trainer.optimizer.cpu_offload's share of it is in host memory instead, with an fp32 host copy of
+              those parameters' gradients (4 bytes each): `optimizer_host`
   activations per micro-batch of T tokens (a packed one holds at least the longest sample, s), per layer, after
               Korthikanti et al. 2022 in half-precision bytes (scaled to the activation dtype): T*h*(10 + 24/tp), and
               T*h*34/tp with sequence parallelism (at tp > 1: the norms, residuals and dropout inputs outside the
@@ -43,7 +45,8 @@ Colocated (placement.colocate), one GPU holds a trainer rank and an engine rank 
 (`slimish.orchestration.colocation`): generate = the engine (the trainer offloaded); train = the trainer rank (the
 engine released); sync = the trainer's weights (every role's), the engine's weights and two weight-sync buckets (the
 trainer's optimizer states offloaded, the engine's KV cache still released). Host memory per GPU: what the trainer
-offloads (every role's weights and optimizer state; gradients are freed, not copied). CUDA contexts and allocator
+offloads (every role's weights and optimizer state; gradients are freed, not copied), and what
+trainer.optimizer.cpu_offload keeps there. CUDA contexts and allocator
 slack are not counted.
 """
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slimish.config.validate import offload_fraction
 from slimish.planning.params import ParamCount
 
 GB = 1e9
@@ -119,7 +123,7 @@ class TrainerMemory:
     weights: float
     grads: float
     optimizer: float                # as configured
-    optimizer_other: float          # with the distributed optimizer switched the other way
+    optimizer_other: float          # with the distributed optimizer switched the other way (no CPU offload)
     activations: float              # as configured
     activations_other: float        # with full recompute, or with none when it is full
     logits: float
@@ -131,6 +135,7 @@ class TrainerMemory:
     critic_weights: float = 0.0     # the critic's (0: none)
     critic_grads: float = 0.0
     critic_optimizer: float = 0.0
+    optimizer_host: float = 0.0     # in host memory: trainer.optimizer.cpu_offload's share (policy and critic)
     critic_activations: float = 0.0
 
     @property
@@ -168,6 +173,8 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
             return (dense + experts) * state
         return dense * state / dp + experts * state / max(dp // ep, 1)
 
+    offloaded = offload_fraction(tr.optimizer.cpu_offload)  # Megatron's CPU offload: of the distributed optimizer
+
     longest = prompt_tokens + cfg.rollout.max_new_tokens
     if tr.max_tokens_per_micro_batch:  # packed: a longer sample gets a micro-batch of its own
         tokens, samples_at_once = max(tr.max_tokens_per_micro_batch, longest), 1
@@ -198,7 +205,8 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
     other_recompute = "none" if recompute == "full" else "full"
     chunk_logits = 4 * min(tr.logprob_chunk_tokens, tokens) * arch.vocab_size / tp
     mem = dict(weights=(dense + experts) * dtype, grads=(dense + experts) * 4,
-               optimizer=optimizer(dense, experts, tr.optimizer.distributed),
+               optimizer=optimizer(dense, experts, tr.optimizer.distributed) * (1 - offloaded),
+               optimizer_host=optimizer(dense, experts, tr.optimizer.distributed) * offloaded * (state + 4) / state,
                optimizer_other=optimizer(dense, experts, not tr.optimizer.distributed),
                activations=activations(recompute, attention),
                activations_other=activations(other_recompute, attention),
@@ -212,7 +220,9 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
         head = h + 1 if fullest == pp - 1 else 0
         trained = dense - (params.output // tp if head else 0) + head
         mem.update(critic_weights=(dense + experts + head) * dtype, critic_grads=(trained + experts) * 4,
-                   critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed),
+                   critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed) * (1 - offloaded),
+                   optimizer_host=mem["optimizer_host"] + optimizer(trained, experts, tr.optimizer.distributed)
+                   * offloaded * (state + 4) / state,
                    critic_activations=activations(recompute, attention))
     return TrainerMemory(**mem)
 
@@ -259,4 +269,4 @@ def colocated_gpu(cfg, trainer: TrainerMemory, engine: EngineMemory) -> Colocate
     buckets = 2 * cfg.weight_sync.bucket_mb * 2**20
     weights = trainer.weights + trainer.reference + trainer.critic_weights  # every role's
     return ColocatedMemory(generate=engine.total, train=trainer.total, sync=weights + engine.weights + buckets,
-                           host=weights + trainer.optimizer + trainer.critic_optimizer)
+                           host=weights + trainer.optimizer + trainer.critic_optimizer + trainer.optimizer_host)

@@ -138,6 +138,19 @@ def test_local_attention_grows_with_the_square_of_the_sequence_sdpa_linearly(tmp
     assert selective.activations_other == pytest.approx(local_8k.activations)  # full recompute, the other way
 
 
+def test_cpu_offload_moves_its_share_of_the_optimizer_to_host_memory(tmp_path):
+    """trainer.optimizer.cpu_offload (the Qwen3-8B recipe: bf16, the distributed optimizer over DP2): its share of
+    the fp32 main weights and moments (12 bytes per parameter) leaves the GPU for host memory, with a 4-byte host copy
+    of those parameters' gradients; the rest of the rank is the same."""
+    _, kept = _eight_b(tmp_path)
+    for share, given in ((1.0, "true"), (0.25, "0.25")):
+        _, moved = _eight_b(tmp_path, f"trainer.optimizer.cpu_offload={given}")
+        assert moved.optimizer == pytest.approx(kept.optimizer * (1 - share))
+        assert moved.optimizer_host == pytest.approx(kept.optimizer * share * 16 / 12)
+        assert moved.total == pytest.approx(kept.total - kept.optimizer * share)
+    assert kept.optimizer_host == 0
+
+
 def _peak_bytes(keep, run, *args, **kwargs) -> int:
     """The peak bytes, while `run(*args, **kwargs)` runs, of the tensors it creates that `keep(tensor)` selects (each
     storage counted from its creation until it is freed)."""
