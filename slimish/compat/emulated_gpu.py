@@ -13,7 +13,8 @@ it, but report the emulated device, so that
   (the stand-in at the NCCL boundary: `_patch_collectives`);
 - autograd, optimizers, `.item()` and `.tolist()` work, so whole training steps run with their real numbers;
 - Megatron's CPU-offloading optimizer sees its tensors as CUDA ones where it sorts what to offload
-  (`patch_hybrid_optimizer`), and nowhere else;
+  (`patch_hybrid_optimizer`), and nowhere else; a tensor's `untyped_storage()` is its CPU data's, which Megatron's
+  selective recompute frees and refills;
 - `F.scaled_dot_product_attention` runs the kernel the CPU picks (its fused flash kernel), not the S x S math
   kernel torch falls back to for a Python backend (its kernel choice for PrivateUse1 is a C++ dispatch stub):
   `_sdpa_on_cpu_kernels`.
@@ -79,6 +80,12 @@ class EmulatedGpuTensor(torch.Tensor):
     @property
     def is_cuda(self):
         return _AS_CUDA
+
+    def untyped_storage(self):
+        # The storage its data is in, as a CUDA tensor's is: Megatron frees a recomputed output's memory by resizing
+        # its storage to 0 bytes and puts the recomputed bytes back into it (selective recompute's
+        # CheckpointWithoutOutput), as slimish's offload does.
+        return self.cpu_data.untyped_storage()
 
     @property
     def data(self):

@@ -262,6 +262,9 @@ LAYOUTS = {  # id -> (tp, pp, estimator, extra overrides)
     "ppo-cp2": (1, 1, "ppo", ("parallel.context_parallel=2",)),
     "ppo-pp2": (1, 2, "ppo", ()),
     "reinforce_plus_plus-dp2-sequence-is": (1, 1, "reinforce_plus_plus", SEQUENCE_IS),
+    # Selective recompute: the norms' outputs freed after the forward and recomputed into the same storage
+    "tp2-selective-recompute": (2, 1, "grpo", ("trainer.recompute=selective",
+                                               "trainer.recompute_modules=[core_attn,layernorm,mlp]")),
 }
 
 
@@ -281,6 +284,9 @@ def test_two_rank_layouts_on_the_emulated_gpu_match_one_cpu_rank(task_assets, tm
     reference = cpu_one_rank(estimator)
     for result in _run(task_assets, tmp_path, emulated=True, world_size=2, tp=tp, pp=pp, overrides=overrides):
         _assert_same_step(result, reference, rows=result["rows"])
+        if "trainer.recompute=selective" in overrides:  # each rank runs every row at TP2: twice the one rank's calls
+            for module in ("self_attention.core_attention", "input_layernorm", "mlp"):
+                assert result["train_calls"][module] == 2 * reference["train_calls"][module], module
 
 
 @pytest.mark.parametrize("dropped,world_size,op", [
