@@ -12,6 +12,9 @@ it, but report the emulated device, so that
   Megatron's *_gloo groups are) refuses a CPU tensor as NCCL does, and runs over gloo on the CPU data otherwise
   (the stand-in at the NCCL boundary: `_patch_collectives`);
 - autograd, optimizers, `.item()` and `.tolist()` work, so whole training steps run with their real numbers;
+- Megatron's CPU-offloading optimizer sees its tensors as CUDA ones where it sorts what to offload
+  (`patch_hybrid_optimizer`), and nowhere else; a tensor's `untyped_storage()` is its CPU data's, which Megatron's
+  selective recompute frees and refills;
 - `F.scaled_dot_product_attention` runs the kernel the CPU picks (its fused flash kernel), not the S x S math
   kernel torch falls back to for a Python backend (its kernel choice for PrivateUse1 is a C++ dispatch stub):
   `_sdpa_on_cpu_kernels`.
@@ -21,6 +24,7 @@ Enabled once per process by `megatron_cpu.apply()` when `SLIMISH_EMULATED_GPU=1`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -32,6 +36,7 @@ BACKEND_NAME = "emulated_gpu"
 DEVICE: torch.device | None = None  # torch.device("emulated_gpu", 0) once `enable()` has registered the name
 _CPU = torch.device("cpu")
 _ENABLED = False
+_AS_CUDA = False  # what an emulated-GPU tensor's `is_cuda` answers: True only inside `_as_cuda` (see there)
 _aten = torch.ops.aten
 # Ops that move data between devices, and the indexing ops, which CUDA lets take CPU index tensors.
 _CROSS_DEVICE = {_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default,
@@ -71,6 +76,16 @@ class EmulatedGpuTensor(torch.Tensor):
 
     def tolist(self):
         return self.cpu_data.tolist()
+
+    @property
+    def is_cuda(self):
+        return _AS_CUDA
+
+    def untyped_storage(self):
+        # The storage its data is in, as a CUDA tensor's is: Megatron frees a recomputed output's memory by resizing
+        # its storage to 0 bytes and puts the recomputed bytes back into it (selective recompute's
+        # CheckpointWithoutOutput), as slimish's offload does.
+        return self.cpu_data.untyped_storage()
 
     @property
     def data(self):
@@ -283,6 +298,36 @@ class _BackendModule:
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
+
+
+@contextlib.contextmanager
+def _as_cuda():
+    global _AS_CUDA
+    _AS_CUDA = True
+    try:
+        yield
+    finally:
+        _AS_CUDA = False
+
+
+def patch_hybrid_optimizer() -> None:
+    """Megatron's CPU-offloading optimizer (`HybridDeviceOptimizer`, trainer.optimizer.cpu_offload) picks the
+    parameters it offloads by `param.is_cuda`. An emulated-GPU tensor answers False (its device is not CUDA, and
+    code that asks, such as SGLang's Triton hash in the weight-sync checksums, would launch a GPU kernel), except
+    while that optimizer sorts its parameters: there it answers as a CUDA tensor would. Idempotent."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    original = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+    if getattr(original, "_emulated_gpu", False):
+        return
+
+    @functools.wraps(original)
+    def sort_params(self, offload_fraction):
+        with _as_cuda():
+            return original(self, offload_fraction)
+
+    sort_params._emulated_gpu = True
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = sort_params
 
 
 def enable() -> None:

@@ -186,6 +186,9 @@ def _patch_torch_cuda() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
+    # Pinned host memory is a CUDA allocation: without CUDA there is nothing to pin for (Megatron's CPU-offloading
+    # optimizer pins its host copies unasked, on the emulated GPU).
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
     for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
         _redirect_device_kwarg(torch.Tensor, name)
     original_to = torch.Tensor.to
@@ -290,6 +293,10 @@ def _patch_megatron() -> None:
     logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
 
     _name_cpu_types_as_cuda_for_megatron()
+    from slimish.compat import emulated_gpu
+
+    if emulated_gpu.enabled():
+        emulated_gpu.patch_hybrid_optimizer()
 
     # The MoE utilities' Transformer-Engine names, absent here as on any machine without TE (not CPU-specific:
     # `build_gpt_model` applies it on GPUs too).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -94,6 +95,8 @@ def _merge(base: dict, update: dict) -> dict:
 def _type_name(tp) -> str:
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -120,6 +123,14 @@ def _check_value(key: str, tp, value):
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")
         return value
+    if origin in (types.UnionType, typing.Union):  # the first member that takes the value (bool | float: true, 0.5)
+        for member in get_args(tp):
+            try:
+                return _check_value(key, member, value)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"expected a {' or a '.join(_type_name(a) for a in get_args(tp))}, got "
+                               f"{type(value).__name__} {value!r}")
     if tp is list or origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import types
 import typing
 from collections.abc import Iterator
 from typing import Literal, get_args, get_origin
@@ -27,6 +28,8 @@ class Key:
 def _type_name(annotation) -> str:
     if get_origin(annotation) is Literal:
         return " | ".join(repr(v) for v in get_args(annotation))
+    if get_origin(annotation) in (types.UnionType, typing.Union):
+        return " | ".join(_type_name(a) for a in get_args(annotation))
     if get_origin(annotation) in (list, dict):
         return f"{get_origin(annotation).__name__}[{', '.join(_type_name(a) for a in get_args(annotation))}]"
     return getattr(annotation, "__name__", str(annotation))

@@ -91,6 +91,19 @@ class OptimizerConfig:
     clip_grad: float = doc(1.0, "Global gradient-norm clip (0 disables).")
     distributed: bool = doc(False, "Megatron's distributed optimizer: fp32 main weights, grads and Adam moments "
                                    "sharded over data-parallel ranks (grads reduce-scattered, weights all-gathered).")
+    adam: Literal["auto", "torch", "te_fused"] = doc(
+        "auto", "Which Adam runs (`slimish/trainer/adam.py`; each trainer rank logs it at INFO): torch = "
+                "torch.optim.AdamW; te_fused = Transformer Engine's FusedAdam (needs TE and a CUDA GPU); auto = "
+                "te_fused where TE imports and CUDA is up, else torch. Both make the same AdamW update, and a "
+                "checkpoint of either loads into the other.")
+    cpu_offload: bool | float = doc(
+        False, "Megatron's optimizer CPU offload: the fp32 main weights and Adam moments of this fraction of the "
+               "parameters (true = 1.0, all) live in host memory, updated there by torch's AdamW (their gradients "
+               "copied over, the new weights copied back), the rest on the GPU. Needs "
+               "trainer.optimizer.distributed=true, model.dtype=bfloat16 and trainers on GPUs; false or 0 = off.")
+    cpu_offload_overlap: bool = doc(True, "With cpu_offload: overlap the copies to and from host memory with the "
+                                          "CPU's Adam (one CPU optimizer per parameter, CUDA streams; Megatron's "
+                                          "overlap_cpu_optimizer_d2h_h2d).")
 
 
 # The samples per prompt each advantage estimator needs (a group baseline needs 2): data the config checks read
@@ -157,8 +170,19 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     torch_threads: int = doc(1, "torch intra-op threads per trainer process.")
-    recompute: Literal["none", "full"] = doc("none", "Activation recomputation: full = keep only each transformer "
-                                                    "layer's input and recompute the layer in the backward pass.")
+    recompute: Literal["none", "full", "selective"] = doc(
+        "none", "Activation recomputation: full = keep only each transformer layer's input and recompute the layer in "
+                "the backward pass; selective = recompute only trainer.recompute_modules of every layer (Megatron's "
+                "selective granularity).")
+    recompute_modules: list[Literal["core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj"]] = doc(
+        ["core_attn"], "What trainer.recompute=selective recomputes in the backward pass, in every layer: core_attn "
+                       "(the core attention: with trainer.attention=local its [s, s] scores and softmax; te and sdpa "
+                       "keep little to drop), layernorm "
+                       "(the norms before the attention and the MLP; none to recompute in TE's spec, where the "
+                       "norms are fused into the next linear), mlp (a dense MLP), moe (a whole mixture-of-experts "
+                       "layer), shared_experts (its shared experts), mla_up_proj (multi-latent attention's up "
+                       "projections and RoPE). Megatron's moe_act needs its grouped GEMM, which the trainer never "
+                       "builds.")
     attention: Literal["auto", "te", "sdpa", "local"] = doc(
         "auto", "The trainer's core attention (`slimish/trainer/attention.py`): te = Transformer Engine's fused "
                 "attention (Megatron's TE layer spec; needs TE and a GPU); sdpa = torch's scaled_dot_product_attention "

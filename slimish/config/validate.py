@@ -63,6 +63,29 @@ def _check_lr_schedule(cfg: JobConfig) -> None:
                           f"{where}: lower the warm-up, raise the decay steps, or use lr_decay_style=constant")
 
 
+def offload_fraction(cpu_offload: bool | float) -> float:
+    """The share of the optimizer's parameters trainer.optimizer.cpu_offload puts in host memory (true: all)."""
+    return float(cpu_offload) if not isinstance(cpu_offload, bool) else (1.0 if cpu_offload else 0.0)
+
+
+def _check_cpu_offload(cfg: JobConfig) -> None:
+    """What Megatron-Core 0.16's CPU-offloading optimizer (HybridDeviceOptimizer) runs with: the distributed
+    optimizer (it is built inside it), and bf16 parameters: it takes the distributed optimizer's shards of the
+    parameters themselves, and an fp32 parameter's shard is a view it refuses ("can't optimize a non-leaf
+    Tensor"). That it needs a GPU trainer is checked by the trainer (`slimish.trainer.model.wrap_for_training`)."""
+    opt = cfg.trainer.optimizer
+    if not offload_fraction(opt.cpu_offload):
+        return
+    if not opt.distributed:
+        raise ConfigError("trainer.optimizer.cpu_offload", "needs Megatron's distributed optimizer, which the CPU "
+                                                           "offload is built into: set trainer.optimizer.distributed="
+                                                           "true")
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError("trainer.optimizer.cpu_offload", f"needs model.dtype=bfloat16 (got {cfg.model.dtype}): "
+                                                           "Megatron-Core 0.16 offloads the fp32 main weights it keeps "
+                                                           "for bf16 parameters, and refuses fp32 parameters")
+
+
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # run.name: the run directory's own name, nothing above it
 # Numeric keys that may be negative; every other one must be >= 0 (and every one finite: `_check_numbers`).
 MAY_BE_NEGATIVE = {"reward.failure_reward"}
@@ -71,6 +94,7 @@ FRACTIONS = {
     "trainer.optimizer.adam_beta1": (0.0, 1.0, False), "trainer.optimizer.adam_beta2": (0.0, 1.0, False),
     "trainer.critic.gamma": (0.0, 1.0, True), "trainer.critic.lam": (0.0, 1.0, True),
     "eval.pass_threshold": (0.0, 1.0, True), "plan.mfu": (0.0, 1.0, True),
+    "trainer.optimizer.cpu_offload": (0.0, 1.0, True),
 }
 
 
@@ -189,6 +213,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
                           "rollout.partial.mode 'abort' or 'retract'; use 0 or set the mode")
     _check_rl_mode(cfg)
     _check_lr_schedule(cfg)
+    _check_cpu_offload(cfg)
     if ro.top_p != 1:
         # SGLang samples from the top-p-truncated distribution but returns the logprobs of the untruncated
         # softmax(logits / T): every importance ratio and the parity metric would compare the wrong policy.
@@ -363,6 +388,7 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is not None and tp > 1 and cfg.trainer.attention in ("sdpa", "local"):
         raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
                                                f"{MLA_LOCAL_SPEC_AT_TP}")
+    _check_recompute(cfg.trainer, arch)
     try:
         pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
                               last=cfg.parallel.last_stage_layers)
@@ -381,6 +407,23 @@ def _check_layout(cfg: JobConfig) -> None:
     if arch.mla is None and kv % engine_tp and engine_tp % kv:
         raise ConfigError("rollout.engine.tensor_parallel", f"got {engine_tp}; with the model's {kv} KV heads it must "
                                                             "divide them or be a multiple of them (SGLang replicates)")
+
+
+def _check_recompute(tr, arch) -> None:
+    """trainer.recompute_modules: read at trainer.recompute=selective only, and what Megatron builds for the model."""
+    modules = tr.recompute_modules
+    if tr.recompute != "selective":
+        if modules != ["core_attn"]:
+            raise ConfigError("trainer.recompute_modules", f"got {modules}, read only with trainer.recompute=selective "
+                                                           f"(it is {tr.recompute!r}): set trainer.recompute=selective "
+                                                           "or leave the modules out")
+        return
+    if not modules:
+        raise ConfigError("trainer.recompute_modules", "is empty: with trainer.recompute=selective name what to "
+                                                       "recompute, e.g. [core_attn]")
+    if "mla_up_proj" in modules and arch.mla is None:
+        raise ConfigError("trainer.recompute_modules", "mla_up_proj recomputes multi-latent attention's up "
+                                                       "projections, which this model has none of: leave it out")
 
 
 def _check_model(path: str) -> None:

@@ -4,7 +4,9 @@ Trainer rank (the fullest pipeline stage), bytes:
   weights     parameters x dtype bytes
   grads       parameters x 4 (Megatron's fp32 gradient buffer, grad_reduce_in_fp32)
   optimizer   Adam's two fp32 moments (8 bytes / parameter), plus fp32 main weights (4) when training in bf16;
-              divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel)
+              divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel).
+              trainer.optimizer.cpu_offload's share of it is in host memory instead, with an fp32 host copy of
+              those parameters' gradients (4 bytes each): `optimizer_host`
   activations per micro-batch of T tokens (a packed one holds at least the longest sample, s), per layer, after
               Korthikanti et al. 2022 in half-precision bytes (scaled to the activation dtype): T*h*(10 + 24/tp), and
               T*h*34/tp with sequence parallelism (at tp > 1: the norms, residuals and dropout inputs outside the
@@ -22,7 +24,10 @@ Trainer rank (the fullest pipeline stage), bytes:
                           two fp32 gradients), 12 in fp32: `core_attention`. Measured against Megatron's class on
                           the CPU by tests/planning/test_plan.py.
               The first stage holds pipeline_parallel micro-batches in flight (1F1B). Full recompute keeps each
-              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set.
+              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set. Selective
+              recompute with core_attn keeps what the core attention keeps for its backward pass (the local
+              attention's [s, s] tensors) in the layer being recomputed only; its other modules (norms, MLP, MoE,
+              MLA's up projections) are counted as kept.
   logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp in fp32, three copies (logits, softmax, grad).
   reference   (trainer.loss.kl_coef > 0, or an estimator that needs it: `slimish.trainer.estimators`) the frozen
               initial policy, sharded like it: weights in the model dtype; its forward (no grad) holds one layer's
@@ -40,7 +45,8 @@ Colocated (placement.colocate), one GPU holds a trainer rank and an engine rank 
 (`slimish.orchestration.colocation`): generate = the engine (the trainer offloaded); train = the trainer rank (the
 engine released); sync = the trainer's weights (every role's), the engine's weights and two weight-sync buckets (the
 trainer's optimizer states offloaded, the engine's KV cache still released). Host memory per GPU: what the trainer
-offloads (every role's weights and optimizer state; gradients are freed, not copied). CUDA contexts and allocator
+offloads (every role's weights and optimizer state; gradients are freed, not copied), and what
+trainer.optimizer.cpu_offload keeps there. CUDA contexts and allocator
 slack are not counted.
 """
 
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slimish.config.validate import offload_fraction
 from slimish.megatron_bridge.hf_config import pipeline_stage_layers
 from slimish.planning.params import ParamCount
 
@@ -120,9 +127,9 @@ class TrainerMemory:
     weights: float
     grads: float
     optimizer: float                # as configured
-    optimizer_other: float          # with the distributed optimizer switched the other way
+    optimizer_other: float          # with the distributed optimizer switched the other way (no CPU offload)
     activations: float              # as configured
-    activations_other: float        # with recompute switched the other way
+    activations_other: float        # with full recompute, or with none when it is full
     logits: float
     tokens: int                     # per micro-batch (per rank of its sequence)
     attention: str                  # the core attention planned (`planned_attention`)
@@ -132,6 +139,7 @@ class TrainerMemory:
     critic_weights: float = 0.0     # the critic's (0: none)
     critic_grads: float = 0.0
     critic_optimizer: float = 0.0
+    optimizer_host: float = 0.0     # in host memory: trainer.optimizer.cpu_offload's share (policy and critic)
     critic_activations: float = 0.0
 
     @property
@@ -175,6 +183,8 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
             return (dense + experts) * state
         return dense * state / dp_cp + experts * state / max(edp, 1)
 
+    offloaded = offload_fraction(tr.optimizer.cpu_offload)  # Megatron's CPU offload: of the distributed optimizer
+
     longest = prompt_tokens + cfg.rollout.max_new_tokens
     if tr.max_tokens_per_micro_batch:  # packed: a longer sample gets a micro-batch of its own
         tokens, samples_at_once = max(tr.max_tokens_per_micro_batch, longest), 1
@@ -193,19 +203,24 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
         return core_attention(attention, dtype=dtype, heads=heads, tokens=tokens, longest=longest,
                               samples_at_once=samples_at_once)
 
-    def activations(recompute: bool, attention: str) -> float:
+    def activations(recompute: str, attention: str) -> float:
         kept, computing = attention_bytes(attention)
-        if recompute:
+        if recompute == "full":
             return in_flight * layer_input + linear + kept + computing
+        if recompute == "selective" and "core_attn" in tr.recompute_modules:  # kept by the layer being recomputed
+            return in_flight * linear + kept + computing
         return in_flight * (linear + kept) + computing
 
-    full, attention = tr.recompute == "full", planned_attention(tr.attention)
+    recompute, attention = tr.recompute, planned_attention(tr.attention)
+    other_recompute = "none" if recompute == "full" else "full"
     chunk_logits = 4 * min(tr.logprob_chunk_tokens, tokens) * arch.vocab_size / tp
     mem = dict(weights=(dense + experts) * dtype, grads=(dense + experts) * 4,
-               optimizer=optimizer(dense, experts, tr.optimizer.distributed),
+               optimizer=optimizer(dense, experts, tr.optimizer.distributed) * (1 - offloaded),
+               optimizer_host=optimizer(dense, experts, tr.optimizer.distributed) * offloaded * (state + 4) / state,
                optimizer_other=optimizer(dense, experts, not tr.optimizer.distributed),
-               activations=activations(full, attention), activations_other=activations(not full, attention),
-               activations_attention_other=activations(full, "te" if attention == "local" else "local"),
+               activations=activations(recompute, attention),
+               activations_other=activations(other_recompute, attention),
+               activations_attention_other=activations(recompute, "te" if attention == "local" else "local"),
                logits=3 * chunk_logits, tokens=round(tokens), attention=attention)
     reference, critic = builds_roles(cfg)
     if reference:  # forward only: one layer's working set, and a chunk's logits and log-softmax
@@ -215,8 +230,10 @@ def trainer_rank(cfg, arch, params: ParamCount, *, prompt_tokens: int) -> Traine
         head = h + 1 if fullest == pp - 1 else 0
         trained = dense - (params.output // tp if head else 0) + head
         mem.update(critic_weights=(dense + experts + head) * dtype, critic_grads=(trained + experts) * 4,
-                   critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed),
-                   critic_activations=activations(full, attention))
+                   critic_optimizer=optimizer(trained, experts, tr.optimizer.distributed) * (1 - offloaded),
+                   optimizer_host=mem["optimizer_host"] + optimizer(trained, experts, tr.optimizer.distributed)
+                   * offloaded * (state + 4) / state,
+                   critic_activations=activations(recompute, attention))
     return TrainerMemory(**mem)
 
 
@@ -262,4 +279,4 @@ def colocated_gpu(cfg, trainer: TrainerMemory, engine: EngineMemory) -> Colocate
     buckets = 2 * cfg.weight_sync.bucket_mb * 2**20
     weights = trainer.weights + trainer.reference + trainer.critic_weights  # every role's
     return ColocatedMemory(generate=engine.total, train=trainer.total, sync=weights + engine.weights + buckets,
-                           host=weights + trainer.optimizer + trainer.critic_optimizer)
+                           host=weights + trainer.optimizer + trainer.critic_optimizer + trainer.optimizer_host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from slimish.config.validate import offload_fraction
 from slimish.planning.memory import GB, colocated_gpu, engine_gpu, layout, trainer_rank
 from slimish.planning.params import ParamCount, count_params
 from slimish.planning.walls import ADVICE, COLOCATED_ADVICE, step_walls
@@ -71,6 +72,8 @@ def _trainer(cfg, arch, params: ParamCount) -> list[str]:
     sp = layout(cfg).sequence_parallel
     fix = ("trainer.optimizer.distributed=true, " if not tr.optimizer.distributed else "") + \
           ("trainer.recompute=full, " if tr.recompute != "full" else "") + \
+          ("trainer.optimizer.cpu_offload=true, " if tr.optimizer.distributed and cfg.model.dtype == "bfloat16"
+           and offload_fraction(tr.optimizer.cpu_offload) < 1 else "") + \
           ("trainer.attention=auto (te) or sdpa, " if mem.attention == "local" else "") + \
           ("parallel.sequence_parallel=true, " if par.tensor_parallel > 1 and not sp else "") + \
           "more tensor or pipeline parallelism, or fewer tokens per micro-batch"
@@ -84,7 +87,9 @@ def _trainer(cfg, arch, params: ParamCount) -> list[str]:
              f"  weights {_gb(mem.weights)}",
              f"  grads   {_gb(mem.grads)}   (fp32)",
              f"  optim   {_gb(mem.optimizer)}   (distributed optimizer {distributed}; the other way: "
-             f"{mem.optimizer_other / GB:.1f})",
+             f"{mem.optimizer_other / GB:.1f}" + (f"; in host memory, trainer.optimizer.cpu_offload: "
+                                                   f"{mem.optimizer_host / GB:.1f} with its grads)"
+                                                   if mem.optimizer_host else ")"),
              f"  activ   {_gb(mem.activations)}   (recompute {tr.recompute}, {mem.tokens} tokens per micro-batch, "
              f"sequence parallel {'on' if sp else 'off'}; recompute {other_recompute}: "
              f"{mem.activations_other / GB:.1f})",

@@ -2,7 +2,8 @@
 
   train    model FLOPs of the step's tokens: 6 x active parameters per token for the optimizer pass (8 with full
            recompute), 2 more for the old logprobs and 2 for the reference when there is one, plus causal attention
-           (2 x layers x hidden x length^2 per forward per sample); over every trainer GPU at plan.gpu_tflops x mfu.
+           (2 x layers x hidden x length^2 per forward per sample; one forward more with selective recompute of
+           core_attn; its other modules are not counted); over every trainer GPU at plan.gpu_tflops x mfu.
   sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes.
   rollout  the step's generated tokens over the engines' decode throughput, and never less than the longest
            response at one request's pace (a step waits for its slowest group).
@@ -73,6 +74,8 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
     passes = (8 if tr.recompute == "full" else 6) + 2 + (2 if tr.loss.kl_coef > 0 or tr.loss.reward_kl_coef > 0
                                                           else 0)
     dense_flops = passes * params.active * samples * length
+    if tr.recompute == "selective" and "core_attn" in tr.recompute_modules:
+        passes += 2  # the core attention's forward again in the backward pass
     attention_flops = passes / 2 * 2 * arch.num_layers * arch.hidden_size * length ** 2 * samples
     train = (dense_flops + attention_flops) / (cfg.parallel.num_trainer_ranks * plan.gpu_tflops * 1e12 * plan.mfu)
     ws = cfg.weight_sync

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from slimish.config.errors import ConfigError
 from slimish.megatron_bridge.hf_config import Architecture, gpt_model_kwargs, transformer_config
 from slimish.trainer.device import trainer_device
+
+logger = logging.getLogger(__name__)
 
 
 def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1,
                     expert_tensor_parallel: int = 0, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                    attention: str = "auto", sequence_parallel: bool = False, context_parallel: int = 1,
-                    cp_comm_type: str = "p2p", first_stage_layers: int = 0, last_stage_layers: int = 0,
-                    virtual_pipeline: int = 1, vp_stage: int | None = None):
+                    recompute_modules: tuple[str, ...] = ("core_attn",), attention: str = "auto",
+                    sequence_parallel: bool = False, context_parallel: int = 1, cp_comm_type: str = "p2p",
+                    first_stage_layers: int = 0, last_stage_layers: int = 0, virtual_pipeline: int = 1,
+                    vp_stage: int | None = None):
     """An unwrapped GPTModel for this pipeline stage (with `virtual_pipeline` > 1: its model chunk `vp_stage`); a
     mixture-of-experts model gets sparse or dense MLPs per layer as config.json says. `attention`
     (trainer.attention, `slimish.trainer.attention.resolve`): `te` builds Megatron's Transformer-Engine layer spec,
     `sdpa` and `local` its local spec with that core attention.
     recompute="full" recomputes every transformer layer in the backward pass (Megatron's uniform method, one layer
-    per checkpoint). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1): Megatron's sequence
-    parallelism; the sequences fed to the model must then be a multiple of tensor_parallel tokens long.
+    per checkpoint); recompute="selective" recomputes only `recompute_modules` of every layer (Megatron's selective
+    granularity: "core_attn" checkpoints the core attention, whichever runs: `SdpaAttention`, Megatron's local
+    `DotProductAttention` or TE's). `sequence_parallel` (parallel.sequence_parallel, at tensor_parallel > 1):
+    Megatron's sequence parallelism; the sequences fed to the model must then be a multiple of tensor_parallel
+    tokens long.
     `context_parallel` (parallel.context_parallel): each rank gets its load-balanced share of every sequence
     (`slimish.trainer.context_parallel`); `cp_comm_type` is Transformer Engine's exchange of keys and values.
     `first_stage_layers` / `last_stage_layers` (0: an even share): uneven pipeline stages
@@ -43,9 +52,8 @@ def build_gpt_model(arch: Architecture, *, tensor_parallel: int, pipeline_parall
                                 params_dtype=dtype, use_cpu_initialization=device.type == "cpu",
                                 sequence_parallel=sequence_parallel, context_parallel=context_parallel,
                                 cp_comm_type=cp_comm_type, first_stage_layers=first_stage_layers,
-                                last_stage_layers=last_stage_layers, virtual_pipeline=virtual_pipeline)
-    if recompute == "full":
-        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+                                last_stage_layers=last_stage_layers, virtual_pipeline=virtual_pipeline,
+                                **recompute_fields(recompute, recompute_modules))
     if attention == "te":  # TE's norms fused into the next linear: the bridge maps those names (dense.TE_ALIASES)
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
@@ -81,6 +89,20 @@ def _mark_expert_data_parallel(model, config) -> None:
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False
+
+
+def recompute_fields(recompute: str, modules: tuple[str, ...] | list[str] = ("core_attn",)) -> dict:
+    """Megatron TransformerConfig fields for trainer.recompute `recompute` (and trainer.recompute_modules `modules`,
+    read at "selective"), set when the config is made so that Megatron checks them."""
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        if not modules:
+            raise ValueError("recompute='selective' needs at least one module to recompute")
+        return dict(recompute_granularity="selective", recompute_modules=list(dict.fromkeys(modules)))
+    raise ValueError(f"recompute={recompute!r}: none, full or selective")
 
 
 def _local_spec(config, attention: str, vp_stage: int | None = None):
@@ -149,13 +171,17 @@ def wrap_for_training(chunks: list, opt_cfg, *, lr: float, total_steps: int):
     fp32 main params, its learning-rate schedule) for
     trainer.optimizer `opt_cfg` peaking at `lr` (`slimish.trainer.lr_schedule`; `total_steps`: the run's optimizer
     steps). trainer.optimizer.distributed shards the main params, grads and moments over the data-parallel ranks
-    (Megatron's distributed optimizer)."""
+    (Megatron's distributed optimizer); trainer.optimizer.adam is the Adam it runs (`slimish.trainer.adam`), and
+    trainer.optimizer.cpu_offload puts a share of its state in host memory (`cpu_offload_fields`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from slimish.trainer import adam
     from slimish.trainer.lr_schedule import build_lr_schedule
 
+    offload = cpu_offload_fields(opt_cfg)
+    adam.install(opt_cfg.adam)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=opt_cfg.distributed)
     models = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
@@ -167,5 +193,30 @@ def wrap_for_training(chunks: list, opt_cfg, *, lr: float, total_steps: int):
         optimizer="adam", lr=lr, min_lr=lr * opt_cfg.min_lr_ratio, weight_decay=opt_cfg.weight_decay,
         adam_beta1=opt_cfg.adam_beta1, adam_beta2=opt_cfg.adam_beta2, adam_eps=opt_cfg.adam_eps,
         clip_grad=opt_cfg.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=opt_cfg.distributed), models)
+        use_distributed_optimizer=opt_cfg.distributed, **offload), models)
     return models, optimizer, build_lr_schedule(optimizer, opt_cfg, lr=lr, total_steps=total_steps)
+
+
+def cpu_offload_fields(opt_cfg) -> dict:
+    """Megatron OptimizerConfig fields for trainer.optimizer.cpu_offload (none when off). Megatron-Core 0.16's
+    CPU-offloading optimizer (`HybridDeviceOptimizer`) runs inside the distributed optimizer, on the precision-aware
+    path (as Megatron-LM requires: without it the offloaded state fails to load back from a checkpoint): the
+    distributed optimizer hands it the bf16 parameter shards and their fp32 gradients, and it keeps the fp32 main
+    weights itself, next to the moments, for each parameter where it updates it (the first `cpu_offload` share of
+    them, in host memory, by torch's AdamW; the rest on the GPU, by trainer.optimizer.adam). The config checks
+    refuse what it cannot run (`slimish.config.validate._check_cpu_offload`); that it needs a GPU is checked here,
+    where the trainer's device is known: on the CPU the state is in host memory already, and Megatron's optimizer,
+    which offloads what `is_cuda`, would find nothing to move and fail its first step."""
+    from slimish.config.validate import offload_fraction
+
+    fraction = offload_fraction(opt_cfg.cpu_offload)
+    if not fraction:
+        return {}
+    if trainer_device().type == "cpu":
+        raise ConfigError("trainer.optimizer.cpu_offload", "moves the optimizer's state from the GPU to host memory, "
+                                                           "and this trainer runs on the CPU, where the state is "
+                                                           "already: set trainer.optimizer.cpu_offload=false")
+    logger.info("trainer optimizer: %d%% of its fp32 main weights and Adam moments in host memory, updated there by "
+                "torch's AdamW (trainer.optimizer.cpu_offload=%s)", round(100 * fraction), opt_cfg.cpu_offload)
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True,
+                store_param_remainders=False, overlap_cpu_optimizer_d2h_h2d=opt_cfg.cpu_offload_overlap)

@@ -97,6 +97,17 @@ BAD_CASES = [
     ("rollout.temperature=.nan", "rollout.temperature", "must be a finite number, got nan"),
     ("reward.timeout_s=.inf", "reward.timeout_s", "must be a finite number, got inf"),
     ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps", "must be >= 0"),
+    # Memory knobs
+    ("trainer.recompute=partial", "trainer.recompute", "allowed values: 'none', 'full', 'selective'"),
+    ("trainer.recompute_modules=[mlp]", "trainer.recompute_modules", "read only with trainer.recompute=selective"),
+    ("trainer.recompute_modules=[moe_act]", "trainer.recompute_modules[0]", "allowed values: 'core_attn'"),
+    ("trainer.optimizer.adam=apex", "trainer.optimizer.adam", "allowed values: 'auto', 'torch', 'te_fused'"),
+    ("trainer.optimizer.cpu_offload=half", "trainer.optimizer.cpu_offload", "expected a bool or a float, got str"),
+    ("trainer.optimizer.cpu_offload=1.5", "trainer.optimizer.cpu_offload", "must be in [0, 1], got 1.5"),
+    ("trainer.optimizer.cpu_offload=-0.5", "trainer.optimizer.cpu_offload", "must be in [0, 1], got -0.5"),
+    ("trainer.optimizer.cpu_offload=true", "trainer.optimizer.cpu_offload",
+     "needs Megatron's distributed optimizer, which the CPU offload is built into: set "
+     "trainer.optimizer.distributed=true"),
 ]
 
 
@@ -203,6 +214,36 @@ LR_SCHEDULE_CASES = [
                          ids=[" ".join(c[0]) for c in LR_SCHEDULE_CASES])
 def test_lr_schedule_checks(base, overrides, key, fragment):
     _loads_or_names(base, overrides, key, fragment)
+
+
+MEMORY_CASES = [
+    (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "trainer.recompute_modules", "is empty"),
+    (["trainer.recompute=selective", "trainer.recompute_modules=[core_attn,mla_up_proj]"],
+     "trainer.recompute_modules", "mla_up_proj recomputes multi-latent attention's up projections"),
+    (["trainer.recompute=selective", "trainer.recompute_modules=[core_attn,layernorm,mlp]"], None, None),
+    (["trainer.optimizer.cpu_offload=0.5", "trainer.optimizer.distributed=true"], "trainer.optimizer.cpu_offload",
+     "needs model.dtype=bfloat16 (got float32): Megatron-Core 0.16 offloads the fp32 main weights"),
+    (["trainer.optimizer.cpu_offload=true", "trainer.optimizer.distributed=true", "model.dtype=bfloat16"], None,
+     None),
+    (["trainer.optimizer.cpu_offload=0", "trainer.optimizer.cpu_offload_overlap=false"], None, None),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", MEMORY_CASES, ids=[" ".join(c[0]) for c in MEMORY_CASES])
+def test_memory_knobs(base, overrides, key, fragment):
+    _loads_or_names(base, overrides, key, fragment)
+
+
+def test_cpu_offload_is_a_bool_or_a_fraction(base):
+    """trainer.optimizer.cpu_offload keeps what was given (true, or 0.25; an int is a float) and reads as the share
+    offloaded."""
+    from slimish.config.validate import offload_fraction
+
+    on = ["trainer.optimizer.distributed=true", "model.dtype=bfloat16"]
+    for given, kept, share in (("true", True, 1.0), ("false", False, 0.0), ("0.25", 0.25, 0.25), ("1", 1.0, 1.0)):
+        cfg = load_config(REPO / "configs/quickstart_cpu.yaml", base + on + [f"trainer.optimizer.cpu_offload={given}"])
+        assert cfg.trainer.optimizer.cpu_offload == kept and type(cfg.trainer.optimizer.cpu_offload) is type(kept)
+        assert offload_fraction(cfg.trainer.optimizer.cpu_offload) == share
 
 
 def test_pipeline_parallel_is_allowed(base):

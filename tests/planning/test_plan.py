@@ -133,6 +133,25 @@ def test_local_attention_grows_with_the_square_of_the_sequence_sdpa_linearly(tmp
     s, tokens = 8192, 2 * 8192
     assert no_recompute.activations == pytest.approx(36 * (tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s)
                                                      + heads * 2 * s * s * 8)
+    # Selective recompute of the core attention: every layer keeps its activations but the [s, s] ones, which only
+    # the layer being recomputed holds.
+    _, selective = _eight_b(tmp_path, "trainer.attention=local", "trainer.recompute=selective")
+    assert selective.activations == pytest.approx(36 * tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s
+                                                  + heads * 2 * s * s * 8)
+    assert selective.activations_other == pytest.approx(local_8k.activations)  # full recompute, the other way
+
+
+def test_cpu_offload_moves_its_share_of_the_optimizer_to_host_memory(tmp_path):
+    """trainer.optimizer.cpu_offload (the Qwen3-8B recipe: bf16, the distributed optimizer over DP2): its share of
+    the fp32 main weights and moments (12 bytes per parameter) leaves the GPU for host memory, with a 4-byte host copy
+    of those parameters' gradients; the rest of the rank is the same."""
+    _, kept = _eight_b(tmp_path)
+    for share, given in ((1.0, "true"), (0.25, "0.25")):
+        _, moved = _eight_b(tmp_path, f"trainer.optimizer.cpu_offload={given}")
+        assert moved.optimizer == pytest.approx(kept.optimizer * (1 - share))
+        assert moved.optimizer_host == pytest.approx(kept.optimizer * share * 16 / 12)
+        assert moved.total == pytest.approx(kept.total - kept.optimizer * share)
+    assert kept.optimizer_host == 0
 
 
 def _peak_bytes(keep, run, *args, **kwargs) -> int:

@@ -25,17 +25,20 @@ def main() -> None:
     def step() -> dict:
         return rl_step(worker, fixed_samples(), ADVANTAGES)
 
+    def export() -> dict:  # host copies (on the emulated GPU too)
+        return {name: tensor.cpu() for name, tensor in export_state(worker).items()}
+
     result = {}
     if args.mode == "save":
         step()
         step()
         worker.save_checkpoint(args.ckpt)
-        result["at_save"] = export_state(worker)
+        result["at_save"] = export()
     else:
         worker.load_checkpoint(args.ckpt)
-        result["at_load"] = export_state(worker)
+        result["at_load"] = export()
     result["metrics"] = step()
-    result["after"] = export_state(worker)
+    result["after"] = export()
     if args.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

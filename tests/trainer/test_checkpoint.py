@@ -229,3 +229,87 @@ def test_expert_tensor_parallel_checkpoint_resumes_exactly_and_at_other_layouts(
             # rounding noise, which Adam turns into moves of up to ~lr (measured: max 1e-4, mean 2e-5 at TP1).
             noise_only = name.endswith("k_proj.bias")
             assert diff.max() <= 1e-3 and (noise_only or diff.mean() <= 1e-6), (other, name)
+
+
+# trainer.optimizer.adam=te_fused with Transformer Engine's FusedAdam stood in for (`tests.kit.fused_adam`: its step
+# count an int in each param group, no parameter's state holding one; TE is absent here).
+FUSED = ("trainer.optimizer.adam=te_fused",)
+
+
+@pytest.fixture()
+def stand_in_fused_adam(monkeypatch):
+    from tests.kit.fused_adam import keep_megatron_adam, use_stand_in
+
+    keep_megatron_adam(monkeypatch)
+    use_stand_in(monkeypatch)
+
+
+def _adams(worker) -> list:
+    from slimish.trainer.checkpoint import adams
+
+    optimizer = worker.step.policy.optimizer
+    return [adam for part in getattr(optimizer, "chained_optimizers", [optimizer]) for adam in adams(part)]
+
+
+def _group_steps(worker) -> set:
+    return {group.get("step") for adam in _adams(worker) for group in adam.param_groups if group["params"]}
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "plain"])
+def test_fused_adam_resumes_exactly(task_assets, megatron_world, tmp_path, stand_in_fused_adam, distributed):
+    """Megatron builds exactly the Adam asked for (not the first that imports); FusedAdam's step count (an int per
+    param group) is saved and loaded with its moments, by the distributed optimizer and the plain one alike: the
+    resumed worker continues exactly like the uninterrupted one, and the step count goes on from 2 to 3."""
+    from tests.kit.fused_adam import StandInFusedAdam
+
+    overrides = FUSED + (("trainer.optimizer.distributed=true",) if distributed else ())
+    first = _worker(task_assets, overrides)
+    assert {type(adam) for adam in _adams(first)} == {StandInFusedAdam}
+    _step(first)
+    _step(first)
+    assert _group_steps(first) == {2}
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = _worker(task_assets, overrides)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    steps = _group_steps(resumed)
+    assert steps == {2} and all(type(step) is int for step in steps)
+    assert not any("step" in state for adam in _adams(resumed) for state in adam.state.values())
+    _assert_equal(export_state(first), export_state(resumed))
+    assert _step(first) == _step(resumed)
+    assert _group_steps(resumed) == {3}
+    _assert_equal(export_state(first), export_state(resumed))
+
+
+@pytest.mark.parametrize("saved_with,loaded_with", [("torch", "te_fused"), ("te_fused", "torch")])
+def test_a_distributed_optimizer_checkpoint_loads_into_the_other_adam(task_assets, megatron_world, tmp_path,
+                                                                     stand_in_fused_adam, saved_with, loaded_with):
+    """The distributed optimizer's checkpoint holds the step count once, in the param groups: torch's AdamW (a float
+    there, a tensor per parameter when it runs) and FusedAdam (an int per group) each resume from the other's.
+    The stand-in makes torch's update, so the resumed step is the uninterrupted one's exactly."""
+    distributed = ("trainer.optimizer.distributed=true",)
+    first = _worker(task_assets, distributed + (f"trainer.optimizer.adam={saved_with}",))
+    _step(first)
+    _step(first)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    expected, expected_state = _step(first), export_state(first)  # before another Adam is built in this process
+    resumed = _worker(task_assets, distributed + (f"trainer.optimizer.adam={loaded_with}",))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    if loaded_with == "te_fused":
+        assert _group_steps(resumed) == {2} and all(type(step) is int for step in _group_steps(resumed))
+    else:
+        steps = [state["step"] for adam in _adams(resumed) for state in adam.state.values()]
+        assert steps and all(step.item() == 2 for step in steps)
+        assert len({id(step) for step in steps}) == len(steps), "each parameter its own step tensor"
+    assert _step(resumed) == expected
+    _assert_equal(export_state(resumed), expected_state)
+
+
+def test_a_plain_optimizer_checkpoint_loads_into_its_own_adam_only(task_assets, megatron_world, tmp_path,
+                                                                  stand_in_fused_adam):
+    first = _worker(task_assets, FUSED)
+    _step(first)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = _worker(task_assets, ("trainer.optimizer.adam=torch",))
+    with pytest.raises(CheckpointError, match="te_fused Adam, and this run builds torch: set "
+                                              "trainer.optimizer.adam=te_fused to resume from it"):
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))

@@ -5,8 +5,9 @@ A tensor left on the CPU beside one on the device raises there as it would on a 
 is NCCL on a GPU refuses a CPU tensor. The steps (`tests/trainer/worker_rank.py` with SLIMISH_EMULATED_GPU=1) must
 then give the numbers of the same steps on the CPU: every advantage estimator (PPO's critic included), the reference
 model, padded and packed micro-batches with the chunked logprob head, TP2 / PP2 / DP2, the weight-sync export,
-flatten and checksums, an SFT step, checkpoint save and load. And undoing one piece of device discipline (a
-micro-batch not moved, a factory without its device, a reduction on the CPU) fails the tier, naming the op.
+flatten and checksums, an SFT step, checkpoint save and load, Megatron's optimizer CPU offload (as without it). And
+undoing one piece of device discipline (a micro-batch not moved, a factory without its device, a reduction on the
+CPU) fails the tier, naming the op.
 """
 
 from __future__ import annotations
@@ -129,9 +130,14 @@ def test_a_moe_step_on_the_emulated_gpu_without_transformer_engine(task_assets, 
     assert any(".mlp.experts." in name for name in gpu["state"]), "the export holds the experts"
 
 
+# Megatron's optimizer CPU offload (trainer.optimizer.cpu_offload): the distributed optimizer in bf16
+CPU_OFFLOAD = ("model.dtype=bfloat16", "trainer.optimizer.distributed=true")
+
 OFFLOAD_LAYOUTS = {  # id -> (world size, overrides)
     "ppo-bf16": (1, ESTIMATOR_OVERRIDES["ppo"] + ("model.dtype=bfloat16",)),  # critic, reference, fp32 main params
     "dp2-distributed-optimizer": (2, ("trainer.optimizer.distributed=true",)),  # sharded main params and moments
+    # half of the optimizer in host memory already: the other half (and the grads, the weights) moves
+    "dp2-cpu-offload-half": (2, CPU_OFFLOAD + ("trainer.optimizer.cpu_offload=0.5",)),
 }
 
 
@@ -164,6 +170,80 @@ def test_an_offload_round_trip_on_the_emulated_gpu_changes_nothing(task_assets, 
         assert all(torch.equal(rank_moved["state"][name], t) for name, t in rank_kept["state"].items())
 
 
+CPU_OFFLOAD_LAYOUTS = {  # id -> (world size, overrides, extra worker_rank options)
+    # all of it in host memory, sharded over DP2; the copies overlapped (one CPU AdamW per parameter)
+    "dp2-all": (2, ("trainer.optimizer.cpu_offload=true",), ()),
+    # half of it: torch's AdamW on the GPU for the rest; the copies in order (one CPU AdamW)
+    "half-no-overlap": (1, ("trainer.optimizer.cpu_offload=0.5", "trainer.optimizer.cpu_offload_overlap=false"), ()),
+    # PPO (the critic offloaded too), half, with TE's FusedAdam (its stand-in) on the GPU
+    "ppo-half-te-fused": (1, ESTIMATOR_OVERRIDES["ppo"] + ("trainer.optimizer.cpu_offload=0.5",
+                                                           "trainer.optimizer.adam=te_fused"),
+                          ("--stand-in-fused-adam",)),
+}
+
+
+@pytest.mark.parametrize("layout", list(CPU_OFFLOAD_LAYOUTS))
+def test_megatron_cpu_offload_on_the_emulated_gpu_is_the_step_without(task_assets, tmp_path, layout):
+    """trainer.optimizer.cpu_offload: Megatron's HybridDeviceOptimizer keeps the Adam moments (and fp32 main
+    weights) of that share of the parameters in host memory and updates them there with torch's AdamW. The RL step,
+    the exported weights, an SFT step and the logprobs after loading a checkpoint are those of the same run without
+    the offload (the weights within a bf16 rounding: torch's fused CPU AdamW and its device kernels round the fp32
+    main weights differently). Megatron's own pieces that fail without CUDA or TE are made to run:
+    `emulated_gpu.patch_hybrid_optimizer`, `megatron_te_absent`, and the checkpoint's load of it
+    (`slimish.trainer.checkpoint`)."""
+    world_size, overrides, extra = CPU_OFFLOAD_LAYOUTS[layout]
+    kept_overrides = tuple(o for o in overrides if not o.startswith("trainer.optimizer.cpu_offload"))
+
+    def run(name: str, chosen: tuple[str, ...]):
+        return pool.submit(_run, task_assets, tmp_path / name, emulated=True, world_size=world_size,
+                           overrides=CPU_OFFLOAD + chosen, extra=("--more-steps", *extra))
+
+    with ThreadPoolExecutor(2) as pool:
+        moved, kept = run("offload", overrides), run("kept", kept_overrides)
+        moved, kept = moved.result(), kept.result()
+    share = 1.0 if "trainer.optimizer.cpu_offload=true" in overrides else 0.5
+    for rank_moved, rank_kept in zip(moved, kept):
+        assert rank_kept["moments"]["host"] == 0 and rank_kept["moments"]["device"] > 0
+        assert rank_moved["moments"]["host"] > 0
+        total = rank_moved["moments"]["host"] + rank_moved["moments"]["device"]
+        assert total == rank_kept["moments"]["device"]
+        assert rank_moved["moments"]["host"] == total if share == 1 else 0 < rank_moved["moments"]["device"] < total
+        for key in ("before", "after", "after_load"):
+            assert (rank_moved[key] is None and rank_kept[key] is None) or torch.equal(rank_moved[key],
+                                                                                       rank_kept[key]), key
+        assert rank_moved["metrics"]["grad_norm"] == rank_kept["metrics"]["grad_norm"]
+        assert rank_moved["sft"] == rank_kept["sft"]
+        for name, tensor in rank_kept["state"].items():
+            diff = (rank_moved["state"][name].float() - tensor.float()).abs()
+            assert diff.max() <= 2 ** -8 * tensor.float().abs().max() and diff.mean() <= 1e-6, name
+
+
+@pytest.mark.parametrize("adam", ["torch", "te_fused"])
+def test_a_checkpoint_of_megatron_cpu_offload_resumes_exactly_on_the_emulated_gpu(task_assets, tmp_path, adam):
+    """Two steps, a checkpoint, a third step; a new run loads the checkpoint and takes the third step: the same
+    weights after it, bit for bit, with half of the optimizer in host memory at DP2 (the Adam on the GPU torch's or
+    TE's FusedAdam stand-in). Loading needs slimish's help: Megatron's optimizer moves the GPU's torch AdamW state to
+    the CPU on load, and its checkpoint holds the two Adam classes (`slimish.trainer.checkpoint`)."""
+    from tests.multiproc import run_world
+
+    script = Path(__file__).with_name("checkpoint_rank.py")
+    overrides = (*CPU_OFFLOAD, "trainer.optimizer.cpu_offload=0.5", f"trainer.optimizer.adam={adam}")
+    stand_in = ("--stand-in-fused-adam",) if adam == "te_fused" else ()
+
+    def world(mode: str) -> dict:
+        run_world(script, world_size=2, env={"SLIMISH_EMULATED_GPU": "1"},
+                  args=["--tp", "1", "--hf", task_assets["model"], "--data", task_assets["train"], "--mode", mode,
+                        "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / mode), *stand_in,
+                        *(a for o in overrides for a in ("--set", o))])
+        return torch.load(tmp_path / mode / "rank0.pt")
+
+    saved, loaded = world("save"), world("load")
+    for key, other in (("at_save", "at_load"), ("after", "after")):
+        assert saved[key].keys() == loaded[other].keys()
+        assert all(torch.equal(saved[key][name], loaded[other][name]) for name in saved[key]), key
+    assert saved["metrics"]["grad_norm"] == loaded["metrics"]["grad_norm"]
+
+
 # REINFORCE++ (whitening statistics reduced over the data-parallel ranks) with sequence-level importance sampling
 # (segment sums in the loss): what the dropped-device runs below run, and must pass without the drop.
 SEQUENCE_IS = ("trainer.loss.is_level=sequence", "trainer.loss.tis_cap=2")
@@ -182,6 +262,9 @@ LAYOUTS = {  # id -> (tp, pp, estimator, extra overrides)
     "ppo-cp2": (1, 1, "ppo", ("parallel.context_parallel=2",)),
     "ppo-pp2": (1, 2, "ppo", ()),
     "reinforce_plus_plus-dp2-sequence-is": (1, 1, "reinforce_plus_plus", SEQUENCE_IS),
+    # Selective recompute: the norms' outputs freed after the forward and recomputed into the same storage
+    "tp2-selective-recompute": (2, 1, "grpo", ("trainer.recompute=selective",
+                                               "trainer.recompute_modules=[core_attn,layernorm,mlp]")),
 }
 
 
@@ -201,6 +284,9 @@ def test_two_rank_layouts_on_the_emulated_gpu_match_one_cpu_rank(task_assets, tm
     reference = cpu_one_rank(estimator)
     for result in _run(task_assets, tmp_path, emulated=True, world_size=2, tp=tp, pp=pp, overrides=overrides):
         _assert_same_step(result, reference, rows=result["rows"])
+        if "trainer.recompute=selective" in overrides:  # each rank runs every row at TP2: twice the one rank's calls
+            for module in ("self_attention.core_attention", "input_layernorm", "mlp"):
+                assert result["train_calls"][module] == 2 * reference["train_calls"][module], module
 
 
 @pytest.mark.parametrize("dropped,world_size,op", [

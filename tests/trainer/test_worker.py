@@ -198,3 +198,15 @@ def test_one_rl_step_is_one_call_that_keeps_nothing(worker):
     assert alive() == before, "(batches, micro-batches, samples) alive after the step"
     assert vars(worker).keys() == attributes.keys()
     assert all(vars(worker)[key] is value for key, value in attributes.items()), "the worker kept step state"
+
+
+def test_megatron_cpu_offload_is_refused_on_a_cpu_trainer(task_assets, megatron_world):
+    """trainer.optimizer.cpu_offload moves the optimizer's state from a GPU to host memory: on the CPU it is there
+    already, and Megatron's optimizer (offloading what `is_cuda`) would fail its first step. One line, naming the key.
+    (It runs on the emulated GPU: tests/trainer/test_emulated_gpu.py.)"""
+    from slimish.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.optimizer.cpu_offload': moves the optimizer's state "
+                                          r"from the GPU to host memory, and this trainer runs on the CPU"):
+        make_worker(task_assets, "model.dtype=bfloat16", "trainer.optimizer.distributed=true",
+                    "trainer.optimizer.cpu_offload=true")

@@ -1,8 +1,8 @@
 """The trainer at TP2, DP2 and PP2 (two gloo processes; DP2 also with Megatron's distributed optimizer, TP2 also with
-full activation recomputation; each also with packed micro-batches and chunked logits) computes the same logprobs
-and takes the same GRPO step as at one rank: logprobs before and after the step agree within fp32 reduction-order
-noise, and rank 0's whole-model export (what weight sync sends) matches the one-rank trainer's weights after the
-step. In bf16 the same holds within bf16 precision."""
+full and selective activation recomputation; each also with packed micro-batches and chunked logits) computes the
+same logprobs and takes the same GRPO step as at one rank: logprobs before and after the step agree within fp32
+reduction-order noise, and rank 0's whole-model export (what weight sync sends) matches the one-rank trainer's
+weights after the step. In bf16 the same holds within bf16 precision."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def reference(task_assets, tmp_path_factory):
 
 DISTRIBUTED_OPTIMIZER = ("trainer.optimizer.distributed=true",)
 RECOMPUTE = ("trainer.recompute=full",)
+# Megatron's selective recompute: the core attention of every layer checkpointed (its default module)
+SELECTIVE = ("trainer.recompute=selective",)
 # Rows of two or three samples under a 14-token budget, logits 3 tokens at a time: against the padded one-rank run.
 PACKED = ("trainer.max_tokens_per_micro_batch=14", "trainer.logprob_chunk_tokens=3")
 # Megatron's sequence parallelism: rows padded to an even length, each TP rank holding half of the sequence between
@@ -55,10 +57,11 @@ CONTEXT_PARALLEL = ("parallel.context_parallel=2",)
                                              (2, 1, RECOMPUTE), (2, 1, PACKED), (1, 2, PACKED), (1, 1, PACKED),
                                              (2, 1, PACKED + RECOMPUTE), (2, 1, SEQUENCE_PARALLEL),
                                              (2, 1, PACKED + SEQUENCE_PARALLEL), (1, 1, CONTEXT_PARALLEL),
-                                             (1, 1, PACKED + CONTEXT_PARALLEL)],
+                                             (1, 1, PACKED + CONTEXT_PARALLEL), (2, 1, SELECTIVE),
+                                             (1, 1, PACKED + CONTEXT_PARALLEL + SELECTIVE)],
                          ids=["tp2", "dp2", "pp2", "dp2-distributed-optimizer", "tp2-recompute", "tp2-packed",
                               "pp2-packed", "dp2-packed", "tp2-packed-recompute", "tp2-sp", "tp2-packed-sp", "cp2",
-                              "cp2-packed"])
+                              "cp2-packed", "tp2-selective-recompute", "cp2-packed-selective-recompute"])
 def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, pp, overrides):
     results = _run(task_assets, tmp_path, world_size=2, tp=tp, pp=pp, overrides=overrides)
     assert reference["rows"] == list(range(8))
@@ -84,6 +87,48 @@ def test_two_rank_layout_matches_one_rank(task_assets, tmp_path, reference, tp, 
         diff = (tensor - expected[name]).abs()
         assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
     assert all(result["state"] == {} for result in results[1:])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "local"])
+def test_selective_recompute_is_the_step_without(task_assets, tmp_path, attention):
+    """trainer.recompute=selective with the core attention (torch's SDPA, or Megatron's local DotProductAttention
+    on packed rows: `slimish.compat.packed_attention`), the norms and the MLP: each is called again in the backward
+    pass (Megatron's checkpoints recompute it), and the step is the one without recompute (the logprobs before it bit
+    for bit, after it within fp32 rounding)."""
+    base = (f"trainer.attention={attention}", *(PACKED if attention == "local" else ()))
+    modules = "trainer.recompute_modules=[core_attn,layernorm,mlp]"
+    without = _run(task_assets, tmp_path / "none", world_size=1, tp=1, overrides=base)[0]
+    recomputed = _run(task_assets, tmp_path / "selective", world_size=1, tp=1,
+                      overrides=base + SELECTIVE + (modules,))[0]
+    for module in ("self_attention.core_attention", "mlp", "input_layernorm", "pre_mlp_layernorm"):
+        assert recomputed["train_calls"][module] == 2 * without["train_calls"][module] > 0, module
+    for module in ("self_attention.linear_qkv", "self_attention.linear_proj"):  # not recomputed
+        assert recomputed["train_calls"][module] == without["train_calls"][module] > 0, module
+    assert torch.equal(recomputed["before"], without["before"])
+    # The recomputed backward sums the same gradients in another order: fp32 rounding apart (measured: 1e-6).
+    assert torch.allclose(recomputed["after"], without["after"], atol=1e-5)
+    assert recomputed["metrics"]["grad_norm"] == pytest.approx(without["metrics"]["grad_norm"], rel=1e-5)
+    assert all((recomputed["state"][name] - t).abs().max() <= 1e-5 for name, t in without["state"].items())
+
+
+
+def test_selective_recompute_of_a_moe_model_with_multi_latent_attention(task_assets, tiny_moe_models, tmp_path):
+    """DeepSeek-V3 (MLA, routed and shared experts) with trainer.recompute=selective over the core attention, MLA's
+    up projections (Megatron's output-discarding checkpoint, TE-free: `slimish.compat.megatron_te_absent`), the
+    MoE layers and the norms: each is called again in the backward pass, and the step is the one without."""
+    assets = {**task_assets, "model": str(tiny_moe_models["deepseek_v3"])}
+    modules = "trainer.recompute_modules=[core_attn,mla_up_proj,moe,layernorm]"
+    without = _run(assets, tmp_path / "none", world_size=1, tp=1)[0]
+    recomputed = _run(assets, tmp_path / "selective", world_size=1, tp=1, overrides=SELECTIVE + (modules,))[0]
+    for module in ("self_attention.core_attention", "self_attention.linear_q_up_proj",
+                   "self_attention.linear_kv_up_proj", "mlp.router", "mlp.shared_experts", "pre_mlp_layernorm"):
+        assert recomputed["train_calls"][module] == 2 * without["train_calls"][module] > 0, module
+    for module in ("self_attention.linear_q_down_proj", "self_attention.linear_proj"):
+        assert recomputed["train_calls"][module] == without["train_calls"][module] > 0, module
+    assert torch.equal(recomputed["before"], without["before"])
+    assert torch.allclose(recomputed["after"], without["after"], atol=1e-5)  # measured: 1e-6
+    assert recomputed["metrics"]["grad_norm"] == pytest.approx(without["metrics"]["grad_norm"], rel=1e-5)
+    assert all((recomputed["state"][name] - t).abs().max() <= 1e-5 for name, t in without["state"].items())
 
 
 def test_bf16_at_tp2_tracks_fp32(task_assets, tmp_path, reference):

@@ -15,6 +15,7 @@ the step ("offload": `offload_round_trip`'s figures).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -50,12 +51,18 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true", help="offload and onload every role after the RL step")
     parser.add_argument("--as-on-cuda", action="store_true",
                         help="Megatron's CPU shim leaves what it does on a CUDA machine (as_on_cuda)")
+    parser.add_argument("--stand-in-fused-adam", action="store_true",
+                        help="trainer.optimizer.adam=te_fused builds tests.kit.fused_adam's stand-in for TE's")
     return parser.parse_args()
 
 
 def make_worker(args: argparse.Namespace):
     """A set-up TrainerWorker for this rank of the layout in `args` (quickstart config, small micro-batches, a KL
     penalty so that the reference model runs)."""
+    if args.stand_in_fused_adam:
+        from tests.kit.fused_adam import use_stand_in
+
+        use_stand_in()
     return make_kit_worker(
         f"model.hf_path={args.hf}", f"data.path={args.data}", "trainer.micro_batch_size=2",
         "trainer.optimizer.lr=0.01", "trainer.loss.kl_coef=0.1", f"parallel.tensor_parallel={args.tp}",
@@ -123,7 +130,8 @@ def main() -> None:
             sample.reward = reward
         estimator = None
     advantages = rl_step.advantages(ctx, batch, estimator)
-    metrics = rl_step.train(ctx, batch)
+    with count_calls(ctx.policy.module) as calls:
+        metrics = rl_step.train(ctx, batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     offloaded = offload_round_trip(worker, out) if args.offload else None
@@ -136,11 +144,51 @@ def main() -> None:
               "expert_sizes": {"etp": ps.get_expert_tensor_parallel_world_size(),
                                "ep": ps.get_expert_model_parallel_world_size(),
                                "edp": ps.get_expert_data_parallel_world_size()},
-              "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded}
+              "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded,
+              "train_calls": dict(calls), "moments": moment_bytes(worker)}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
     worker.shutdown()
+
+
+@contextlib.contextmanager
+def count_calls(model: torch.nn.Module):
+    """{submodule of a transformer layer ("self_attention.core_attention", "mlp", "input_layernorm", ...): its calls
+    over every layer} while the block runs: activation recompute calls a recomputed module again in the backward
+    pass."""
+    import collections
+    import re
+
+    calls: collections.Counter = collections.Counter()
+    handles = []
+    for name, module in model.named_modules():
+        match = re.search(r"\.layers\.\d+\.(.+)$", name)
+        if match:
+            def hook(*_args, key=match.group(1)):
+                calls[key] += 1
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def moment_bytes(worker) -> dict[str, int]:
+    """{"host": bytes, "device": bytes} of the policy optimizer's Adam moments (exp_avg, exp_avg_sq), by where they
+    live: host memory where Megatron's CPU offload (trainer.optimizer.cpu_offload) keeps them."""
+    from slimish.trainer.checkpoint import adams
+
+    optimizer, found = worker.step.policy.optimizer, {"host": 0, "device": 0}
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for adam in adams(part):
+            for state in adam.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        found["host" if state[key].device.type == "cpu" else "device"] += state[key].nbytes
+    return found
 
 
 def offload_round_trip(worker, out: Path) -> dict:
