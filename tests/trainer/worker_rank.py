@@ -130,7 +130,7 @@ def main() -> None:
             sample.reward = reward
         estimator = None
     advantages = rl_step.advantages(ctx, batch, estimator)
-    with count_calls(ctx.policy.module) as calls:
+    with count_calls(ctx.policy.chunks) as calls:
         metrics = rl_step.train(ctx, batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,16 +153,16 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def count_calls(model: torch.nn.Module):
+def count_calls(chunks: list):
     """{submodule of a transformer layer ("self_attention.core_attention", "mlp", "input_layernorm", ...): its calls
-    over every layer} while the block runs: activation recompute calls a recomputed module again in the backward
-    pass."""
+    over every layer of the model `chunks`} while the block runs: activation recompute calls a recomputed module again
+    in the backward pass."""
     import collections
     import re
 
     calls: collections.Counter = collections.Counter()
     handles = []
-    for name, module in model.named_modules():
+    for name, module in (item for chunk in chunks for item in chunk.named_modules()):
         match = re.search(r"\.layers\.\d+\.(.+)$", name)
         if match:
             def hook(*_args, key=match.group(1)):
