@@ -95,10 +95,10 @@ print(json.dumps(out))
 """
 
 
-# Engines spanning nodes, each node part's command line: the 405B recipe on nodes of 8 H100s, where 405B in bf16
-# (810 GB) does not fit one node's 640 GB, so each engine is TP16 over two nodes.
-SPANNING = [("llama31_405b_math_grpo", ("rollout.engine.tensor_parallel=16", "rollout.engine.nodes_per_engine=2"),
-             node_rank) for node_rank in (0, 1)]
+# Engines spanning nodes, the second node part's command line (the first is every recipe's case): the 405B recipe on
+# nodes of 8 H100s, where 405B in bf16 (812 GB) does not fit one node's 640 GB, and DeepSeek-V3 (1.34 TB in bf16) on
+# nodes of 8 H200s (1128 GB): each engine is TP16 over two nodes.
+SPANNING = [("llama31_405b_math_grpo_h100", (), 1), ("deepseek_v3_math_grpo", (), 1)]
 
 
 def test_every_recipes_engine_command_line_resolves_in_sglang(tmp_path):

@@ -11,13 +11,17 @@ import pytest
 from safetensors.torch import save_file
 
 from slimish.config import load_config
-from slimish.megatron_bridge.hf_config import architecture_from_hf, transformer_config
+from slimish.megatron_bridge.hf_config import architecture_from_hf, pipeline_stage_layers, transformer_config
 from tests.conftest import REPO
-from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B
+from tests.megatron_bridge.real_configs import DEEPSEEK_V3, LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B
 
+# Every recipe and its model's released config.json (tests/planning/test_plan.py and tests/config/test_engine_flags.py
+# read this table too).
 RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_8b_math_grpo_colocated": QWEN3_8B,
+           "qwen3_8b_math_grpo_32k": QWEN3_8B,
            "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
-           "llama31_405b_math_grpo": LLAMA31_405B}
+           "llama31_405b_math_grpo": LLAMA31_405B, "llama31_405b_math_grpo_h100": LLAMA31_405B,
+           "deepseek_v3_math_grpo": DEEPSEEK_V3}
 
 
 def test_every_recipe_is_checked():
@@ -40,9 +44,14 @@ def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
     par, engine = cfg.parallel, cfg.rollout.engine
     assert cfg.model.dtype == "bfloat16" and engine.device == "cuda"
     arch = architecture_from_hf(hf_config)
+    # Megatron-Core checks heads / TP, experts / EP, MoE at TP > 1 with sequence parallelism, the stages' layers
     transformer_config(arch, tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel,
-                       expert_parallel=par.expert_parallel)  # Megatron-Core checks heads / TP, experts / EP
-    assert hf_config["num_hidden_layers"] % par.pipeline_parallel == 0
+                       expert_parallel=par.expert_parallel, sequence_parallel=par.sequence_parallel,
+                       context_parallel=par.context_parallel, cp_comm_type=par.cp_comm_type,
+                       first_stage_layers=par.first_stage_layers, last_stage_layers=par.last_stage_layers)
+    stages = pipeline_stage_layers(hf_config["num_hidden_layers"], par.pipeline_parallel,
+                                   first=par.first_stage_layers, last=par.last_stage_layers)
+    assert len(stages) == par.pipeline_parallel and sum(stages) == hf_config["num_hidden_layers"]
     for tp in (par.tensor_parallel, engine.tensor_parallel):
         assert hf_config["num_attention_heads"] % tp == 0
         kv = hf_config["num_key_value_heads"]
@@ -53,6 +62,8 @@ def test_recipe_validates_and_its_layout_fits_the_model(name, tmp_path):
         assert par.num_trainer_ranks == engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
     else:
         assert par.num_trainer_ranks + engine.num_engines * engine.tensor_parallel == nodes * gpus_per_node
-    assert engine.tensor_parallel <= gpus_per_node, "an engine runs on one node"
+    # An engine runs on one node, or on nodes_per_engine whole nodes (8 of its ranks on each)
+    assert engine.tensor_parallel <= gpus_per_node if engine.nodes_per_engine == 1 else \
+        engine.tensor_parallel == engine.nodes_per_engine * gpus_per_node
     assert f"sbatch -N {nodes} --gpus-per-node {gpus_per_node} launch/train.sbatch configs/recipes/{name}.yaml" in \
         path.read_text()

@@ -6,6 +6,7 @@ the reference model and the critic, the 405B full-broadcast sync time, and the c
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -13,13 +14,10 @@ from slimish.config import load_config
 from slimish.planning.memory import colocated_gpu, core_attention, engine_gpu, trainer_rank
 from slimish.planning.params import count_params
 from slimish.planning.walls import step_walls
+from tests.config.test_recipes import RECIPES
 from tests.conftest import REPO
-from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B, trimmed
+from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, trimmed
 from tests.megatron_bridge.test_real_shapes import megatron_meta_shapes
-
-RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_8b_math_grpo_colocated": QWEN3_8B,
-           "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
-           "llama31_405b_math_grpo": LLAMA31_405B}
 
 
 def recipe(name: str, tmp_path, *overrides: str):
@@ -373,6 +371,27 @@ def test_every_recipe_fits_the_gpus_its_header_names(name, tmp_path):
         trainer = trainer_rank(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
         engine = engine_gpu(cfg, arch, params, prompt_tokens=cfg.plan.prompt_tokens)
         assert colocated_gpu(cfg, trainer, engine).peak <= gpu_gb * 1e9
+
+
+# The lines of `slimish plan`'s memory sections a recipe header quotes: a name and its figure in GB.
+FIGURE = re.compile(r"^\s+(weights|grads|optim|activ|logits|ref|critic|KV|total|generate|train|sync|host)\s+([\d.]+)\b")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_header_quotes_what_plan_prints_for_it(name, tmp_path):
+    """Each recipe's header quotes the memory lines `slimish plan` prints for it (trainer rank, engine GPU, and the
+    colocated phases), figure by figure, and names the command."""
+    from slimish.planning.report import plan_text
+
+    text = (REPO / "configs" / "recipes" / f"{name}.yaml").read_text()
+    header = [line[1:] for line in text.split("\nrun:")[0].splitlines() if line.startswith("#     ")]
+    printed = plan_text(recipe(name, tmp_path), RECIPES[name]).split("\nseconds per step:")[0].splitlines()
+
+    def figures(lines: list[str]) -> list[tuple[str, str]]:
+        return [match.groups() for match in map(FIGURE.match, lines) if match]
+
+    assert figures(header) == figures(printed), "regenerate the header's plan lines"
+    assert f"slimish plan configs/recipes/{name}.yaml" in text
 
 
 def test_context_parallelism_divides_a_ranks_tokens(tmp_path):
