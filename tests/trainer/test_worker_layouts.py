@@ -362,3 +362,14 @@ def test_expert_layout_step_is_the_one_rank_step(task_assets, tiny_moe_models, t
         diff = (tensor - expected[name]).abs()
         assert diff.max() <= 1e-3 and diff.mean() <= 1e-6, name
     assert all(result["state"] == {} for result in results[1:])
+
+
+def test_context_parallel_sft_step_checkpoint_and_export_match_one_rank(task_assets, tmp_path):
+    """CP2, packed: after the RL step, the SFT step's loss, the weight-sync export's buckets and a checkpoint saved
+    and loaded are the one-rank trainer's (`worker_rank.more_steps`)."""
+    (one,) = _run(task_assets, tmp_path / "one", world_size=1, tp=1, overrides=PACKED, extra=("--more-steps",))
+    for cp in _run(task_assets, tmp_path / "cp", world_size=2, tp=1, overrides=PACKED + CONTEXT_PARALLEL,
+                   extra=("--more-steps",)):
+        assert cp["sft"]["sft_loss"] == pytest.approx(one["sft"]["sft_loss"], rel=1e-5)
+        assert torch.equal(cp["after_load"], cp["after"]), "the checkpoint gives back the weights it was saved with"
+        assert torch.allclose(_by_sample(cp, "after"), _by_sample(one, "after"), atol=1e-4)
