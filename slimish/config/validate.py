@@ -241,6 +241,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
         raise ConfigError("trainer.num_minibatches",
                           f"must divide prompts_per_step * samples_per_prompt = {batch}, got {tr.num_minibatches}")
     _positive("parallel.context_parallel", par.context_parallel)
+    _positive("parallel.virtual_pipeline", par.virtual_pipeline)
     model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
     if par.num_trainer_ranks % model_parallel:
         raise ConfigError("parallel.num_trainer_ranks",
