@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 
 import torch
 from torch.utils._pytree import tree_map
@@ -54,6 +55,62 @@ def enabled() -> bool:
     return _ENABLED
 
 
+class _Memory:
+    """The bytes the emulated device holds, as CUDA's caching allocator counts allocated bytes: each storage once,
+    from its first emulated tensor until its last is gone; and the peak since `reset_peak`. Off unless `track()`ed
+    (SLIMISH_EMULATED_GPU_MEMORY=1 in a process): a finalizer per tensor costs every op a little."""
+
+    def __init__(self):
+        self.on = False
+        self.held = self.peak = 0
+        self._wrappers: dict[int, list[int]] = {}  # storage pointer -> [wrappers alive, its bytes]
+
+    def take(self, wrapper, data: torch.Tensor) -> None:
+        if not self.on or data.device.type != "cpu":
+            return
+        storage = data.untyped_storage()
+        key = storage.data_ptr()
+        if not key:  # an empty storage
+            return
+        entry = self._wrappers.get(key)
+        if entry is None:
+            entry = self._wrappers[key] = [0, storage.nbytes()]
+            self.held += entry[1]
+            self.peak = max(self.peak, self.held)
+        entry[0] += 1
+        weakref.finalize(wrapper, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        entry = self._wrappers.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.held -= entry[1]
+            del self._wrappers[key]
+
+
+MEMORY = _Memory()
+MEMORY_ENV = "SLIMISH_EMULATED_GPU_MEMORY"
+
+
+def track_memory() -> None:
+    """Count the bytes the emulated device holds from now on (`memory_allocated`, `max_memory_allocated`)."""
+    MEMORY.on = True
+
+
+def memory_allocated() -> int:
+    return MEMORY.held
+
+
+def max_memory_allocated() -> int:
+    return MEMORY.peak
+
+
+def reset_peak_memory_stats() -> None:
+    MEMORY.peak = MEMORY.held
+
+
 class DeviceMismatch(RuntimeError):
     """An op or collective got a tensor on the wrong device: what would crash on a GPU."""
 
@@ -69,6 +126,7 @@ class EmulatedGpuTensor(torch.Tensor):
             cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
             device=DEVICE, layout=data.layout, requires_grad=requires_grad)
         tensor.cpu_data = data
+        MEMORY.take(tensor, data)
         return tensor
 
     def __repr__(self, *, tensor_contents=None):
@@ -97,6 +155,7 @@ class EmulatedGpuTensor(torch.Tensor):
         # buffers): the wrapper must then read and write the buffer's CPU data.
         torch.Tensor.data.__set__(self, value)
         self.cpu_data = value.cpu_data if isinstance(value, EmulatedGpuTensor) else value
+        MEMORY.take(self, self.cpu_data)  # the buffer it now views (the old storage: until its other views go)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -296,6 +355,18 @@ class _BackendModule:
         pass
 
     @staticmethod
+    def memory_allocated(*_args) -> int:
+        return memory_allocated()
+
+    @staticmethod
+    def max_memory_allocated(*_args) -> int:
+        return max_memory_allocated()
+
+    @staticmethod
+    def reset_peak_memory_stats(*_args) -> None:
+        reset_peak_memory_stats()
+
+    @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
 
@@ -346,4 +417,6 @@ def enable() -> None:
     torch.as_tensor = _tensor_factory(torch.as_tensor)
     torch.nn.functional.scaled_dot_product_attention = _sdpa_on_cpu_kernels
     _patch_collectives()
+    if os.environ.get(MEMORY_ENV, "") == "1":
+        track_memory()
     _ENABLED = True

@@ -119,6 +119,7 @@ def main() -> None:
     if args.drop_device:
         drop_device(args.drop_device)
     worker = make_worker(args)
+    device_bytes = {"setup": device_memory()}  # the emulated GPU's count (SLIMISH_EMULATED_GPU_MEMORY=1), else None
     samples = fixed_samples()
     before, rows = response_logprobs(worker, samples)
     ctx = worker.step
@@ -132,6 +133,8 @@ def main() -> None:
     advantages = rl_step.advantages(ctx, batch, estimator)
     with count_calls(ctx.policy.chunks) as calls:
         metrics = rl_step.train(ctx, batch)
+    del batch  # the step's micro-batches: what the device holds after a step is the roles' state
+    device_bytes["after_step"] = device_memory()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     offloaded = offload_round_trip(worker, out) if args.offload else None
@@ -145,11 +148,23 @@ def main() -> None:
                                "ep": ps.get_expert_model_parallel_world_size(),
                                "edp": ps.get_expert_data_parallel_world_size()},
               "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded,
-              "train_calls": dict(calls), "moments": moment_bytes(worker)}
+              "train_calls": dict(calls), "moments": moment_bytes(worker), "device_bytes": device_bytes}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
     worker.shutdown()
+
+
+def device_memory() -> int | None:
+    """The bytes the emulated GPU holds now (`slimish.compat.emulated_gpu.memory_allocated`); None when not counted."""
+    import gc
+
+    from slimish.compat import emulated_gpu
+
+    if not (emulated_gpu.enabled() and emulated_gpu.MEMORY.on):
+        return None
+    gc.collect()
+    return emulated_gpu.memory_allocated()
 
 
 @contextlib.contextmanager
