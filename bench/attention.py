@@ -36,11 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from long_sequences import peak_mib, reset_peak, rss_mib  # this script's folder: run as `python bench/attention.py`
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD_DIM = 128
@@ -51,19 +52,6 @@ REDUCED_MAX_TOKENS = 8192  # the half-head cases stop here: at 32k local project
 LOCAL_BYTES_PER_SCORE = 18
 SDPA_FACTOR = 4
 WARMUP_TOKENS = 256
-
-
-def peak_mib() -> float:
-    """This process's resident-memory high-water mark."""
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def rss_mib() -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
 
 
 def projected_gib(impl: str, tokens: int, heads: int, groups: int) -> float:

@@ -243,16 +243,21 @@ def _by_sample(result: dict, key: str) -> torch.Tensor:
     return result[key][torch.argsort(torch.tensor(result["rows"]))]
 
 
-@pytest.fixture(scope="module")
-def three_layers(task_assets, tmp_path_factory):
-    """The task with a three-layer model (two pipeline stages cannot split it evenly), and its one-rank step."""
+def _with_layers(task_assets, tmp_path_factory, layers: int) -> tuple[dict, dict]:
+    """The task with a tiny model of `layers` layers, and that model's one-rank step."""
     from slimish.tasks import echo_digit
     from slimish.tasks.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path_factory.mktemp("three") / "model", corpus=echo_digit.corpus(),
-                             num_hidden_layers=3)
+    model = build_tiny_model(tmp_path_factory.mktemp(f"layers{layers}") / "model", corpus=echo_digit.corpus(),
+                             num_hidden_layers=layers)
     assets = {**task_assets, "model": str(model)}
-    return assets, _run(assets, tmp_path_factory.mktemp("three-one"), world_size=1, tp=1)[0]
+    return assets, _run(assets, tmp_path_factory.mktemp(f"layers{layers}-one"), world_size=1, tp=1)[0]
+
+
+@pytest.fixture(scope="module")
+def three_layers(task_assets, tmp_path_factory):
+    """The task with a three-layer model (two pipeline stages cannot split it evenly), and its one-rank step."""
+    return _with_layers(task_assets, tmp_path_factory, 3)
 
 
 @pytest.mark.parametrize("split", ["parallel.first_stage_layers=2", "parallel.last_stage_layers=2"])
@@ -277,13 +282,7 @@ def test_uneven_pipeline_stages_match_one_rank(three_layers, tmp_path, split):
 @pytest.fixture(scope="module")
 def six_layers(task_assets, tmp_path_factory):
     """The task with a six-layer model (PP3 x two virtual-pipeline chunks: a layer per chunk), its one-rank step."""
-    from slimish.tasks import echo_digit
-    from slimish.tasks.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path_factory.mktemp("six") / "model", corpus=echo_digit.corpus(),
-                             num_hidden_layers=6)
-    assets = {**task_assets, "model": str(model)}
-    return assets, _run(assets, tmp_path_factory.mktemp("six-one"), world_size=1, tp=1)[0]
+    return _with_layers(task_assets, tmp_path_factory, 6)
 
 
 VIRTUAL_PIPELINE = ("parallel.virtual_pipeline=2",)
