@@ -14,6 +14,8 @@ keys and values for one layer at a time: memory linear in the sequence, not S x 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slimish.trainer.attention import SdpaAttention
@@ -39,6 +41,13 @@ class _AllGather(torch.autograd.Function):
         return total[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length], None, None, None
 
 
+@functools.lru_cache(maxsize=4)
+def _row_order(bounds: tuple[int, ...], size: int, rank: int, device) -> torch.Tensor:
+    """`ContextShard.order` of a micro-batch's bounds: built once per micro-batch, not once per layer (every layer
+    of a micro-batch, forward and backward recompute alike, sees the same bounds)."""
+    return ContextShard.of(list(bounds), size=size, rank=rank, group=None, device=device).order
+
+
 class ContextParallelSdpaAttention(SdpaAttention):
     """`SdpaAttention` over the context-parallel group's keys and values (see the module docstring). Input: this
     rank's tokens, [s_local, b, heads, dim] for padded rows (each row one sequence) or [t_local, heads, dim] for a
@@ -56,7 +65,7 @@ class ContextParallelSdpaAttention(SdpaAttention):
                              ps.get_context_parallel_group())
         packed = packed_seq_params is not None
         bounds = packed_seq_params.cu_seqlens_q.tolist() if packed else [0, query.shape[0] * size]
-        order = ContextShard.of(bounds, size=size, rank=rank, group=group, device=key.device).order
+        order = _row_order(tuple(bounds), size, rank, key.device)
         # The whole rows' keys and values, in row order.
         keys = _AllGather.apply(key, group, rank, size).index_select(0, order)
         values = _AllGather.apply(value, group, rank, size).index_select(0, order)
