@@ -390,7 +390,7 @@ def _check_layout(cfg: JobConfig) -> None:
         raise ConfigError("trainer.attention", f"got {cfg.trainer.attention} with tensor_parallel {tp}: "
                                                f"{MLA_LOCAL_SPEC_AT_TP}")
     _check_recompute(cfg.trainer, arch)
-    try:
+    try:  # the stages first, then their virtual chunks: an error names the key that broke the split
         pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
                               last=cfg.parallel.last_stage_layers)
         pipeline_stage_layers(arch.num_layers, pp, first=cfg.parallel.first_stage_layers,
