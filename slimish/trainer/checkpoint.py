@@ -67,13 +67,19 @@ def critic_path(policy_path: str | Path) -> str:
     return str(Path(policy_path).parent / "critic")
 
 
-def save(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+def save(chunks: list, optimizer, path: str | Path, *, lr_schedule=None, writes=None) -> None:
     """Write the model's (this rank's model `chunks`) and the optimizer's (Adam moments, step, fp32 main params)
-    sharded state to `path`, and the learning-rate schedule's position with it."""
+    sharded state to `path`, and the learning-rate schedule's position with it. With `writes` (a
+    `background_writes.BackgroundWrites`), return once the state is staged: the files are written in the background
+    and `path` is a dist checkpoint (metadata.json) only after `writes.finish()`."""
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_state(chunks, optimizer, is_loading=False), str(path))
+    state = _state(chunks, optimizer, is_loading=False)
+    if writes is None:
+        dist_checkpointing.save(state, str(path))
+    else:
+        writes.schedule(dist_checkpointing.save(state, str(path), async_sharded_save=True))
     if torch.distributed.get_rank() == 0:
         record = {"distributed": _is_distributed(optimizer), "adam": megatron_adam.megatron_builds()}
         if lr_schedule is not None:

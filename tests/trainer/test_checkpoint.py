@@ -118,6 +118,19 @@ def test_distributed_optimizer_resumes_exactly_and_at_another_layout(task_assets
         _world(task_assets, tmp_path / "plain", LAYOUTS["tp1"], mode="load", ckpt=ckpt)
 
 
+def test_a_background_save_overlaps_the_next_step_and_resumes_exactly(task_assets, tmp_path):
+    """checkpoint.async_save at DP2 with the distributed optimizer: the save returns with the files unwritten, the
+    next step runs while the writer is held (so the overlap is certain), and the checkpoint then finished holds
+    the state at the save: a run loading it takes the same step to the same weights and losses, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    saved = _world(task_assets, tmp_path / "save", LAYOUTS["dp2"], mode="async", ckpt=ckpt, overrides=DISTRIBUTED)
+    assert saved["incomplete_during_step"] and saved["finished"] == 1
+    loaded = _world(task_assets, tmp_path / "load", LAYOUTS["dp2"], mode="load", ckpt=ckpt, overrides=DISTRIBUTED)
+    _assert_equal(saved["at_save"], loaded["at_load"])
+    assert loaded["metrics"] == saved["metrics"]
+    _assert_equal(saved["after"], loaded["after"])
+
+
 def test_ppo_critic_is_saved_beside_the_policy_and_resumes_exactly(task_assets, megatron_world, tmp_path):
     """advantage_estimator ppo: the value model and its optimizer go to `critic` beside the policy checkpoint; the
     resumed worker's next step (policy and critic: value_loss, critic_grad_norm) equals the uninterrupted one's."""
