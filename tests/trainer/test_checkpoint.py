@@ -118,6 +118,17 @@ def test_distributed_optimizer_resumes_exactly_and_at_another_layout(task_assets
         _world(task_assets, tmp_path / "plain", LAYOUTS["tp1"], mode="load", ckpt=ckpt)
 
 
+def test_a_checkpoint_in_megatrons_fully_reshardable_format_still_resumes_exactly(task_assets, tmp_path):
+    """Checkpoints of the distributed optimizer written before each rank saved its own shard (Megatron's
+    fully_reshardable format: the same keys, whole tensors) load into the sharded format's reader, bit-exactly."""
+    ckpt = tmp_path / "ckpt"
+    saved = _world(task_assets, tmp_path / "save", LAYOUTS["dp2"], mode="save_fully_reshardable", ckpt=ckpt,
+                   overrides=DISTRIBUTED)
+    loaded = _world(task_assets, tmp_path / "load", LAYOUTS["dp2"], mode="load", ckpt=ckpt, overrides=DISTRIBUTED)
+    _assert_equal(saved["at_save"], loaded["at_load"])
+    _assert_equal(saved["after"], loaded["after"])
+
+
 def test_a_background_save_overlaps_the_next_step_and_resumes_exactly(task_assets, tmp_path):
     """checkpoint.async_save at DP2 with the distributed optimizer: the save returns with the files unwritten, the
     next step runs while the writer is held (so the overlap is certain), and the checkpoint then finished holds
