@@ -227,17 +227,20 @@ EXPERT_LAYOUTS = {"tp2-etp1": (2, 2, 1, ("parallel.sequence_parallel=true", "par
                   "tp1": (1, 1, 1, ())}
 
 
+@pytest.mark.parametrize("optimizer", [(), DISTRIBUTED], ids=["plain", "distributed"])
 def test_expert_tensor_parallel_checkpoint_resumes_exactly_and_at_other_layouts(task_assets, tiny_moe_models,
-                                                                               tmp_path):
+                                                                               tmp_path, optimizer):
     """Saved at ETP1 x TP2, the checkpoint (model and Adam state, the experts' in an optimizer part of their own at
     every layout: `trainer.model._mark_expert_data_parallel`) resumes bit-exactly at the same layout, and loads at
-    one rank and at ETP1 x TP2 x EP2 (the next step then differs by reduction order only)."""
+    one rank and at ETP1 x TP2 x EP2 (the next step then differs by reduction order only). With the distributed
+    optimizer the experts' Adam state is sharded over their data-parallel group of 2 (expert weights with
+    prepended layer and expert axes, gated fc1 split in two: `slimish.trainer.optimizer_shards`' boxes)."""
     assets = {**task_assets, "model": str(tiny_moe_models["glm4_moe"])}
 
     def world(name: str, mode: str) -> dict:
         *layout, overrides = EXPERT_LAYOUTS[name]
         return _world(assets, tmp_path / f"{mode}-{name}", tuple(layout), mode=mode, ckpt=tmp_path / "ckpt",
-                      overrides=overrides)
+                      overrides=overrides + optimizer)
 
     saved = world("tp2-etp1", "save")
     same = world("tp2-etp1", "load")
