@@ -206,5 +206,6 @@ def _apply(part, loaded: dict) -> None:
         part._set_main_param_and_optimizer_states(param, flat)
     if isinstance(part.optimizer, HybridDeviceOptimizer):
         part.optimizer._sync_hdo_state_to_sub_optimizers()
+    part._slimish_copied = copied  # parameters whose boxes the last load copied (tests: 0 on the CPU)
     logger.debug("distributed optimizer shards of %d parameters loaded, %d of them through a copy",
                  len(part._slimish_shards), copied)

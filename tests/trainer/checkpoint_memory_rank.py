@@ -5,7 +5,8 @@ Two GRPO steps (the Adam state exists), then a save to CKPT and a load of it int
 the rise of this process's resident-memory high-water mark over its resident size just before (VmHWM, reset via
 /proc/self/clear_refs). --format fully_reshardable saves and loads in Megatron's format that slimish used before
 `slimish.trainer.optimizer_shards`. Writes OUT/rank{R}.json: the two rises, the bytes of the fp32 main weights and
-Adam moments of the whole stage and of this rank's shard.
+Adam moments of the whole stage and of this rank's shard, and (shards) how many parameters' loaded boxes were copied
+rather than read in place.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main() -> None:
     result = {"stage_bytes": stage * STATE_BYTES_PER_PARAM, "shard_bytes": shard * STATE_BYTES_PER_PARAM,
               "save": measured(lambda: worker.save_checkpoint(args.ckpt)),
               "load": measured(lambda: worker.load_checkpoint(args.ckpt))}
+    if args.format == "shards":  # parameters whose loaded boxes were copied rather than read in place
+        result["copied"] = sum(part._slimish_copied for part in checkpoint._distributed_parts(policy.optimizer))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{args.rank}.json").write_text(json.dumps(result))
