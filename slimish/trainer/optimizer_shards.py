@@ -14,8 +14,8 @@ a parameter is a contiguous range of the (local, TP / EP-split) parameter flatte
 at most 2 x ndim - 1 boxes (a partial row, whole rows, a partial row, recursively), and each box is a regular chunk
 of the global tensor, under the key `fully_reshardable` gives the whole tensor (optimizer.state.<param | exp_avg |
 exp_avg_sq>.<model key>). So:
-- on save, every rank describes views of its own optimizer state: nothing is gathered or copied (the writer stages
-  each tensor as it writes it);
+- on save, every rank describes views of its own optimizer state: nothing is gathered (Megatron's writer then
+  stages a host copy of what the rank writes: its shard, 12 / DP bytes per parameter of its model slice);
 - on load, every rank asks for its boxes only and torch's DCP reads them, in place, into the optimizer's state;
 - the checkpoint holds global tensors, so it loads at any TP / PP / DP / EP layout; a checkpoint written in
   `fully_reshardable` (slimish before this module) has the same keys and shapes and loads the same way.
