@@ -332,7 +332,6 @@ class RLJob:
                 self.phase_begins("train", step)
                 with self.timer("train"):
                     train_metrics, advantages = self.rl_step(samples, step)
-                self.finish_checkpoint()  # checkpoint.async_save: the last step's, written while this one trained
                 if self.cfg.run.save_rollouts:
                     self.save_rollouts(step, samples, advantages)
                 if generating is not None:
@@ -350,6 +349,9 @@ class RLJob:
                            "engine_weight_version": self.engine_sync.engine_version,
                            "trainer_calls": self.trainer.pop_calls(),
                            **(self.turns.pop_metrics() if self.turns is not None else {})}
+                # checkpoint.async_save: the last step's checkpoint, written while this one ran, is committed here,
+                # outside the step's trainer calls and times as a synchronous save is.
+                self.finish_checkpoint()
                 if evaluating:
                     metrics.update(self.evaluate(step))
                 metrics["time_step_s"] = metrics["time_rollout_s"] + metrics["time_train_s"] + metrics["time_sync_s"]
