@@ -417,6 +417,11 @@ class CheckpointConfig:
                   "directory continues) does with checkpoints of another run found in its run directory: 'refuse' "
                   "stops it in one line; 'archive' moves them, and the directory's metrics.jsonl, to "
                   "archive/<their run id>/; 'delete' deletes them.")
+    async_save: bool = doc(False, "Write a checkpoint's files in the background while the next step runs: the "
+                                  "trainer returns once its state is copied to host memory (each rank its own "
+                                  "shard), and the checkpoint is committed (renamed to step_<N>, older ones pruned) "
+                                  "after the next step, or before a stop. A crash before that leaves the previous "
+                                  "checkpoint the newest. The last step's save is written at once.")
     save_on_signal: bool = doc(True, "SIGTERM or SIGUSR1 (scancel, a Slurm time limit with --signal, preemption) "
                                      "lets the step finish, saves it and stops with exit code 75, which "
                                      "launch/train.sbatch answers with a requeue; false = stop at once.")

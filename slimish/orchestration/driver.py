@@ -92,6 +92,8 @@ class RLJob:
         self._phase_hook = load_function(cfg.run.phase_hook) if cfg.run.phase_hook else None
         self.progress_bar = progress_bar
         self.turns: ColocatedTurns | None = None  # placement.colocate: trainer and engines take turns on the GPUs
+        # A saved checkpoint not yet committed (staging dir, driver.json's state, start time): checkpoint.async_save
+        self.pending_save: tuple[Path, dict, float] | None = None
         self.stop = GracefulStop(enabled=cfg.checkpoint.save_on_signal, grace_s=cfg.checkpoint.signal_grace_s)
 
     def say(self, line: str) -> None:
@@ -175,26 +177,50 @@ class RLJob:
         self.say(f"resumed from {self.resume_from} (step {state['step']}, weight version {state['weight_version']})")
         return state["step"]
 
-    def save_checkpoint(self, step: int, elapsed_s: float, upcoming: list[Sample] = ()) -> Path:
+    def save_checkpoint(self, step: int, elapsed_s: float, upcoming: list[Sample] = (), *,
+                        background: bool = False) -> Path:
         """Write checkpoints/step_<step>/ (see checkpoints.py for why a crash here never leaves a complete-looking
-        checkpoint), then prune to checkpoint.keep_last. `upcoming`: the next step's samples, already collected
-        (one_step_off): saved with the rollout buffer, as its first finished groups, so they train first after a
-        resume."""
+        checkpoint), then prune to checkpoint.keep_last; returns its path. `upcoming`: the next step's samples,
+        already collected (one_step_off): saved with the rollout buffer, as its first finished groups, so they
+        train first after a resume. `background` (checkpoint.async_save): the trainer's files are still being
+        written when this returns the staging directory; `finish_checkpoint` commits it (and only then prunes)."""
         t0 = time.monotonic()
+        # One save in flight: the earlier one commits first (`begin` deletes staging directories it finds).
+        self.finish_checkpoint()
         staging = checkpoints.begin(self.run_dir, step)
         with self.turns.saving(step) if self.turns is not None else contextlib.nullcontext():
-            self.trainer.call("save_checkpoint", str(staging / run_layout.TRAINER_DIR))
-        rollout = ray.get(self.rollout_manager.state.remote())
+            self.trainer.call("save_checkpoint", str(staging / run_layout.TRAINER_DIR), background)
+        rollout = self.rollout_state()
         checkpoints.write_rollout_buffer(staging, groups_of(upcoming) + rollout["scheduler"].pop("groups"))
-        path = checkpoints.commit(staging, {
+        driver_state = {
             "step": step, "weight_version": step, "time_elapsed_s": elapsed_s, "rollout": rollout,
             "lineage": self.lineage,
             "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
                        "pipeline_parallel": self.cfg.parallel.pipeline_parallel,
-                       "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}})
+                       "num_trainer_ranks": self.cfg.parallel.num_trainer_ranks}}
+        self.pending_save = (staging, driver_state, t0)
+        if background:
+            self.say(f"checkpoint of step {step} staged in {time.monotonic() - t0:.1f}s; its files are written "
+                     "while the next step runs")
+            return staging
+        return self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> Path | None:
+        """Commit the checkpoint saved last, once the trainer's files are all written (waiting for a background
+        save), and prune to checkpoint.keep_last; returns its path (None when no save is pending)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return None
+        staging, driver_state, t0 = pending
+        self.trainer.call("finish_checkpoint")  # every rank's writer done, metadata.json written
+        path = checkpoints.commit(staging, driver_state)
         checkpoints.prune(self.run_dir, self.cfg.checkpoint.keep_last, self.lineage)
         self.say(f"checkpoint {path} saved in {time.monotonic() - t0:.1f}s")
         return path
+
+    def rollout_state(self) -> dict:
+        """The rollout manager's state for a checkpoint (prompt stream position, scheduler, buffered groups)."""
+        return ray.get(self.rollout_manager.state.remote())
 
     def rollout(self, step: int) -> tuple[list[Sample], dict]:
         """The step's scored groups, to be trained by weight version step - 1 (which the engines serve, or with
@@ -323,6 +349,9 @@ class RLJob:
                            "engine_weight_version": self.engine_sync.engine_version,
                            "trainer_calls": self.trainer.pop_calls(),
                            **(self.turns.pop_metrics() if self.turns is not None else {})}
+                # checkpoint.async_save: the last step's checkpoint, written while this one ran, is committed here,
+                # outside the step's trainer calls and times as a synchronous save is.
+                self.finish_checkpoint()
                 if evaluating:
                     metrics.update(self.evaluate(step))
                 metrics["time_step_s"] = metrics["time_rollout_s"] + metrics["time_train_s"] + metrics["time_sync_s"]
@@ -336,7 +365,8 @@ class RLJob:
                 self.check_skipped_steps(step, metrics.get("skipped_steps", 0))
                 saved = bool(save_every) and (step % save_every == 0 or step == total)
                 if saved:
-                    self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [])
+                    self.save_checkpoint(step, metrics["time_elapsed_s"], upcoming=upcoming[0] if upcoming else [],
+                                         background=self.cfg.checkpoint.async_save and step < total)
                 if step < total:
                     self.stop_if_asked(step, saved=saved, elapsed_s=metrics["time_elapsed_s"],
                                        upcoming=upcoming[0] if upcoming else [])
@@ -358,6 +388,7 @@ class RLJob:
         signum = self.stop.requested
         if signum is None:
             return
+        self.finish_checkpoint()  # a background save commits before the job stops
         self.say(f"{signal.Signals(signum).name} {self.stop.waited_s():.0f}s ago: stopping after step {step}"
                  + ("" if saved else ", saving it first"))
         if not saved:

@@ -24,12 +24,14 @@ import torch
 
 from slimish.compat import megatron_adam
 from slimish.megatron_bridge.errors import CheckpointError
+from slimish.trainer import optimizer_shards
 
 logger = logging.getLogger(__name__)
 
-# The distributed optimizer's state is saved per parameter (gathered over the data-parallel group on save, sliced on
-# load), so its checkpoints too load at any TP / PP / DP layout; but only by a distributed optimizer again.
-# (Its default format in Megatron-Core 0.16, fully_sharded_model_space, no longer saves: flattened ShardedTensors.)
+# The distributed optimizer's state is saved per parameter, each rank writing and reading only its own shard
+# (`slimish.trainer.optimizer_shards`, which replaces Megatron's param_state), so its checkpoints too load at any
+# TP / PP / DP layout; but only by a distributed optimizer again. The sharding type named here is what Megatron's
+# ChainedOptimizer reads to key its parts (as before: fully_reshardable checkpoints keep loading).
 METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 OPTIMIZER_FILE = "slimish_optimizer.json"  # which optimizer wrote the checkpoint (distributed or plain, which Adam)
 
@@ -54,6 +56,8 @@ def _model_keys(chunks: list) -> list[str]:
 
 
 def _state(chunks: list, optimizer, *, is_loading: bool) -> dict:
+    for part in _distributed_parts(optimizer):
+        optimizer_shards.install(part)
     models = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
     return {**models, "optimizer": optimizer.sharded_state_dict(models, is_loading=is_loading, metadata=METADATA)}
 
@@ -63,13 +67,19 @@ def critic_path(policy_path: str | Path) -> str:
     return str(Path(policy_path).parent / "critic")
 
 
-def save(chunks: list, optimizer, path: str | Path, *, lr_schedule=None) -> None:
+def save(chunks: list, optimizer, path: str | Path, *, lr_schedule=None, writes=None) -> None:
     """Write the model's (this rank's model `chunks`) and the optimizer's (Adam moments, step, fp32 main params)
-    sharded state to `path`, and the learning-rate schedule's position with it."""
+    sharded state to `path`, and the learning-rate schedule's position with it. With `writes` (a
+    `background_writes.BackgroundWrites`), return once the state is staged: the files are written in the background
+    and `path` is a dist checkpoint (metadata.json) only after `writes.finish()`."""
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_state(chunks, optimizer, is_loading=False), str(path))
+    state = _state(chunks, optimizer, is_loading=False)
+    if writes is None:
+        dist_checkpointing.save(state, str(path))
+    else:
+        writes.schedule(dist_checkpointing.save(state, str(path), async_sharded_save=True))
     if torch.distributed.get_rank() == 0:
         record = {"distributed": _is_distributed(optimizer), "adam": megatron_adam.megatron_builds()}
         if lr_schedule is not None:

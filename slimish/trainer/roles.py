@@ -47,10 +47,10 @@ class TrainedRole:
         self.models, self.optimizer, self.lr_schedule = wrap_for_training(chunks, opt_cfg, lr=lr,
                                                                           total_steps=total_steps)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, writes=None) -> None:
         from slimish.trainer import checkpoint
 
-        checkpoint.save(self.chunks, self.optimizer, path, lr_schedule=self.lr_schedule)
+        checkpoint.save(self.chunks, self.optimizer, path, lr_schedule=self.lr_schedule, writes=writes)
 
     def load(self, path: str) -> None:
         from slimish.trainer import checkpoint

@@ -44,6 +44,7 @@ class TrainerWorker:
                                    expert_parallel=par.expert_parallel)
         self._offloaded: list = []  # what offload() took, until onload()
         self._offloaded_parts: set[str] = set()
+        self._writes = None  # background checkpoint writes (checkpoint.async_save), from the first such save
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -145,28 +146,43 @@ class TrainerWorker:
         return rl_step.sft_step(self.step, samples)
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, background: bool = False) -> None:
         """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
         calls it), and the critic's, if any, beside it (`checkpoint.critic_path`). The reference model is not saved:
         it is the initial policy, rebuilt from model.hf_path. An offloaded trainer is onloaded for the save and
-        offloaded again after it (colocated, the engines release their KV cache around it)."""
+        offloaded again after it (colocated, the engines release their KV cache around it).
+        `background` (checkpoint.async_save): return once the state is staged in host memory; the files are
+        written while the next step runs, and `path` is complete only after `finish_checkpoint()`."""
         from slimish.trainer import checkpoint
 
+        self.finish_checkpoint()  # one save in flight at a time
         parts = tuple(self._offloaded_parts)
         if parts:  # saved from the device (Megatron's dist checkpoint), and offloaded again after
             self.onload()
         check_weights_finite(self.step.policy.chunks, doing=f"saving the checkpoint {Path(path).parent.name}")
-        self.step.policy.save(path)
+        if background and self._writes is None:
+            from slimish.trainer.background_writes import BackgroundWrites
+
+            self._writes = BackgroundWrites()
+        writes = self._writes if background else None
+        self.step.policy.save(path, writes)
         if self.step.critic is not None:
-            self.step.critic.save(checkpoint.critic_path(path))
+            self.step.critic.save(checkpoint.critic_path(path), writes)
         if parts:
             self.offload(parts)
+
+    def finish_checkpoint(self) -> int:
+        """Wait until the files of a background `save_checkpoint` are written on every rank and finalised (every
+        rank calls it; a no-op without one); returns the number of saves finished (policy and critic count one
+        each)."""
+        return self._writes.finish() if self._writes is not None and self._writes.pending else 0
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` at any layout into this (set-up) worker. The learning-rate
         schedule continues from the checkpoint's step with the config's shape (`slimish.trainer.lr_schedule`)."""
         from slimish.trainer import checkpoint
 
+        self.finish_checkpoint()
         self.step.policy.load(path)
         if self.step.critic is not None:
             self.step.critic.load(checkpoint.critic_path(path))
@@ -246,5 +262,7 @@ class TrainerWorker:
     def shutdown(self) -> None:
         from slimish.trainer.parallel import shutdown_parallel
 
+        if self._writes is not None:  # a save never finished is never committed: its writers go
+            self._writes.abort()
         self.sender.close()
         shutdown_parallel()

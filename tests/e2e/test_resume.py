@@ -21,7 +21,9 @@ from tests.e2e.procs import become_subreaper, leftovers, train_command
 MODES = {
     "sync": ["rollout.partial.mode=abort", "rollout.partial.over_sampling=2"],
     "one_step_off": ["rl.mode=one_step_off"],
-    "async": ["rl.mode=async", "rl.sync_every=2", "rollout.partial.mode=retract", "rollout.partial.over_sampling=2"],
+    # with checkpoint.async_save too: each step's checkpoint is written while the next one trains (but the last's)
+    "async": ["rl.mode=async", "rl.sync_every=2", "rollout.partial.mode=retract", "rollout.partial.over_sampling=2",
+              "checkpoint.async_save=true"],
 }
 
 
@@ -39,6 +41,8 @@ def test_run_resumes_from_its_last_checkpoint(task_assets, tmp_path, mode, attac
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     run_dir = tmp_path / "resume"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    if "checkpoint.async_save=true" in MODES[mode]:  # step 1's files were written while step 2 trained
+        assert "checkpoint of step 1 staged" in first.stdout and "checkpoint of step 2 staged" not in first.stdout
     resume_at = 1 if mode == "one_step_off" else 2
     buffer_file = run_dir / f"checkpoints/step_{resume_at}/rollout_buffer.jsonl"
     buffer = [json.loads(line) for line in buffer_file.read_text().splitlines()]

@@ -4,6 +4,7 @@ prompt stream continuing where the interrupted run left it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -316,3 +317,77 @@ def test_a_dead_jobs_disk_sync_directories_are_removed_at_the_next_start_and_no_
     assert remove_sync_leftovers(root_a) == 1
     assert sorted(p.name for p in root_a.iterdir()) == ["notes.txt"] and (root_b / "sync-x1y2").is_dir()
     assert remove_sync_leftovers(tmp_path / "missing") == 0
+
+
+class _BackgroundTrainer:
+    """A trainer group's checkpoint calls: a background save's files appear at finish_checkpoint only (as Megatron's
+    metadata.json does), a plain save's at once."""
+
+    def __init__(self):
+        self.calls, self.writing = [], None
+
+    def call(self, method: str, *args):
+        self.calls.append((method, *args))
+        if method == "save_checkpoint":
+            path, background = args
+            Path(path).mkdir(parents=True)
+            if background:
+                self.writing = Path(path)
+            else:
+                (Path(path) / "metadata.json").write_text("{}")
+        elif method == "finish_checkpoint" and self.writing is not None:
+            (self.writing / "metadata.json").write_text("{}")
+            self.writing = None
+
+
+def _async_job(run_dir, keep_last: int = 1):
+    from types import SimpleNamespace
+
+    from slimish.orchestration.driver import RLJob
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last),
+                          parallel=SimpleNamespace(tensor_parallel=1, pipeline_parallel=1, num_trainer_ranks=1))
+    job = SimpleNamespace(run_dir=run_dir, cfg=cfg, lineage="r1", turns=None, pending_save=None,
+                          trainer=_BackgroundTrainer(), said=[],
+                          rollout_state=lambda: {"scheduler": {"groups": []}})
+    job.say = job.said.append
+    for name in ("save_checkpoint", "finish_checkpoint"):
+        setattr(job, name, getattr(RLJob, name).__get__(job))
+    return job
+
+
+def test_a_background_save_commits_after_its_files_and_a_crash_before_keeps_the_previous_newest(tmp_path):
+    """checkpoint.async_save: while the trainer writes step 4 in the background, step 2 stays the newest complete
+    checkpoint and is not pruned (keep_last 1); a job that dies then resumes from step 2 and its next save clears
+    the staging directory. Finished, step 4 is committed, and only then is step 2 pruned."""
+    _save(tmp_path, 2, lineage="r1")
+    job = _async_job(tmp_path)
+    staging = job.save_checkpoint(4, 1.0, background=True)
+    assert staging.name.startswith(".partial-") and not (staging / "trainer" / "metadata.json").exists()
+    assert checkpoints.resume_path("auto", tmp_path, "r1").name == "step_2"
+    # The job dies here: nothing renamed the staging directory, and the next job resumes from step 2.
+    crashed = _async_job(tmp_path)
+    assert checkpoints.resume_path("auto", tmp_path, "r1").name == "step_2"
+    crashed.save_checkpoint(3, 1.0)  # synchronous
+    assert not staging.exists()
+    assert [p.name for _, p in run_layout.complete_checkpoints(tmp_path, "r1")] == ["step_3"]
+    # The same save finished instead: committed, then the older one pruned.
+    job = _async_job(tmp_path)
+    job.save_checkpoint(5, 1.0, background=True)
+    assert [p.name for _, p in run_layout.complete_checkpoints(tmp_path, "r1")] == ["step_3"]
+    path = job.finish_checkpoint()
+    assert path.name == "step_5" and (path / "trainer" / "metadata.json").is_file()
+    assert [p.name for _, p in run_layout.complete_checkpoints(tmp_path, "r1")] == ["step_5"]
+    assert job.finish_checkpoint() is None  # nothing pending
+
+
+def test_a_save_while_one_is_written_commits_that_one_first(tmp_path):
+    """Two background saves in a row: the first is finished and committed before the second's staging begins
+    (`begin` deletes staging directories it finds), so neither is lost."""
+    job = _async_job(tmp_path, keep_last=2)
+    job.save_checkpoint(2, 1.0, background=True)
+    job.save_checkpoint(4, 1.0, background=True)
+    assert [call[0] for call in job.trainer.calls] == ["save_checkpoint", "finish_checkpoint", "save_checkpoint"]
+    assert [p.name for _, p in run_layout.complete_checkpoints(tmp_path, "r1")] == ["step_2"]
+    job.finish_checkpoint()
+    assert [p.name for _, p in run_layout.complete_checkpoints(tmp_path, "r1")] == ["step_2", "step_4"]

@@ -58,7 +58,8 @@ def _job(tmp_path, requested):
     said, saved = [], []
     job = SimpleNamespace(stop=SimpleNamespace(requested=requested, waited_s=lambda: 2.0), say=said.append,
                           run_dir=tmp_path, lineage="r1", said=said, saved=saved,
-                          save_checkpoint=lambda step, elapsed, upcoming: saved.append(step))
+                          save_checkpoint=lambda step, elapsed, upcoming: saved.append(step),
+                          finish_checkpoint=lambda: None)
     return job, lambda step, **kw: RLJob.stop_if_asked(job, step, **kw)
 
 

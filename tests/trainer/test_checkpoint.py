@@ -118,6 +118,30 @@ def test_distributed_optimizer_resumes_exactly_and_at_another_layout(task_assets
         _world(task_assets, tmp_path / "plain", LAYOUTS["tp1"], mode="load", ckpt=ckpt)
 
 
+def test_a_checkpoint_in_megatrons_fully_reshardable_format_still_resumes_exactly(task_assets, tmp_path):
+    """Checkpoints of the distributed optimizer written before each rank saved its own shard (Megatron's
+    fully_reshardable format: the same keys, whole tensors) load into the sharded format's reader, bit-exactly."""
+    ckpt = tmp_path / "ckpt"
+    saved = _world(task_assets, tmp_path / "save", LAYOUTS["dp2"], mode="save_fully_reshardable", ckpt=ckpt,
+                   overrides=DISTRIBUTED)
+    loaded = _world(task_assets, tmp_path / "load", LAYOUTS["dp2"], mode="load", ckpt=ckpt, overrides=DISTRIBUTED)
+    _assert_equal(saved["at_save"], loaded["at_load"])
+    _assert_equal(saved["after"], loaded["after"])
+
+
+def test_a_background_save_overlaps_the_next_step_and_resumes_exactly(task_assets, tmp_path):
+    """checkpoint.async_save at DP2 with the distributed optimizer: the save returns with the files unwritten, the
+    next step runs while the writer is held (so the overlap is certain), and the checkpoint then finished holds
+    the state at the save: a run loading it takes the same step to the same weights and losses, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    saved = _world(task_assets, tmp_path / "save", LAYOUTS["dp2"], mode="async", ckpt=ckpt, overrides=DISTRIBUTED)
+    assert saved["incomplete_during_step"] and saved["finished"] == 1
+    loaded = _world(task_assets, tmp_path / "load", LAYOUTS["dp2"], mode="load", ckpt=ckpt, overrides=DISTRIBUTED)
+    _assert_equal(saved["at_save"], loaded["at_load"])
+    assert loaded["metrics"] == saved["metrics"]
+    _assert_equal(saved["after"], loaded["after"])
+
+
 def test_ppo_critic_is_saved_beside_the_policy_and_resumes_exactly(task_assets, megatron_world, tmp_path):
     """advantage_estimator ppo: the value model and its optimizer go to `critic` beside the policy checkpoint; the
     resumed worker's next step (policy and critic: value_loss, critic_grad_norm) equals the uninterrupted one's."""
@@ -203,17 +227,20 @@ EXPERT_LAYOUTS = {"tp2-etp1": (2, 2, 1, ("parallel.sequence_parallel=true", "par
                   "tp1": (1, 1, 1, ())}
 
 
+@pytest.mark.parametrize("optimizer", [(), DISTRIBUTED], ids=["plain", "distributed"])
 def test_expert_tensor_parallel_checkpoint_resumes_exactly_and_at_other_layouts(task_assets, tiny_moe_models,
-                                                                               tmp_path):
+                                                                               tmp_path, optimizer):
     """Saved at ETP1 x TP2, the checkpoint (model and Adam state, the experts' in an optimizer part of their own at
     every layout: `trainer.model._mark_expert_data_parallel`) resumes bit-exactly at the same layout, and loads at
-    one rank and at ETP1 x TP2 x EP2 (the next step then differs by reduction order only)."""
+    one rank and at ETP1 x TP2 x EP2 (the next step then differs by reduction order only). With the distributed
+    optimizer the experts' Adam state is sharded over their data-parallel group of 2 (expert weights with
+    prepended layer and expert axes, gated fc1 split in two: `slimish.trainer.optimizer_shards`' boxes)."""
     assets = {**task_assets, "model": str(tiny_moe_models["glm4_moe"])}
 
     def world(name: str, mode: str) -> dict:
         *layout, overrides = EXPERT_LAYOUTS[name]
         return _world(assets, tmp_path / f"{mode}-{name}", tuple(layout), mode=mode, ckpt=tmp_path / "ckpt",
-                      overrides=overrides)
+                      overrides=overrides + optimizer)
 
     saved = world("tp2-etp1", "save")
     same = world("tp2-etp1", "load")
