@@ -10,6 +10,7 @@ stage returns the last stage's metrics.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 import torch
 
 from slimish.config.schema import JobConfig
-from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+from slimish.megatron_bridge.initial_weights import InitialWeights
 from slimish.network import free_port, node_ip
 from slimish.sample import Sample
 from slimish.trainer import rl_step
@@ -28,6 +29,8 @@ from slimish.trainer.parallel import ParallelLayout, init_parallel
 from slimish.trainer.roles import Policy, Reference
 from slimish.trainer.schedule import check_weights_finite
 from slimish.weight_sync.sender import WeightSender
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerWorker:
@@ -89,8 +92,10 @@ class TrainerWorker:
             vpp = self.layout.virtual_pipeline
             return [build_chunk(i if vpp > 1 else None) for i in range(vpp)]
 
-        def load_weights(module):
-            load_hf_weights(module, self.cfg.model.hf_path, self.arch)
+        # model.hf_path or model.megatron_path, read once per rank (the later roles copy the policy's weights)
+        weights = InitialWeights(self.arch, hf_path=self.cfg.model.hf_path,
+                                 megatron_path=self.cfg.model.megatron_path)
+        load_weights = weights.load
 
         chunk, steps = self.cfg.trainer.logprob_chunk_tokens, rl_optimizer_steps(self.cfg)
         policy = Policy(build, load_weights, self.cfg.trainer.optimizer, total_steps=steps, chunk_tokens=chunk)
@@ -107,7 +112,9 @@ class TrainerWorker:
             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
             dp_group=ps.get_data_parallel_group(), pp_size=self.layout.pipeline_parallel,
             pp_group=ps.get_pipeline_model_parallel_group(), pp_last_rank=ps.get_pipeline_model_parallel_last_rank())
-        return {"num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
+        logger.info("trainer rank %d: %s", self.layout.rank, weights.summary())
+        return {"weights_read": weights.report(),
+                "num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
                 # where this rank's GPUs are, and the rank that sends its colocated engine the weights: that
                 # engine must see the sender's GPU (see engines.server.visible_devices)
                 "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
