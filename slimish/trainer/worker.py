@@ -47,6 +47,7 @@ class TrainerWorker:
                                    expert_parallel=par.expert_parallel)
         self._offloaded: list = []  # what offload() took, until onload()
         self._offloaded_parts: set[str] = set()
+        self.weights_read: dict = {}  # what reading the initial weights cost this rank (`InitialWeights.report`)
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -54,8 +55,9 @@ class TrainerWorker:
         return node_ip(), free_port()
 
     def setup(self, *, master_addr: str, master_port: int) -> dict:
-        """Join the trainer process group, build the roles from the HF checkpoint (the policy and its optimizer; the
-        reference model and the critic when the loss or estimator needs them)."""
+        """Join the trainer process group, build the roles from model.hf_path or model.megatron_path
+        (`InitialWeights`: the policy and its optimizer; the reference model and the critic when the loss or
+        estimator needs them, which copy the policy's weights rather than read them again)."""
         torch.set_num_threads(self.cfg.trainer.torch_threads)
         init_parallel(self.layout, master_addr=master_addr, master_port=master_port,
                       backend=self.cfg.parallel.backend, seed=self.cfg.run.seed)
@@ -112,8 +114,9 @@ class TrainerWorker:
             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
             dp_group=ps.get_data_parallel_group(), pp_size=self.layout.pipeline_parallel,
             pp_group=ps.get_pipeline_model_parallel_group(), pp_last_rank=ps.get_pipeline_model_parallel_last_rank())
+        self.weights_read = weights.report()
         logger.info("trainer rank %d: %s", self.layout.rank, weights.summary())
-        return {"weights_read": weights.report(),
+        return {"weights_read": self.weights_read,
                 "num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
                 # where this rank's GPUs are, and the rank that sends its colocated engine the weights: that
                 # engine must see the sender's GPU (see engines.server.visible_devices)
