@@ -9,9 +9,10 @@ data-parallel replica. Here:
   v; gate/up from its rows of each;
 - row-parallel parameters (`partition_dim` 1: o_proj, down_proj) read their columns: one positioned read per row of
   the HF tensor, each `cols / TP` wide (`HFCheckpoint.get(cols=)`). The trade-off against reading whole rows and
-  slicing in memory: 1/TP of the bytes, for one system call per row (16384 for a 405B o_proj, about 20 ms of calls
-  per tensor); on a cold cache the device still reads whole pages, so a slice narrower than a page (4 KiB: a bf16
-  row of 16384 columns at TP 8 is exactly 4 KiB) saves reads of the page cache only.
+  slicing in memory: 1/TP of the bytes, for one system call per row (16384 for a 405B o_proj: 0.09 s of calls per
+  tensor measured on a warm cache); on a cold cache the device still reads whole pages (and the kernel reads
+  ahead), so a slice narrower than a page (4 KiB: a bf16 row of 16384 columns at TP 8 is exactly 4 KiB) saves
+  copies out of the page cache, not disk reads.
 - MLA's rotary rows are reordered per block after the read when a rank's rows are whole blocks (per head for q);
   otherwise (the kv down projection's single block split over TP), and for anything else this module does not know
   how to slice, the whole tensors are read and sliced as before (`fallbacks` counts those).

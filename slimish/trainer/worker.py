@@ -158,8 +158,9 @@ class TrainerWorker:
     def save_checkpoint(self, path: str) -> None:
         """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
         calls it), and the critic's, if any, beside it (`checkpoint.critic_path`). The reference model is not saved:
-        it is the initial policy, rebuilt from model.hf_path. An offloaded trainer is onloaded for the save and
-        offloaded again after it (colocated, the engines release their KV cache around it)."""
+        it is the initial policy, rebuilt from model.hf_path (or model.megatron_path). An offloaded trainer is
+        onloaded for the save and offloaded again after it (colocated, the engines release their KV cache around
+        it)."""
         from slimish.trainer import checkpoint
 
         parts = tuple(self._offloaded_parts)
