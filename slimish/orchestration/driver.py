@@ -150,6 +150,7 @@ class RLJob:
         sft = self.cfg.sft
         if sft.steps == 0:
             if self.cfg.model.megatron_path:  # the engines booted with model.hf_path's weights, not the trainer's
+                self.trainer_turn(0)  # colocated: the trainer's weights back on the GPU for the sync, as SFT does
                 self.sync_weights(version=0)
             return
         # Tokenised by the rollout manager, which holds the tokenizer: the driver never imports transformers
