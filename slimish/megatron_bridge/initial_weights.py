@@ -84,7 +84,11 @@ def load_megatron_checkpoint(chunks: list, path: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     for chunk in chunks:
-        chunk.load_state_dict(dist_checkpointing.load(chunk.sharded_state_dict(), str(path)))
+        sharded = chunk.sharded_state_dict()
+        state = dist_checkpointing.load(sharded, str(path))
+        # A run's trainer checkpoint also gives back its common (non-tensor) state, the optimizer's param groups:
+        # keep the model's entries only.
+        chunk.load_state_dict({key: value for key, value in state.items() if key in sharded})
 
 
 class InitialWeights:
@@ -140,9 +144,11 @@ class InitialWeights:
                 f"{_size(report['read_bytes'])} (0 from the page cache) in {report['seconds']:.2f} s ({roles})")
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         nbytes /= 1024
-    return ""
+        if nbytes < 1024 or unit == "GiB":
+            break
+    return f"{nbytes:.1f} {unit}"

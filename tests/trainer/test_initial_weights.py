@@ -99,3 +99,16 @@ def test_a_wrong_megatron_path_is_one_line(task_assets, tiny_models, tmp_path):
         load_config(REPO / "configs/quickstart_cpu.yaml", [*base, f"model.megatron_path={other}"])
     for error in (missing, wrong):
         assert "\n" not in str(error.value) and "slimish convert hf-to-megatron" in str(error.value)
+
+
+def test_a_run_checkpoint_starts_a_job_at_another_layout(task_assets, tmp_path):
+    """model.megatron_path may also name a run's trainer checkpoint (model and optimizer state: the optimizer's is
+    left alone): a job at TP2 starts from the weights one rank saved after its step, so its first logprobs are the
+    one-rank job's logprobs after that step (within fp32 reduction-order noise)."""
+    (one,) = _run(task_assets, tmp_path / "one", world_size=1, tp=1, extra=("--more-steps",))
+    started = _run(task_assets, tmp_path / "tp2", world_size=2, tp=2,
+                   overrides=(f"model.megatron_path={tmp_path / 'one' / 'checkpoint'}",))
+    for result in started:
+        assert [role["source"] for role in result["weights_read"]["roles"]] == ["megatron", "shared"]
+        assert torch.allclose(result["before"], one["after"], atol=1e-5)
+        assert not torch.allclose(result["before"], one["before"], atol=1e-3), "the trained weights, not HF's"
