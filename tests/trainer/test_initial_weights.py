@@ -1,4 +1,4 @@
-"""Where the trainer's models start (`slimish.megatron_bridge.initial_weights`), on two gloo ranks at TP2 and PP2:
+"""Where the trainer's models start (`slimish.megatron_bridge.initial_weights`), on two gloo ranks at TP2, PP2, EP2:
 each rank reads about its share of the HF checkpoint (bytes the reader requested, and the process's rchar), the
 reference model copies the policy's weights instead of reading them again, and the first step's logprobs are those
 of whole reads; a job started from a torch_dist checkpoint converted at TP1 (model.megatron_path) computes the
@@ -112,3 +112,16 @@ def test_a_run_checkpoint_starts_a_job_at_another_layout(task_assets, tmp_path):
         assert [role["source"] for role in result["weights_read"]["roles"]] == ["megatron", "shared"]
         assert torch.allclose(result["before"], one["after"], atol=1e-5)
         assert not torch.allclose(result["before"], one["before"], atol=1e-3), "the trained weights, not HF's"
+
+
+def test_expert_parallel_ranks_read_their_experts_only(task_assets, tiny_moe_models, tmp_path):
+    """EP2 (Qwen3-MoE, two ranks, data parallel 2): each rank reads every tensor outside the experts and half the
+    experts' bytes, exactly."""
+    model = str(tiny_moe_models["qwen3_moe"])
+    ckpt = HFCheckpoint(model)
+    experts = sum(ckpt.nbytes(name) for name in ckpt.names() if ".mlp.experts." in name)
+    rest = _total_bytes(model) - experts
+    for result in _run({**task_assets, "model": model}, tmp_path, world_size=2, tp=1,
+                       overrides=("parallel.expert_parallel=2",)):
+        assert result["expert_sizes"]["ep"] == 2
+        assert result["weights_read"]["requested"] == rest + experts // 2
