@@ -94,13 +94,13 @@ def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Ru
 
 
 @torch.no_grad()
-def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture, *, whole: bool = False) -> int:
+def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture) -> int:
     """Copy every parameter of `model` (this rank's shard: a module or a list of model chunks) from the HF
     checkpoint; strict both ways (multi-token prediction layers are skipped by name, see `dense.is_mtp_tensor`).
 
-    Reads only this rank's slice of each tensor (`slice_read`: its layers, its experts, its TP rows or columns);
-    `whole=True` reads whole tensors and slices them in memory, as before (for comparisons). Returns how many
-    parameters were read whole anyway (a layout `slice_read` cannot slice); `ckpt.bytes_read` counts the bytes."""
+    Reads only this rank's slice of each tensor (`slice_read`: its layers, its experts, its TP rows or columns).
+    Returns how many parameters were read whole anyway (a layout `slice_read` cannot slice); `ckpt.bytes_read`
+    counts the bytes."""
     ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
     used: set[str] = set()
     mapped: set[str] = set()
@@ -108,7 +108,7 @@ def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture, *, whol
     for chunk in model_chunks(model):
         rules = _rules_for(chunk, arch)
         mapped.update(n for r in rules.values() for n in r.hf)
-        fallbacks += _load_chunk(chunk, rules, ckpt, arch, used, whole=whole)
+        fallbacks += _load_chunk(chunk, rules, ckpt, arch, used)
     unfilled = mapped - used
     if unfilled:
         raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
@@ -118,19 +118,15 @@ def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture, *, whol
     return fallbacks
 
 
-def _load_chunk(model: torch.nn.Module, rules: dict, ckpt: HFCheckpoint, arch: Architecture, used: set[str], *,
-                whole: bool) -> int:
+def _load_chunk(model: torch.nn.Module, rules: dict, ckpt: HFCheckpoint, arch: Architecture, used: set[str]) -> int:
     fallbacks = 0
     for raw, canonical, param in _named_params(model):
         rule = rules.get(canonical)
         if rule is None:
             raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
         tp_rank, tp_size, _ = _tp_info(expert=moe.is_expert(canonical))
-        if whole:
-            local = slice_read.read_whole(rule, param, ckpt, arch, tp_rank=tp_rank, tp_size=tp_size)
-        else:
-            local, fell_back = slice_read.read_local(rule, param, ckpt, arch, tp_rank=tp_rank, tp_size=tp_size)
-            fallbacks += fell_back
+        local, fell_back = slice_read.read_local(rule, param, ckpt, arch, tp_rank=tp_rank, tp_size=tp_size)
+        fallbacks += fell_back
         if local.shape != param.shape:
             raise MappingError(f"{raw}: HF {rule.hf} give shape {tuple(local.shape)}, model has {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
