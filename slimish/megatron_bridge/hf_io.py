@@ -108,11 +108,10 @@ class HFCheckpoint:
         start, stop = rows if rows is not None else (0, shape[0] if shape else 0)
         if shape and not 0 <= start <= stop <= shape[0]:
             raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
-        if cols is None:
-            if rows is None:
-                ranges, shape = [(offset, entry.nbytes)], shape
-            else:
-                ranges, shape = [(offset + start * row_bytes, (stop - start) * row_bytes)], (stop - start, *shape[1:])
+        if cols is None and rows is None:
+            ranges = [(offset, entry.nbytes)]
+        elif cols is None:
+            ranges, shape = [(offset + start * row_bytes, (stop - start) * row_bytes)], (stop - start, *shape[1:])
         else:
             if len(shape) < 2 or not 0 <= cols[0] <= cols[1] <= shape[1]:
                 raise ValueError(f"{name}: columns {cols} outside shape {shape}")
