@@ -39,6 +39,11 @@ class RunConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     hf_path: str = doc("", "Hugging Face checkpoint directory (config.json, safetensors, tokenizer files).")
+    megatron_path: str = doc("", "Start the policy and the reference model from this Megatron-Core torch_dist "
+                                 "checkpoint (what `slimish convert hf-to-megatron` writes, at any layout; or a "
+                                 "run's checkpoints/step_<N>/trainer) instead of hf_path's safetensors; config.json, "
+                                 "the tokenizer and the engines' first weights still come from hf_path, and the "
+                                 "engines get these weights before the first rollout. '' = start from hf_path.")
     dtype: Literal["float32", "bfloat16"] = doc("float32", "Parameter and compute dtype of trainer and engines.")
 
 

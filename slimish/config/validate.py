@@ -296,6 +296,8 @@ def _check_paths(cfg: JobConfig) -> None:
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
     _check_model(cfg.model.hf_path)
+    if cfg.model.megatron_path:
+        _check_megatron_path(cfg.model.megatron_path, cfg.model.hf_path)
     if not any((Path(cfg.model.hf_path) / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no tokenizer ({', '.join(TOKENIZER_FILES)}"
                                            "): copy the model's tokenizer files beside its weights")
@@ -440,6 +442,18 @@ def _check_model(path: str) -> None:
         HFCheckpoint(path)
     except (UnsupportedConfig, CheckpointError) as exc:
         raise ConfigError("model.hf_path", str(exc)) from None
+
+
+def _check_megatron_path(path: str, hf_path: str) -> None:
+    """model.megatron_path is a torch_dist checkpoint of the model of model.hf_path (its metadata only is read)."""
+    from slimish.megatron_bridge.errors import CheckpointError
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.initial_weights import check_megatron_checkpoint
+
+    try:
+        check_megatron_checkpoint(path, architecture_from_hf(read_hf_config(hf_path)), hf_path)
+    except CheckpointError as exc:
+        raise ConfigError("model.megatron_path", str(exc)) from None
 
 
 def _check_resume(resume: str) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slimish.megatron_bridge import dense, moe, sharding
+from slimish.megatron_bridge import dense, moe, sharding, slice_read
 from slimish.megatron_bridge.errors import MappingError
 from slimish.megatron_bridge.hf_config import Architecture
 from slimish.megatron_bridge.hf_io import HFCheckpoint
@@ -94,36 +94,63 @@ def _rules_for(model: torch.nn.Module, arch: Architecture) -> dict[str, dense.Ru
 
 
 @torch.no_grad()
-def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture) -> None:
+def load_hf_weights(model, ckpt: HFCheckpoint | str, arch: Architecture) -> int:
     """Copy every parameter of `model` (this rank's shard: a module or a list of model chunks) from the HF
-    checkpoint; strict both ways (multi-token prediction layers are skipped by name, see `dense.is_mtp_tensor`)."""
+    checkpoint; strict both ways (multi-token prediction layers are skipped by name, see `dense.is_mtp_tensor`).
+
+    Reads only this rank's slice of each tensor (`slice_read`: its layers, its experts, its TP rows or columns).
+    Returns how many parameters were read whole anyway (a layout `slice_read` cannot slice); `ckpt.bytes_read`
+    counts the bytes."""
     ckpt = HFCheckpoint(ckpt) if not isinstance(ckpt, HFCheckpoint) else ckpt
     used: set[str] = set()
     mapped: set[str] = set()
+    fallbacks = 0
     for chunk in model_chunks(model):
         rules = _rules_for(chunk, arch)
         mapped.update(n for r in rules.values() for n in r.hf)
-        _load_chunk(chunk, rules, ckpt, arch, used)
+        fallbacks += _load_chunk(chunk, rules, ckpt, arch, used)
     unfilled = mapped - used
     if unfilled:
         raise MappingError(f"HF tensors mapped but never loaded: {sorted(unfilled)[:5]}")
     unknown = dense.unmapped_hf_names(ckpt.names(), arch)
     if unknown:
         raise MappingError(f"HF tensors with no Megatron mapping (would be dropped): {unknown[:5]}")
+    return fallbacks
 
 
-def _load_chunk(model: torch.nn.Module, rules: dict, ckpt: HFCheckpoint, arch: Architecture, used: set[str]) -> None:
+def _load_chunk(model: torch.nn.Module, rules: dict, ckpt: HFCheckpoint, arch: Architecture, used: set[str]) -> int:
+    fallbacks = 0
     for raw, canonical, param in _named_params(model):
         rule = rules.get(canonical)
         if rule is None:
             raise MappingError(f"Megatron parameter {raw!r} has no HF mapping for family {arch.family!r}")
         tp_rank, tp_size, _ = _tp_info(expert=moe.is_expert(canonical))
-        full = dense.to_megatron(rule, [ckpt.get(n) for n in rule.hf], arch)
-        local = sharding.shard(full, param, rule.kind, tp_rank, tp_size)
+        local, fell_back = slice_read.read_local(rule, param, ckpt, arch, tp_rank=tp_rank, tp_size=tp_size)
+        fallbacks += fell_back
         if local.shape != param.shape:
             raise MappingError(f"{raw}: HF {rule.hf} give shape {tuple(local.shape)}, model has {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
         used.update(rule.hf)
+    return fallbacks
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> bool:
+    """Copy every weight of the model `source` (a module or its chunks) into `target`, built alike (the reference
+    model from the freshly loaded policy: one read of the checkpoint for both). False, copying nothing, when their
+    weights differ in names or shapes."""
+    pairs = []
+    for src_chunk, dst_chunk in itertools.zip_longest(model_chunks(source), model_chunks(target)):
+        if src_chunk is None or dst_chunk is None:
+            return False
+        src = {canonical: param for _, canonical, param in _named_params(src_chunk)}
+        dst = {canonical: param for _, canonical, param in _named_params(dst_chunk)}
+        if src.keys() != dst.keys() or any(src[n].shape != dst[n].shape for n in src):
+            return False
+        pairs += [(src[name], dst[name]) for name in dst]
+    for src, dst in pairs:
+        dst.copy_(src)
+    return True
 
 
 def export_entries(model, arch: Architecture) -> Iterator[tuple[dense.Rule, torch.Tensor, bool]]:

@@ -185,7 +185,19 @@ def to_megatron(rule: Rule, hf: list[torch.Tensor], arch: Architecture) -> torch
         return torch.cat(hf, dim=0)
     if rule.kind in mla.ROPE_KINDS:
         return mla.to_megatron(rule, hf, arch)
-    groups, q_width, kv_width = _qkv_groups(arch)
+    return fuse_qkv(hf, arch)
+
+
+def qkv_widths(arch: Architecture) -> tuple[int, int, int]:
+    """(query groups, q rows per group, k (= v) rows per group) of the fused q/k/v tensor."""
+    return _qkv_groups(arch)
+
+
+def fuse_qkv(hf: list[torch.Tensor], arch: Architecture, *, groups: int | None = None) -> torch.Tensor:
+    """Megatron's fused q/k/v rows, interleaved by query group, from q, k and v holding `groups` consecutive groups
+    (default: all of them; a tensor-parallel rank's slice holds groups / TP)."""
+    all_groups, q_width, kv_width = _qkv_groups(arch)
+    groups = all_groups if groups is None else groups
     q, k, v = hf
     tail = q.shape[1:]  # (hidden,) for weights, () for biases
     fused = torch.cat([q.reshape(groups, q_width, *tail), k.reshape(groups, kv_width, *tail),

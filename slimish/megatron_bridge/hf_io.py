@@ -75,6 +75,7 @@ class HFCheckpoint:
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors or {INDEX}")
         self._entries: dict[str, _Entry] = {}
+        self.bytes_read = 0  # tensor bytes asked of the files by `get` so far (headers not counted)
         for file in files:
             self._entries.update(_read_header(file))
 
@@ -95,34 +96,56 @@ class HFCheckpoint:
     def nbytes(self, name: str) -> int:
         return self._entry(name).nbytes
 
-    def get(self, name: str, *, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stored tensor, or its rows [start, stop) along dim 0, read into `out` (contiguous, matching shape and
-        dtype) or a fresh tensor."""
+    def get(self, name: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored tensor, or its rows [start, stop) along dim 0 and / or its columns [start, stop) along dim 1,
+        read into `out` (contiguous, matching shape and dtype) or a fresh tensor. Only those bytes are read: rows are
+        one contiguous range; columns are one positioned read per row (a strided read: the row's other columns are
+        never read, at the cost of a system call per row). `bytes_read` counts every byte asked of the files."""
         entry = self._entry(name)
-        shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
-        if rows is not None:
-            start, stop = rows
-            if not 0 <= start <= stop <= shape[0]:
-                raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
-            row_bytes = nbytes // shape[0] if shape[0] else 0
-            shape, offset, nbytes = (stop - start, *shape[1:]), offset + start * row_bytes, (stop - start) * row_bytes
+        shape, offset = entry.shape, entry.offset
+        row_bytes = entry.nbytes // shape[0] if shape and shape[0] else 0
+        start, stop = rows if rows is not None else (0, shape[0] if shape else 0)
+        if shape and not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
+        if cols is None and rows is None:
+            ranges = [(offset, entry.nbytes)]
+        elif cols is None:
+            ranges, shape = [(offset + start * row_bytes, (stop - start) * row_bytes)], (stop - start, *shape[1:])
+        else:
+            if len(shape) < 2 or not 0 <= cols[0] <= cols[1] <= shape[1]:
+                raise ValueError(f"{name}: columns {cols} outside shape {shape}")
+            col_bytes = row_bytes // shape[1] if shape[1] else 0
+            width = (cols[1] - cols[0]) * col_bytes
+            ranges = [(offset + row * row_bytes + cols[0] * col_bytes, width) for row in range(start, stop)]
+            shape = (stop - start, cols[1] - cols[0], *shape[2:])
         if out is None:
             out = torch.empty(shape, dtype=entry.dtype)
         elif tuple(out.shape) != shape or out.dtype != entry.dtype or not out.is_contiguous():
             raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {shape} {entry.dtype}")
+        nbytes = sum(size for _, size in ranges)
         # A ctypes view of the tensor's memory: unlike .numpy(), it leaves the storage resizable (releasable).
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B") if nbytes else b""
         try:
             with open(entry.file, "rb", buffering=0) as f:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], offset + done)
-                    if got == 0:
-                        raise OSError(f"unexpected end of file at byte {offset + done}")
-                    done += got
+                at = 0
+                for file_offset, size in ranges:
+                    _pread_into(f.fileno(), view[at:at + size], file_offset)
+                    at += size
         except OSError as exc:
             raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
+        self.bytes_read += nbytes
         return out
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the file's bytes from `offset` on (several reads where one would exceed `_MAX_READ`)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+        if got == 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += got
 
 
 def _shard_names(count: int) -> list[str]:

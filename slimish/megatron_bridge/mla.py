@@ -62,7 +62,7 @@ def tp_splits(arch: Architecture) -> list[tuple[str, int]]:
     return splits
 
 
-def _rope_block(rule: Rule, arch: Architecture) -> tuple[int, int]:
+def rope_block(rule: Rule, arch: Architecture) -> tuple[int, int]:
     """(rows per block, offset of the rotary rows in it): per head for q, once for the kv down projection."""
     mla = arch.mla
     if rule.kind == Q_ROPE:
@@ -74,7 +74,7 @@ def _permute_rope(rule: Rule, tensor: torch.Tensor, arch: Architecture, *, to_me
     """Reorder the rotary rows of every block: HF's non-interleaved RoPE rotates pairs (j, j + d/2), Megatron's MLA
     de-interleaves pairs (2j, 2j + 1) before rotating, so Megatron row 2j holds HF row j and 2j + 1 row j + d/2.
     Both q and k get the same permutation, which leaves every q.k product, hence the model, unchanged."""
-    block, start = _rope_block(rule, arch)
+    block, start = rope_block(rule, arch)
     d = arch.mla.qk_rope_head_dim
     tail = tensor.shape[1:]
     blocks = tensor.reshape(-1, block, *tail)

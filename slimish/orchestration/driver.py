@@ -35,7 +35,7 @@ from slimish.network import JOB_KEY_FILE, new_engine_keys, read_keys
 from slimish.orchestration import checkpoints
 from slimish.orchestration.colocation import ColocatedTurns
 from slimish.orchestration.graceful_stop import GracefulStop, StoppedOnSignal
-from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line
+from slimish.orchestration.metrics import MetricsLogger, PhaseTimer, format_line, startup_metrics
 from slimish.orchestration.placement import placement_record
 from slimish.orchestration.ray_cluster import TrainerGroup, init_ray, ray, reserve_slots, rollout_actor
 from slimish.orchestration.run_lock import RunLock
@@ -147,9 +147,13 @@ class RLJob:
 
     def warmup(self) -> None:
         """Optional SFT warm-up in Megatron at the constant sft.lr (each RL step then sets its own lr from
-        trainer.optimizer's schedule), then push the warmed-up weights (version 0) to the engines."""
+        trainer.optimizer's schedule), then push the warmed-up weights (version 0) to the engines; without a
+        warm-up, push them only when the trainer started from model.megatron_path (the engines have hf_path's)."""
         sft = self.cfg.sft
         if sft.steps == 0:
+            if self.cfg.model.megatron_path:  # the engines booted with model.hf_path's weights, not the trainer's
+                self.trainer_turn(0)  # colocated: the trainer's weights back on the GPU for the sync, as SFT does
+                self.sync_weights(version=0)
             return
         # Tokenised by the rollout manager, which holds the tokenizer: the driver never imports transformers
         # (~4 s of CPU at every job's start here).
@@ -308,6 +312,10 @@ class RLJob:
             info = self.start()
             self.say(f"engines up in {info['time_engines_start_s']:.0f}s at {info['engine_urls']}; router "
                   f"{info['router_url']}; trainer {info['num_params']:,} params")
+            startup = startup_metrics(info["weights_read"])
+            self.say(f"trainer ranks read their initial weights from {info['weights_read'][0]['source']}: at most "
+                     f"{startup['startup_weights_rchar_max'] / 2**20:.1f} MiB (rchar) and "
+                     f"{startup['startup_weights_s_max']:.1f} s per rank")
             done = 0
             if self.resume_state:
                 done = self.restore()  # no SFT warm-up: the checkpoint already holds its result
@@ -359,6 +367,9 @@ class RLJob:
                 # while the trainer trains).
                 metrics["tokens_per_s"] = metrics["engine_tokens"] / max(metrics["time_step_s"], 1e-9)
                 metrics["time_elapsed_s"] = time.monotonic() - t0
+                if startup:  # the start-up's figures, with the first step this job ran
+                    metrics.update(startup)
+                    startup = {}
                 self.metrics.log(step, metrics)
                 if step % self.cfg.run.log_every == 0 or step == total:
                     self.say(format_line(step, total, metrics))

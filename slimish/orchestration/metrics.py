@@ -34,6 +34,15 @@ class PhaseTimer:
         return times
 
 
+def startup_metrics(weights_read: list[dict]) -> dict[str, float]:
+    """The start-up's per-rank costs of reading the initial weights (`InitialWeights.report` of every trainer rank):
+    the largest over the ranks of the bytes the HF reader requested (0 from a torch_dist checkpoint), the process's
+    rchar and read_bytes (0 from the page cache; see docs/cpu-notes.md), and the seconds."""
+    return {f"startup_weights_{key}_max": float(max(rank[key] for rank in weights_read))
+            for key in ("requested", "rchar", "read_bytes")} | {
+        "startup_weights_s_max": max(rank["seconds"] for rank in weights_read)}
+
+
 class MetricsLogger:
     """Appends to metrics.jsonl, TensorBoard and, with `wandb_project`, Weights & Biases. `resume_after=N` (a
     resumed run) first drops records of steps > N, which an interrupted run logged after its last checkpoint, and

@@ -99,11 +99,13 @@ class TrainerGroup:
         ray.get([a.release_sync.options(concurrency_group="control").remote(reason) for a in self.actors])
 
     def setup(self) -> dict:
-        """Every rank's `TrainerWorker.setup`: rank 0's answer, with every rank's GPUs and weight sender by rank."""
+        """Every rank's `TrainerWorker.setup`: rank 0's answer, with every rank's GPUs, weight sender and initial
+        weights' read (`InitialWeights.report`) by rank."""
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ranks = self.call_all("setup", master_addr=master_addr, master_port=master_port)
         return {**ranks[0], "trainer_master_addr": master_addr, "rank_gpus": [r["gpus"] for r in ranks],
-                "weight_senders": [r["weight_sender"] for r in ranks]}
+                "weight_senders": [r["weight_sender"] for r in ranks],
+                "weights_read": [r["weights_read"] for r in ranks]}
 
     def kill(self) -> None:
         for actor in self.actors:

@@ -3,7 +3,8 @@
 A checkpoint holds global tensors cut into whatever shards the saving layout had, so it loads at any TP / PP / DP
 layout the model splits into (the optimizer state too, plain or distributed: trainer.optimizer.distributed must
 match the run that saved it). It holds the policy only: the reference model (KL penalty) is the initial policy and
-is rebuilt from `model.hf_path`, and gradients are not kept (they are zeroed before every step).
+is rebuilt from `model.hf_path` (or `model.megatron_path`), and gradients are not kept (they are zeroed before
+every step).
 Every rank of the trainer group must call `save` / `load` with the same path on a filesystem all ranks share.
 
 Adam's state round-trips whichever Adam runs (trainer.optimizer.adam, `slimish.trainer.adam`): torch's AdamW keeps

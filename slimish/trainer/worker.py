@@ -10,6 +10,7 @@ stage returns the last stage's metrics.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 import torch
 
 from slimish.config.schema import JobConfig
-from slimish.megatron_bridge.bridge import load_hf_weights
 from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+from slimish.megatron_bridge.initial_weights import InitialWeights
 from slimish.network import free_port, node_ip
 from slimish.sample import Sample
 from slimish.trainer import rl_step
@@ -28,6 +29,8 @@ from slimish.trainer.parallel import ParallelLayout, init_parallel
 from slimish.trainer.roles import Policy, Reference
 from slimish.trainer.schedule import check_weights_finite
 from slimish.weight_sync.sender import WeightSender
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerWorker:
@@ -45,6 +48,7 @@ class TrainerWorker:
         self._offloaded: list = []  # what offload() took, until onload()
         self._offloaded_parts: set[str] = set()
         self._writes = None  # background checkpoint writes (checkpoint.async_save), from the first such save
+        self.weights_read: dict = {}  # what reading the initial weights cost this rank (`InitialWeights.report`)
 
     # ----------------------------------------------------------------------------------------------- setup
     def address(self) -> tuple[str, int]:
@@ -52,8 +56,9 @@ class TrainerWorker:
         return node_ip(), free_port()
 
     def setup(self, *, master_addr: str, master_port: int) -> dict:
-        """Join the trainer process group, build the roles from the HF checkpoint (the policy and its optimizer; the
-        reference model and the critic when the loss or estimator needs them)."""
+        """Join the trainer process group, build the roles from model.hf_path or model.megatron_path
+        (`InitialWeights`: the policy and its optimizer; the reference model and the critic when the loss or
+        estimator needs them, which copy the policy's weights rather than read them again)."""
         torch.set_num_threads(self.cfg.trainer.torch_threads)
         init_parallel(self.layout, master_addr=master_addr, master_port=master_port,
                       backend=self.cfg.parallel.backend, seed=self.cfg.run.seed)
@@ -90,8 +95,10 @@ class TrainerWorker:
             vpp = self.layout.virtual_pipeline
             return [build_chunk(i if vpp > 1 else None) for i in range(vpp)]
 
-        def load_weights(module):
-            load_hf_weights(module, self.cfg.model.hf_path, self.arch)
+        # model.hf_path or model.megatron_path, read once per rank (the later roles copy the policy's weights)
+        weights = InitialWeights(self.arch, hf_path=self.cfg.model.hf_path,
+                                 megatron_path=self.cfg.model.megatron_path)
+        load_weights = weights.load
 
         chunk, steps = self.cfg.trainer.logprob_chunk_tokens, rl_optimizer_steps(self.cfg)
         policy = Policy(build, load_weights, self.cfg.trainer.optimizer, total_steps=steps, chunk_tokens=chunk)
@@ -108,7 +115,10 @@ class TrainerWorker:
             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
             dp_group=ps.get_data_parallel_group(), pp_size=self.layout.pipeline_parallel,
             pp_group=ps.get_pipeline_model_parallel_group(), pp_last_rank=ps.get_pipeline_model_parallel_last_rank())
-        return {"num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
+        self.weights_read = weights.report()
+        logger.info("trainer rank %d: %s", self.layout.rank, weights.summary())
+        return {"weights_read": self.weights_read,
+                "num_params": sum(p.numel() for chunk in policy.chunks for p in chunk.parameters()),
                 # where this rank's GPUs are, and the rank that sends its colocated engine the weights: that
                 # engine must see the sender's GPU (see engines.server.visible_devices)
                 "gpus": {"node": node_ip(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
@@ -149,9 +159,9 @@ class TrainerWorker:
     def save_checkpoint(self, path: str, background: bool = False) -> None:
         """Write the policy model and optimizer state to the directory `path` (Megatron dist checkpoint; every rank
         calls it), and the critic's, if any, beside it (`checkpoint.critic_path`). The reference model is not saved:
-        it is the initial policy, rebuilt from model.hf_path. An offloaded trainer is onloaded for the save and
-        offloaded again after it (colocated, the engines release their KV cache around it).
-        `background` (checkpoint.async_save): return once the state is staged in host memory; the files are
+        it is the initial policy, rebuilt from model.hf_path (or model.megatron_path). An offloaded trainer is
+        onloaded for the save and offloaded again after it (colocated, the engines release their KV cache around
+        it). `background` (checkpoint.async_save): return once the state is staged in host memory; the files are
         written while the next step runs, and `path` is complete only after `finish_checkpoint()`."""
         from slimish.trainer import checkpoint
 

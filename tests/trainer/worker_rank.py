@@ -9,7 +9,8 @@ rewards) and metrics, the parity metrics of `rl_step.prepare`, the experts' ETP 
 export
 (`tests.kit.trainer.export_state`; empty except on rank 0); with --more-steps also what `more_steps` returns; with
 --offload, every role is offloaded (as a colocated step does, a checkpoint saved meanwhile) and onloaded right after
-the step ("offload": `offload_round_trip`'s figures).
+the step ("offload": `offload_round_trip`'s figures); "weights_read": what reading the initial weights cost the
+rank (with --whole-reads, whole HF tensors read and sliced, as before slice reads).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def rank_args(*strings: str) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true", help="offload and onload every role after the RL step")
     parser.add_argument("--as-on-cuda", action="store_true",
                         help="Megatron's CPU shim leaves what it does on a CUDA machine (as_on_cuda)")
+    parser.add_argument("--whole-reads", action="store_true",
+                        help="read whole HF tensors and slice them in memory, as before slice reads")
     parser.add_argument("--stand-in-fused-adam", action="store_true",
                         help="trainer.optimizer.adam=te_fused builds tests.kit.fused_adam's stand-in for TE's")
     return parser.parse_args()
@@ -118,6 +121,10 @@ def main() -> None:
         as_on_cuda()
     if args.drop_device:
         drop_device(args.drop_device)
+    if args.whole_reads:
+        from slimish.megatron_bridge import slice_read
+
+        slice_read.read_local = lambda *a, **kw: (slice_read.read_whole(*a, **kw), False)
     worker = make_worker(args)
     device_bytes = {"setup": device_memory()}  # the emulated GPU's count (SLIMISH_EMULATED_GPU_MEMORY=1), else None
     samples = fixed_samples()
@@ -148,7 +155,8 @@ def main() -> None:
                                "ep": ps.get_expert_model_parallel_world_size(),
                                "edp": ps.get_expert_data_parallel_world_size()},
               "state": {name: tensor.cpu() for name, tensor in state.items()}, "offload": offloaded,
-              "train_calls": dict(calls), "moments": moment_bytes(worker), "device_bytes": device_bytes}
+              "train_calls": dict(calls), "moments": moment_bytes(worker), "device_bytes": device_bytes,
+              "weights_read": worker.weights_read}
     if args.more_steps:
         result.update(more_steps(worker, samples, state, out))
     torch.save(result, out / f"rank{args.rank}.pt")
