@@ -7,12 +7,13 @@ Trainer rank (the fullest pipeline stage), bytes:
               divided over the data-parallel ranks with the distributed optimizer (experts over expert-data-parallel).
               trainer.optimizer.cpu_offload's share of it is in host memory instead, with an fp32 host copy of
               those parameters' gradients (4 bytes each): `optimizer_host`
-  activations per micro-batch of T tokens (a packed one holds at least the longest sample, s), per layer, after
-              Korthikanti et al. 2022 in half-precision bytes (scaled to the activation dtype): T*h*(10 + 24/tp), and
-              T*h*34/tp with sequence parallelism (at tp > 1: the norms, residuals and dropout inputs outside the
-              tensor-parallel regions hold 1/tp of the sequence); plus the core attention that runs
-              (`planned_attention`; the paper's 5*a*s/(h*t) term):
-                te, sdpa  flash-style, no [s, s] tensor: per head and query the fp32 log-sum-exp, 4 x heads/tp x T;
+  activations per micro-batch of T tokens (a packed one holds at least the longest sample, s; T / cp per rank of a
+              context-parallel group), per layer, what autograd saves for the backward pass, term by term
+              (`layer_terms`: norms, linear inputs, q / k / v, q / k norms, RoPE, the core attention's per-token
+              tensors, the SwiGLU MLP's five ffn-wide ones, a mixture-of-experts layer's routed copies and experts,
+              multi-latent attention's latents; outside the tensor-parallel regions 1/tp with sequence parallelism);
+              plus the core attention's [s, s] tensors where the local attention runs (`core_attention`):
+                te, sdpa  flash-style, no [s, s] tensor (their log-sum-exp is a `layer_terms` term)
                 local     Megatron's DotProductAttention, unfused (slimish sets masked_softmax_fusion off). Per layer
                           until its backward: the fp32 softmax of the scores (kept by softmax's backward) and the
                           probabilities cast back to the model dtype (kept by the bmm with the values), each over
@@ -23,12 +24,16 @@ Trainer rank (the fullest pipeline stage), bytes:
                           per element at the peak in bf16 (the raw scores and their fp32 copy; in the backward pass
                           two fp32 gradients), 12 in fp32: `core_attention`. Measured against Megatron's class on
                           the CPU by tests/planning/test_plan.py.
-              The first stage holds pipeline_parallel micro-batches in flight (1F1B). Full recompute keeps each
-              layer's input (T*h, T*h/tp with sequence parallelism) and one layer's working set. Selective
-              recompute with core_attn keeps what the core attention keeps for its backward pass (the local
-              attention's [s, s] tensors) in the layer being recomputed only; its other modules (norms, MLP, MoE,
-              MLA's up projections) are counted as kept.
-  logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp in fp32, three copies (logits, softmax, grad).
+              Beside the layers: the final norm and its whole output (the last stage), the MLP backward's extra
+              gradient (`backward_working`), and with sequence parallelism Megatron's all-gather buffer of T x h
+              (`gather_buffer`, kept between steps). The first stage holds pipeline_parallel micro-batches in
+              flight (1F1B; interleaved: `in_flight_layers`). Full recompute keeps each layer's input (T*h, T*h/tp
+              with sequence parallelism) and one layer's saved tensors (its MLP backward counted three times:
+              measured). Selective recompute drops what its modules save from every layer but the one being
+              recomputed (`recomputed_terms`). Checked against the bytes the emulated GPU holds over a training step
+              at one rank, TP2 + SP and CP2 within 10% (tests/planning/test_activations.py).
+  logits      one chunk of trainer.logprob_chunk_tokens x vocab/tp: the output layer's logits in the dtype, the cross
+              entropy's fp32 copy (its softmax) and the entropy's four fp32 temporaries (dtype + 20 bytes each).
   reference   (trainer.loss.kl_coef > 0, or an estimator that needs it: `slimish.trainer.estimators`) the frozen
               initial policy, sharded like it: weights in the model dtype; its forward (no grad) holds one layer's
               working set and one chunk of logits twice (logits, log-softmax), in turn with the policy's training.
