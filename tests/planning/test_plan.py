@@ -455,3 +455,30 @@ def test_the_interleaved_pipeline_holds_more_micro_batches_in_flight():
     base = dict(tensor_parallel=1, pipeline_parallel=4, expert_parallel=1, data_parallel=1, sequence_parallel=False)
     assert in_flight_layers(Layout(**base), 8) == 32
     assert in_flight_layers(Layout(**base, virtual_pipeline=2), 8) == 44
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_logits_chunk_holds_what_the_plan_counts(dtype, megatron_world, tmp_path):
+    """One chunk of the logprob head (`slimish.trainer.logprobs`: the output layer's logits, the cross entropy over
+    them and the entropy beside it, then the backward pass) peaks at dtype + 20 bytes per logit, on the CPU: what
+    `trainer_rank`'s logits line counts per chunk element."""
+    import torch
+
+    from slimish.planning.memory import DTYPE_BYTES
+    from slimish.trainer.logprobs import _logprobs_of, vocab_parallel_entropy
+
+    chunk, vocab, h = 256, 4096, 64
+    torch_dtype = getattr(torch, dtype)
+    hidden = torch.randn(1, chunk, h, dtype=torch_dtype, requires_grad=True)
+    weight = torch.randn(vocab, h, dtype=torch_dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, chunk))
+
+    def step() -> None:  # in `LogprobHead._chunk`'s order: the logprobs (their softmax kept), then the entropy
+        logits = hidden @ weight.t()
+        logprobs = _logprobs_of(logits, targets, 1.0)
+        (logprobs.sum() + 0 * vocab_parallel_entropy(logits).sum()).backward()
+
+    peak = _peak_bytes(lambda t: t.numel() >= chunk * vocab, step)
+    assert peak == chunk * vocab * (DTYPE_BYTES[dtype] + 20)
+    cfg, mem = _eight_b(tmp_path, f"model.dtype={dtype}")
+    assert mem.logits == pytest.approx(cfg.trainer.logprob_chunk_tokens * 151936 / 2 * (DTYPE_BYTES[dtype] + 20))
