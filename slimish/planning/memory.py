@@ -132,13 +132,15 @@ def layer_terms(arch, layer: int, *, attention: str, dtype: int, tp: int, etp: i
     """Bytes per token of the micro-batch (this rank's share of it) that layer `layer` keeps for its backward pass,
     by name, as autograd saves them in Megatron's layer with the core attention `attention` (te / sdpa / local;
     local's [s, s] tensors are `core_attention`'s), each storage once. Listed with
-    `torch.autograd.graph.saved_tensors_hooks` for a Qwen3-shaped layer (tests/planning/test_activations.py):
-      norms         each of the two norms' input and its normalised input (x * rstd), in the dtype, and its fp32
-                    rstd; TE's fused norm keeps the input and rstd only
+    `torch.autograd.graph.saved_tensors_hooks` (tests/planning/test_activations.py checks the sum for the tiny Qwen3
+    and Llama layers with sdpa, byte for byte; te's terms are read from Transformer Engine's code, not measured):
+      norms         each of the two norms' input and its normalised input (x * rstd) in fp32 (the local norms work
+                    in fp32), and its fp32 rstd; TE's fused norm keeps its input in the dtype and rstd only
       linear_inputs the normalised input of linear_qkv and linear_fc1
       qkv           the fused q / k / v projection's output (the values are views of it) and the query's copy
                     (grouped-query heads reshaped)
-      qk_norm       the query and key norms' normalised inputs (Qwen3; TE's fused norm keeps none)
+      qk_norm       the query and key norms' fp32 inputs and normalised inputs, and each head's rstd (Qwen3; TE's
+                    fused norm keeps its input and rstd)
       rope          the rotated query and key; the local spec's unfused RoPE also keeps a cos and a sin per call
                     (4 x head dim, whole on every tensor-parallel rank)
       attention     sdpa: each sample's output and the fp32 log-sum-exp per head, and linear_proj's input (the
@@ -170,10 +172,11 @@ def layer_terms(arch, layer: int, *, attention: str, dtype: int, tp: int, etp: i
     else:
         q, kv = a * d, g * d
         terms["qkv"] = (q + 2 * kv) / tp * dtype
+        rstd = (a + g) / tp * 4  # each head's fp32 rstd
         if arch.qk_layernorm and fused_norms:  # TE's norm keeps its input: the query's copy (the key's is a view)
-            terms["qk_norm"] = q / tp * dtype
+            terms["qk_norm"] = q / tp * dtype + rstd
         elif arch.qk_layernorm:  # fp32: the inputs (the key's a view of qkv in fp32, a copy in half precision)
-            terms["qk_norm"] = (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4
+            terms["qk_norm"] = (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4 + rstd
         terms["rope"] = ((q + kv) / tp + (0 if attention == "te" else 4 * d)) * dtype
     lse = 4 * a / tp
     if attention == "te":

@@ -3,8 +3,8 @@
 A Qwen3-shaped model (4 layers, hidden 256, SwiGLU 768, 4 heads over 2 KV groups, fp32, the SDPA attention) trains
 on one packed micro-batch of 2048 tokens at three layouts; `memory_rank.py` counts the bytes the emulated GPU holds
 (`slimish.compat.emulated_gpu.memory_allocated` / `max_memory_allocated`, as CUDA's allocator counts them). The plan's
-per-layer terms (`slimish.planning.memory.layer_terms`) are those autograd saves, listed here by
-`saved_tensors_hooks`.
+per-layer terms (`slimish.planning.memory.layer_terms`) are those autograd saves: `saved_tensors_hooks` checks them
+byte for byte for the tiny Qwen3 and Llama layers.
 """
 
 from __future__ import annotations
@@ -76,3 +76,64 @@ def test_the_plan_counts_the_bytes_a_training_step_holds(task_assets, long_model
         assert held["after"] == pytest.approx(state + plan.gather_buffer, rel=0.01), figures
         assert step == pytest.approx(plan.activations + plan.logits, rel=0.10), figures
         assert held["peak"] == pytest.approx(plan.total, rel=0.10), figures
+
+
+def _saved_by_layer(model, *args, **kwargs) -> dict[str, int]:
+    """Bytes each decoder layer saves for its backward pass in a forward of `model`: every storage once, attributed
+    to the layer whose forward saved it first; parameters left out."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    current: list[str] = ["-"]
+    hooks = []
+
+    def leave(_module, _args, _output) -> None:  # returns None: the layer's output is left as it is
+        current.pop()
+
+    for name, layer in model.named_modules():
+        if name.startswith("decoder.layers.") and name.count(".") == 2:
+            hooks.append(layer.register_forward_pre_hook(lambda _m, _a, name=name: current.append(name)))
+            hooks.append(layer.register_forward_hook(leave))
+    seen, saved = set(), {}
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen and key not in params:
+            seen.add(key)
+            saved[current[-1]] = saved.get(current[-1], 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(*args, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    return saved
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_saves_what_the_plan_counts(family, dtype, tiny_models, megatron_world):
+    """Every decoder layer of the tiny Qwen3 (q / k norms) and Llama models, built as the trainer builds them with
+    the SDPA attention, saves for its backward pass the bytes `layer_terms` counts per token, for one packed row of
+    two samples: the norms in fp32, the fused q / k / v, the q / k norms' inputs, RoPE's rotated query and key and
+    its cos / sin, the attention's outputs and log-sum-exp, and the SwiGLU MLP's five ffn-wide tensors."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.planning.memory import DTYPE_BYTES, layer_terms
+    from slimish.trainer.model import build_gpt_model
+
+    arch = architecture_from_hf(read_hf_config(tiny_models[family]))
+    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1, dtype=getattr(torch, dtype),
+                            attention="sdpa")
+    length, tokens = 24, 48
+    bounds = torch.tensor([0, length, tokens], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=length,
+                             max_seqlen_kv=length)
+    ids = torch.randint(0, arch.vocab_size, (1, tokens))
+    positions = torch.cat([torch.arange(length), torch.arange(length)]).unsqueeze(0)
+    saved = _saved_by_layer(model, ids, positions, None, packed_seq_params=packed)
+    for layer in range(arch.num_layers):
+        terms = layer_terms(arch, layer, attention="sdpa", dtype=DTYPE_BYTES[dtype], tp=1, etp=1, sp=False)
+        assert saved[f"decoder.layers.{layer}"] == tokens * sum(terms.values()), (layer, terms)

@@ -107,7 +107,9 @@ def _layer_bytes(*, h: int, heads: int, groups: int, dim: int, ffn: int, tp: int
     norms = outside * 2 * ((h * dtype if te else 2 * h * 4) + 4)  # the local spec's norms work in fp32
     linear_inputs = outside * 2 * h * dtype
     qkv = (q + 2 * kv) / tp * dtype
-    qk = 0.0 if not qk_norm else q / tp * dtype if te else (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4
+    rstd = (heads + groups) / tp * 4
+    fp32_inputs = (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4
+    qk = 0.0 if not qk_norm else (q / tp * dtype if te else fp32_inputs) + rstd
     rope = ((q + kv) / tp + (0 if te else 4 * dim)) * dtype
     core = {"te": q / tp * dtype + 4 * heads / tp, "sdpa": 2 * q / tp * dtype + 4 * heads / tp,
             "local": (2 * q / tp + (2 * q / tp if groups < heads else 0)) * dtype}[attention]
