@@ -149,11 +149,12 @@ def layer_terms(arch, layer: int, *, attention: str, dtype: int, tp: int, etp: i
                     heads); the CPU's context-parallel stand-in also the keys and values gathered over the group
       mlp           a gated (SwiGLU) MLP: linear_fc1's output (2 x ffn), the activation's output, the linear half
                     plus its offset (a copy), and their product (linear_fc2's input): 5 x ffn / tp
-      router, routed, shared  a mixture-of-experts layer: the router's fp32 logits and probabilities; each of
-                    topk routed copies of the token in and out (2 x h) and its expert's MLP (5 x ffn / etp); the
-                    shared experts' MLP
-      mla           multi-latent attention's latents (down projections' outputs, their norm and its output) and
-                    up projections' outputs (read from Megatron's code; not measured)
+      router, routed, shared  a mixture-of-experts layer: the router's logits, probabilities, map and indices;
+                    each of topk routed copies of the token in (h) and its expert's MLP (6 x ffn / etp: the
+                    routing probability scales the product); the shared experts' MLP
+      mla           multi-latent attention's latents: the q / kv norms' inputs, normalised inputs and rstd, the up
+                    projections' inputs; its rotated q and k are `rope`'s, and sdpa pads v and its output to the
+                    q / k head width
     Outside the tensor-parallel regions (norms, linear inputs) the tokens are split over TP with sequence
     parallelism (Megatron's column-parallel linear keeps its input before the sequence all-gather)."""
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.kv_channels
@@ -165,10 +166,16 @@ def layer_terms(arch, layer: int, *, attention: str, dtype: int, tp: int, etp: i
     if arch.mla is not None:
         m = arch.mla
         qk, v = a * (m.qk_nope_head_dim + m.qk_rope_head_dim), a * m.v_head_dim
-        latents = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
-        terms["mla"] = (3 * latents + (qk + a * (m.qk_nope_head_dim + m.v_head_dim)) / tp) * dtype
+        q_lora = m.q_lora_rank or 0
+        norm_bytes = dtype if fused_norms else 4  # the local norms work in fp32
+        # The q / kv latents' norms: their inputs (the down projections' outputs), normalised inputs and rstd; the
+        # up projections' inputs (TE fuses them into the norm's output).
+        terms["mla"] = ((q_lora + m.kv_lora_rank + m.qk_rope_head_dim) * norm_bytes
+                        + (q_lora + m.kv_lora_rank) * norm_bytes + (0 if fused_norms else (q_lora + m.kv_lora_rank)
+                                                                    * dtype) + 8)
         terms["rope"] = (2 * qk / tp + (0 if fused_norms else 4 * m.qk_rope_head_dim)) * dtype
-        q = v  # the attention's output width
+        q = v  # linear_proj's input width
+        padded = a * max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)  # sdpa pads v to the q / k width
     else:
         q, kv = a * d, g * d
         terms["qkv"] = (q + 2 * kv) / tp * dtype
@@ -177,21 +184,27 @@ def layer_terms(arch, layer: int, *, attention: str, dtype: int, tp: int, etp: i
             terms["qk_norm"] = q / tp * dtype + rstd
         elif arch.qk_layernorm:  # fp32: the inputs (the key's a view of qkv in fp32, a copy in half precision)
             terms["qk_norm"] = (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4 + rstd
-        terms["rope"] = ((q + kv) / tp + (0 if attention == "te" else 4 * d)) * dtype
+        # Partial rotary (GLM-4.5): the cos / sin cover the rotating share of each head's channels.
+        terms["rope"] = ((q + kv) / tp + (0 if attention == "te" else 4 * d * arch.rotary_percent)) * dtype
+        padded = 0
     lse = 4 * a / tp
     if attention == "te":
         terms["attention"] = q / tp * dtype + lse
-    elif attention == "sdpa":
-        terms["attention"] = 2 * q / tp * dtype + lse
+    elif attention == "sdpa":  # each sample's output, linear_proj's input (their join); MLA: v and out padded
+        terms["attention"] = (q + (2 * padded if padded else q)) / tp * dtype + lse
         if cp > 1:  # the stand-in keeps the group's keys and values (its own among them) for the backward pass
-            terms["attention"] += (cp - 1) * 2 * (q if arch.mla is not None else g * d) / tp * dtype
+            terms["attention"] += (cp - 1) * 2 * (qk if arch.mla is not None else g * d) / tp * dtype
     else:
         repeated = 2 * q / tp if arch.mla is None and g < a else 0
         terms["attention"] = (2 * q / tp + repeated) * dtype
     moe = arch.moe
     if moe is not None and moe.is_sparse(layer):
-        terms["router"] = 2 * 4 * moe.num_experts
-        terms["routed"] = moe.topk * (2 * h + 5 * moe.ffn_hidden_size / etp) * dtype
+        # The router's fp32 logits and probabilities, its bool routing map and two sets of int64 top-k indices;
+        # per routed copy of the token: the permuted input, its expert's fc1 output (2 x ffn), activation, linear
+        # half's copy, their product and that scaled by the routing probability (fc2's input), and the fp32
+        # probability.
+        terms["router"] = 9 * moe.num_experts + 16 * moe.topk
+        terms["routed"] = moe.topk * ((h + 6 * moe.ffn_hidden_size / etp) * dtype + 4)
         if moe.shared_ffn_hidden_size:
             terms["shared"] = 5 * moe.shared_ffn_hidden_size / tp * dtype
     else:
