@@ -225,7 +225,7 @@ def recomputed_terms(terms: dict[str, float], *, attention: str, modules: list[s
         q = a * (arch.mla.v_head_dim if arch.mla is not None else arch.kv_channels)
         dropped += terms["attention"] - q / tp * dtype  # linear_proj's input is the checkpoint's output: kept
     if "layernorm" in modules and attention != "te":
-        dropped += (1 / tp if sp else 1.0) * 2 * (h * dtype + 4) + terms["linear_inputs"]
+        dropped += (1 / tp if sp else 1.0) * 2 * (h * 4 + 4) + terms["linear_inputs"]  # fp32 x * rstd, rstd
     if "mlp" in modules:
         dropped += terms.get("mlp", 0.0)
     if "moe" in modules:
@@ -233,9 +233,8 @@ def recomputed_terms(terms: dict[str, float], *, attention: str, modules: list[s
     if "shared_experts" in modules:
         dropped += terms.get("shared", 0.0)
     if "mla_up_proj" in modules and arch.mla is not None:
-        m = arch.mla
-        dropped += (a * (m.qk_nope_head_dim + m.qk_rope_head_dim) + a * (m.qk_nope_head_dim + m.v_head_dim)) \
-            / tp * dtype
+        m = arch.mla  # the up projections' outputs as they reach the attention: the rotated q and k
+        dropped += 2 * a * (m.qk_nope_head_dim + m.qk_rope_head_dim) / tp * dtype
     return dropped
 
 
