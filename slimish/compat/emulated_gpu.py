@@ -78,7 +78,14 @@ class _Memory:
             self.held += entry[1]
             self.peak = max(self.peak, self.held)
         entry[0] += 1
-        weakref.finalize(wrapper, self._drop, key)
+        wrapper._memory_release = weakref.finalize(wrapper, self._drop, key)
+
+    def release(self, wrapper) -> None:
+        """`wrapper` no longer views the storage it was counted for (its `.data` was re-pointed): that storage's
+        bytes go when its last wrapper does, as CUDA frees a parameter's old storage once nothing else views it."""
+        release = getattr(wrapper, "_memory_release", None)
+        if release is not None and release.alive:
+            release()  # runs `_drop` now, once: the finalizer is then dead
 
     def _drop(self, key: int) -> None:
         entry = self._wrappers.get(key)
@@ -155,7 +162,8 @@ class EmulatedGpuTensor(torch.Tensor):
         # buffers): the wrapper must then read and write the buffer's CPU data.
         torch.Tensor.data.__set__(self, value)
         self.cpu_data = value.cpu_data if isinstance(value, EmulatedGpuTensor) else value
-        MEMORY.take(self, self.cpu_data)  # the buffer it now views (the old storage: until its other views go)
+        MEMORY.release(self)  # the old storage: counted until its other views go (it was counted forever)
+        MEMORY.take(self, self.cpu_data)  # the buffer it now views
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -82,18 +82,48 @@ its 128 requests of 8704 tokens."""
     last = 18 * (layer // 8 + 2 * h) + vocab * h // 8 + h
     assert mem.weights == 2 * last and mem.grads == 4 * last  # the fullest stage: the last one
     assert mem.optimizer == pytest.approx(12 * last / 2) and mem.optimizer_other == pytest.approx(12 * last)
-    # Sequence parallelism (T*h*34/8 per layer, each layer's kept input T*h/8), trainer.attention auto planned as te
-    # (4 bytes of log-sum-exp per head and query), 126 layers' inputs in flight on stage 0 (7 micro-batches x 18).
+    # Sequence parallelism, trainer.attention auto planned as te, 126 layers' inputs in flight on stage 0 (7
+    # micro-batches x 18) with full recompute, one layer's saved tensors and the MLP's backward beside them; no final
+    # norm on stage 0; Megatron's all-gather buffer for the whole sequence.
     tokens = 8704
-    layer = tokens * h * 34 / 8 + 4 * (128 / 8) * tokens
+    layer = tokens * _layer_bytes(h=h, heads=128, groups=8, dim=128, ffn=ffn, tp=8, sp=True, dtype=2, attention="te")
     assert mem.attention == "te" and mem.reference == mem.critic == 0
-    assert mem.activations == pytest.approx(7 * 18 * tokens * h * 2 / 8 + layer)
-    assert mem.activations_other == pytest.approx(7 * 18 * layer)
+    mlp_backward, buffer = tokens * ffn / 8 * 2, tokens * h * 2
+    assert mem.gather_buffer == buffer
+    assert mem.activations == pytest.approx(7 * 18 * tokens * h * 2 / 8 + layer + 3 * mlp_backward + buffer)
+    assert mem.activations_other == pytest.approx(7 * 18 * layer + mlp_backward + buffer)
     engine = engine_gpu(cfg, arch, params, prompt_tokens=512)
     assert engine.weights == pytest.approx(params.total * 2 / 8)
     pool = cfg.rollout.engine.max_total_tokens  # SGLang's KV pool: fewer than 128 full-length requests
     assert pool < 128 * 8704 and engine.kv_tokens == pool
     assert engine.kv_cache == pytest.approx(pool * 2 * 126 * 1 * 128 * 2)  # K and V, 126 layers, 1 kv head per rank
+
+
+def _layer_bytes(*, h: int, heads: int, groups: int, dim: int, ffn: int, tp: int, sp: bool, dtype: int,
+                 attention: str, qk_norm: bool = False) -> float:
+    """By hand, per token: what one dense SwiGLU layer saves for its backward pass (`memory.layer_terms`)."""
+    outside, q, kv = (1 / tp if sp else 1), heads * dim, groups * dim
+    te = attention == "te"
+    norms = outside * 2 * ((h * dtype if te else 2 * h * 4) + 4)  # the local spec's norms work in fp32
+    linear_inputs = outside * 2 * h * dtype
+    qkv = (q + 2 * kv) / tp * dtype
+    rstd = (heads + groups) / tp * 4
+    fp32_inputs = (2 * q + kv + (kv if dtype < 4 else 0)) / tp * 4
+    qk = 0.0 if not qk_norm else (q / tp * dtype if te else fp32_inputs) + rstd
+    rope = ((q + kv) / tp + (0 if te else 4 * dim)) * dtype
+    core = {"te": q / tp * dtype + 4 * heads / tp, "sdpa": 2 * q / tp * dtype + 4 * heads / tp,
+            "local": (2 * q / tp + (2 * q / tp if groups < heads else 0)) * dtype}[attention]
+    return norms + linear_inputs + qkv + qk + rope + core + 5 * ffn / tp * dtype
+
+
+def _eight_b_layer(attention: str, *, sp: bool = True) -> float:
+    return _layer_bytes(h=4096, heads=32, groups=8, dim=128, ffn=12288, tp=2, sp=sp, dtype=2, attention=attention,
+                        qk_norm=True)
+
+
+def _eight_b_final_norm(tokens: int, *, sp: bool = True, te: bool = False) -> float:
+    h = 4096
+    return tokens * ((1 / 2 if sp else 1) * ((h * 2 if te else 2 * h * 4) + 4) + h * 2)
 
 
 def _eight_b(tmp_path, *overrides: str):
@@ -109,33 +139,40 @@ def test_local_attention_grows_with_the_square_of_the_sequence_sdpa_linearly(tmp
     """From 8k to 32k tokens per sample (4x), sdpa's activations grow 4x; the local attention's [s, s] share 16x: per
     layer kept, the fp32 softmax and the bf16 probabilities of 32 / 2 heads over 2 x s^2 elements, and one s^2 bool
     mask; in the layer being computed, Megatron's bf16 buffer for the scores and 6 bytes more per element."""
-    heads, h = 32 / 2, 4096
+    heads, h, ffn = 32 / 2, 4096, 12288
     for s in (8192, 32768):
         _, sdpa = _eight_b(tmp_path, "trainer.attention=sdpa", f"rollout.max_new_tokens={s}")
         _, local = _eight_b(tmp_path, "trainer.attention=local", f"rollout.max_new_tokens={s}")
+        _, te = _eight_b(tmp_path, "trainer.attention=auto", f"rollout.max_new_tokens={s}")
         tokens = 2 * s
-        linear = 36 * tokens * h * 2 / 2 + tokens * h * 34 / 2  # 36 layers' inputs (/ TP with SP), one layer
-        assert sdpa.attention == "sdpa" and sdpa.activations == pytest.approx(linear + 4 * heads * tokens)
-        assert local.activations == pytest.approx(linear + heads * 2 * s * s * (4 + 2) + s * s
-                                                  + heads * 2 * s * s * (2 + 6))
+        # 36 layers' inputs (/ TP with SP), one layer's saved tensors, the MLP's backward, the final norm, the buffer
+        base = 36 * tokens * h * 2 / 2 + 3 * tokens * ffn / 2 * 2 + _eight_b_final_norm(tokens) + tokens * h * 2
+        assert sdpa.attention == "sdpa" and sdpa.activations == pytest.approx(base + tokens * _eight_b_layer("sdpa"))
+        assert local.activations == pytest.approx(base + tokens * _eight_b_layer("local")
+                                                  + heads * 2 * s * s * (4 + 2) + s * s + heads * 2 * s * s * (2 + 6))
         assert sdpa.activations_attention_other == local.activations
-        assert local.activations_attention_other == pytest.approx(sdpa.activations)  # te: the same bytes as sdpa
+        assert local.activations_attention_other == pytest.approx(te.activations)
     _, sdpa_8k = _eight_b(tmp_path, "trainer.attention=sdpa")
     _, sdpa_32k = _eight_b(tmp_path, "trainer.attention=sdpa", "rollout.max_new_tokens=32768")
     _, local_8k = _eight_b(tmp_path, "trainer.attention=local")
     assert sdpa_32k.activations == pytest.approx(4 * sdpa_8k.activations)
-    assert local.activations - sdpa_32k.activations == pytest.approx(
-        16 * (local_8k.activations - sdpa_8k.activations), rel=1e-4)  # only sdpa's log-sum-exp is linear
+
+    def square(mem, sdpa, tokens):  # the local attention's bytes beyond sdpa's, less its per-token ones
+        return mem.activations - sdpa.activations - tokens * (_eight_b_layer("local") - _eight_b_layer("sdpa"))
+
+    assert square(local, sdpa_32k, 2 * 32768) == pytest.approx(16 * square(local_8k, sdpa_8k, 2 * 8192), rel=1e-4)
     # No recompute: every layer keeps its softmax and probabilities; the rest only in the layer being computed.
     _, no_recompute = _eight_b(tmp_path, "trainer.attention=local", "trainer.recompute=none")
     s, tokens = 8192, 2 * 8192
-    assert no_recompute.activations == pytest.approx(36 * (tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s)
-                                                     + heads * 2 * s * s * 8)
-    # Selective recompute of the core attention: every layer keeps its activations but the [s, s] ones, which only
-    # the layer being recomputed holds.
+    rest = tokens * ffn / 2 * 2 + _eight_b_final_norm(tokens) + tokens * h * 2
+    assert no_recompute.activations == pytest.approx(
+        36 * (tokens * _eight_b_layer("local") + heads * 2 * s * s * 6 + s * s) + heads * 2 * s * s * 8 + rest)
+    # Selective recompute of the core attention: every layer keeps its activations but the core attention's own (the
+    # [s, s] ones, the context, the repeated keys and values), which only the layer being recomputed holds.
     _, selective = _eight_b(tmp_path, "trainer.attention=local", "trainer.recompute=selective")
-    assert selective.activations == pytest.approx(36 * tokens * h * 34 / 2 + heads * 2 * s * s * 6 + s * s
-                                                  + heads * 2 * s * s * 8)
+    dropped = tokens * (2 * 4096 / 2 + 2 * 4096 / 2 - 4096 / 2) * 2  # all of the local attention's but proj's input
+    assert selective.activations == pytest.approx(36 * (tokens * _eight_b_layer("local") - dropped) + dropped
+                                                  + heads * 2 * s * s * 6 + s * s + heads * 2 * s * s * 8 + rest)
     assert selective.activations_other == pytest.approx(local_8k.activations)  # full recompute, the other way
 
 
@@ -243,20 +280,26 @@ def test_local_attention_holds_what_megatrons_dot_product_attention_holds(dtype,
                                              samples_at_once=samples_at_once)
             if name == "local":
                 assert (square, peak) == (kept, kept + computing), row
-            else:
-                assert (square, peak, computing) == (0, 0, 0) and lse == kept, row
+            else:  # its log-sum-exp is `layer_terms`' (per token, 4 bytes a head)
+                assert (square, peak, kept, computing) == (0, 0, 0, 0) and lse == 4 * heads * 3 * s, row
 
 
 def test_sequence_parallelism_divides_the_activations_outside_the_tensor_parallel_regions(tmp_path):
-    """At TP2, sequence parallelism takes a layer from T*h*(10 + 24/2) to T*h*34/2 half-precision bytes, and each
-    layer's input kept by full recompute from T*h to T*h/2; the core attention's bytes are the same either way."""
+    """At TP2, sequence parallelism splits over TP what a layer keeps outside the tensor-parallel regions (its norms
+    and the linear layers' inputs), each layer's input kept by full recompute from T*h to T*h/2, and the final norm;
+    it adds Megatron's all-gather buffer (T*h); the core attention's bytes are the same either way."""
     tokens, h = 2 * 8192, 4096
+    outside = _eight_b_layer("sdpa", sp=False) - _eight_b_layer("sdpa")
+    assert outside == pytest.approx((2 * (2 * h * 4 + 4) + 2 * h * 2) / 2)
+    final = _eight_b_final_norm(tokens, sp=False) - _eight_b_final_norm(tokens)
     _, on = _eight_b(tmp_path, "trainer.attention=sdpa")
     _, off = _eight_b(tmp_path, "trainer.attention=sdpa", "parallel.sequence_parallel=false")
-    assert off.activations - on.activations == pytest.approx(36 * tokens * h * 2 / 2 + tokens * h * (10 - 10 / 2))
+    assert on.gather_buffer == tokens * h * 2 and off.gather_buffer == 0
+    assert off.activations - on.activations == pytest.approx(36 * tokens * h * 2 / 2 + tokens * outside + final
+                                                             - tokens * h * 2)
     _, on = _eight_b(tmp_path, "trainer.attention=sdpa", "trainer.recompute=none")
     _, off = _eight_b(tmp_path, "trainer.attention=sdpa", "trainer.recompute=none", "parallel.sequence_parallel=false")
-    assert off.activations - on.activations == pytest.approx(36 * tokens * h * (10 - 10 / 2))
+    assert off.activations - on.activations == pytest.approx(36 * tokens * outside + final - tokens * h * 2)
     # At TP1 sequence parallelism is a no-op: the same plan.
     args = ("parallel.tensor_parallel=1", "parallel.num_trainer_ranks=2")
     _, tp1_on = _eight_b(tmp_path, *args)
@@ -414,3 +457,30 @@ def test_the_interleaved_pipeline_holds_more_micro_batches_in_flight():
     base = dict(tensor_parallel=1, pipeline_parallel=4, expert_parallel=1, data_parallel=1, sequence_parallel=False)
     assert in_flight_layers(Layout(**base), 8) == 32
     assert in_flight_layers(Layout(**base, virtual_pipeline=2), 8) == 44
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_logits_chunk_holds_what_the_plan_counts(dtype, megatron_world, tmp_path):
+    """One chunk of the logprob head (`slimish.trainer.logprobs`: the output layer's logits, the cross entropy over
+    them and the entropy beside it, then the backward pass) peaks at dtype + 20 bytes per logit, on the CPU: what
+    `trainer_rank`'s logits line counts per chunk element."""
+    import torch
+
+    from slimish.planning.memory import DTYPE_BYTES
+    from slimish.trainer.logprobs import _logprobs_of, vocab_parallel_entropy
+
+    chunk, vocab, h = 256, 4096, 64
+    torch_dtype = getattr(torch, dtype)
+    hidden = torch.randn(1, chunk, h, dtype=torch_dtype, requires_grad=True)
+    weight = torch.randn(vocab, h, dtype=torch_dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, chunk))
+
+    def step() -> None:  # in `LogprobHead._chunk`'s order: the logprobs (their softmax kept), then the entropy
+        logits = hidden @ weight.t()
+        logprobs = _logprobs_of(logits, targets, 1.0)
+        (logprobs.sum() + 0 * vocab_parallel_entropy(logits).sum()).backward()
+
+    peak = _peak_bytes(lambda t: t.numel() >= chunk * vocab, step)
+    assert peak == chunk * vocab * (DTYPE_BYTES[dtype] + 20)
+    cfg, mem = _eight_b(tmp_path, f"model.dtype={dtype}")
+    assert mem.logits == pytest.approx(cfg.trainer.logprob_chunk_tokens * 151936 / 2 * (DTYPE_BYTES[dtype] + 20))

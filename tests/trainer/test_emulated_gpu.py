@@ -305,7 +305,7 @@ def test_the_tier_fails_when_a_device_is_dropped(task_assets, tmp_path, dropped,
 
 # (world size, TP, overrides) of the layouts whose device memory is counted against `slimish plan`.
 PLANNED_LAYOUTS = {"one-rank-fp32": (1, 1, ()), "one-rank-bf16": (1, 1, ("model.dtype=bfloat16",)),
-                   "tp2": (2, 2, ())}
+                   "tp2": (2, 2, ()), "dp2-distributed-optimizer": (2, 1, ("trainer.optimizer.distributed=true",))}
 
 
 @pytest.mark.parametrize("layout", list(PLANNED_LAYOUTS))
@@ -313,9 +313,9 @@ def test_the_plan_counts_the_state_megatron_holds(task_assets, tmp_path, layout)
     """The bytes the emulated GPU holds (each storage once, as CUDA's allocator counts them:
     `emulated_gpu.memory_allocated`) after the trainer's set-up are the policy's weights and fp32 gradient buffer,
     the reference model's weights (and in bf16 the optimizer's fp32 main weights, made with it); after a step,
-    Adam's moments too: what `slimish plan` counts for them, within 1%, at one rank in fp32 and bf16 and at TP2.
-    (DP2 with the distributed optimizer held 11% more than planned for this 115k-parameter model, and the
-    activations are not checked: see docs/running.md.)"""
+    Adam's moments too: what `slimish plan` counts for them, within 1%, at one rank in fp32 and bf16, at TP2 and at
+    DP2 with the distributed optimizer (its moments sharded; the parameters moved into its buffer). The activations:
+    tests/planning/test_activations.py."""
     from slimish.config import load_config
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.planning.memory import trainer_rank
