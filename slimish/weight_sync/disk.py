@@ -2,7 +2,14 @@
 `weight_sync.disk_dir` (one bucket in memory at a time); with the last bucket every engine loads the directory
 (`/update_weights_from_disk`, which loads whatever tensors it finds there) and takes the new version, and the
 directory is removed. For engines that share no network group with the trainer, only a filesystem, and as the path
-that needs nothing but the engine's HTTP port."""
+that needs nothing but the engine's HTTP port.
+
+Sharded (`weight_sync.sharded`): each bucket is one safetensors file per engine rank, holding only that rank's
+engine parameters (`slimish.weight_sync.sharding.EngineShards`), and each rank reads only its own: per bucket, every
+engine is asked (`/update_weights_from_tensor`, inside /begin_weight_update ... /end_weight_update) to load with
+slimish's engine-side loader (`slimish.weight_sync.engine_loader`, registered by --custom-weight-loader), rank r's
+payload naming rank r's file. The next bucket is written while the engines read the last one; a bucket's files are
+removed once every engine has read them."""
 
 from __future__ import annotations
 
@@ -14,13 +21,22 @@ import torch
 from safetensors.torch import save_file
 
 from slimish import run_layout
+from slimish.config.engine_flags import SHARD_LOADER
 from slimish.engines.client import EngineClient
-from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.buckets import Bucket, ShardedBucket
+from slimish.weight_sync.tensor import _serialize
 from slimish.weight_sync.transport import Transport
 
 
 class DiskTransport(Transport):
-    bracketed = False  # /update_weights_from_disk is a whole update of its own
+    shards = True
+    shard_loader = SHARD_LOADER
+
+    @property
+    def bracketed(self) -> bool:
+        """The full path's /update_weights_from_disk is a whole update of its own; the sharded path's loads are
+        /update_weights_from_tensor requests, which SGLang takes only inside an update session."""
+        return self.sharded
 
     def connect(self, clients: list[EngineClient]) -> None:
         super().connect(clients)
@@ -46,6 +62,42 @@ class DiskTransport(Transport):
             self.wait_loaded()
             self._remove_shards()  # loaded: this sync's shards are done with
         return bucket.nbytes
+
+    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
+        self._shards += 1
+        files: list[Path | None] = []
+        with self.phase("write"):
+            for rank, part in enumerate(bucket.ranks):
+                if not part.names:
+                    files.append(None)
+                    continue
+                path = self._dir / f"rank{rank:03d}-{self._shards:05d}.safetensors"
+                save_file({name: t.detach().clone(memory_format=torch.contiguous_format)
+                           for name, t in zip(part.names, part.tensors)}, str(path))
+                files.append(path)
+        self.wait_loaded()
+        self._remove_loaded()
+        # One pickle per receiving rank (each takes a reference to the shared size tensor, as in the tensor
+        # transport); an empty list where a rank holds nothing of this bucket.
+        payloads = {c.url: [_serialize([(str(f), torch.tensor([f.stat().st_size], device="cpu"))] if f else [])
+                            for f in files] for c in self.clients}
+        calls = self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=SHARD_LOADER, weight_version=version,
+            flush_cache=version is not None))
+        self.loading(calls, deadline=self.deadline(max(bucket.rank_bytes)))
+        self._loaded_files = [f for f in files if f is not None]
+        if version is not None:
+            self.wait_loaded()
+            self._remove_shards()
+        return bucket.nbytes
+
+    def _remove_loaded(self) -> None:
+        """The files of the bucket every engine has answered for."""
+        for path in getattr(self, "_loaded_files", []):
+            path.unlink(missing_ok=True)
+        self._loaded_files = []
 
     def _remove_shards(self) -> None:
         if self._dir is not None:

@@ -201,8 +201,11 @@ class WeightSender:
         ws = self.cfg.weight_sync
         if ws.sharded == "off" or (ws.sharded == "auto" and sharding.tp == 1):
             return None
+        loader = TRANSPORTS[ws.transport].shard_loader
         why_not = (f"the '{ws.transport}' transport sends the whole model" if not TRANSPORTS[ws.transport].shards
                    else "stage senders send the whole model" if stages
+                   else f"the engines do not list {loader} in --custom-weight-loader (slimish starts its engines "
+                        f"with it; add it to attached ones)" if loader and loader not in sharding.loaders
                    else f"the engine layout of {self.arch.family} on {sharding} is not known"
                    if not layout_supported(self.arch, sharding) else "")
         layout = None if why_not else EngineLayout(self.arch, sharding)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +62,9 @@ class EngineSharding:
     shared_experts_fusion: str = "auto"
     moe_a2a: str = "none"
     batch_overlap: bool = False
+    # Not sharding, but read from the same /server_info: the engine's --custom-weight-loader entries (load_formats
+    # its /update_weights_from_tensor accepts beyond SGLang's own).
+    loaders: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def of_server(cls, info: dict) -> EngineSharding:
@@ -71,7 +74,8 @@ class EngineSharding:
         return cls(tp=int(info["tp_size"]), ep=int(info.get("ep_size") or 1),
                    attn_dp=int(info.get("attn_dp_size") or 1), cpu=info.get("device") == "cpu",
                    shared_experts_fusion=fusion, moe_a2a=str(info.get("moe_a2a_backend") or "none"),
-                   batch_overlap=bool(info.get("enable_two_batch_overlap") or info.get("enable_single_batch_overlap")))
+                   batch_overlap=bool(info.get("enable_two_batch_overlap") or info.get("enable_single_batch_overlap")),
+                   loaders=tuple(info.get("custom_weight_loader") or ()))
 
 
 # The all-to-all backends under which each family's SGLang model leaves its shared experts unfused.

@@ -57,6 +57,7 @@ class WeightSync:
         if layout is not None and not self.transport.shards:
             raise ValueError(f"the {transport} transport cannot send shards (weight_sync.sharded)")
         self.layout = layout
+        self.transport.sharded = layout is not None
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
         self.after_bucket, self.in_flight = after_bucket, in_flight

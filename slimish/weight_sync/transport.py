@@ -237,8 +237,12 @@ class Transport(ABC):
         """Move `bucket` into every engine; returns its bytes. `version` is given with the last bucket only: the
         engines then take it as their weight version and flush their KV cache."""
 
-    #: The transport can send each engine rank its own shard (`push_shards`; the sharded sync).
+    #: The transport can send each engine rank its own shard (`push_shards`; the sharded sync) ...
     shards: bool = False
+    #: ... through this engine-side loader, which the engines must list in --custom-weight-loader ("": none).
+    shard_loader: str = ""
+    #: This sync sends shards (set by the sync, before `connect`).
+    sharded: bool = False
 
     def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
         """Move each rank's part of `bucket` into that tensor-parallel rank of every engine (engine parameters, in
