@@ -14,6 +14,10 @@ the trainer. Who sends:
   replica's GPUs, from its own GPU by CUDA IPC.
 Other ranks only take part in the export's gathers.
 
+What each engine rank receives (`sharded_layout`, weight_sync.sharded): with the tensor or disk transport and engines
+of several tensor-parallel ranks, only the parameters it holds, in SGLang's layout (`slimish.weight_sync.sharding`);
+otherwise, and as the fallback, the whole model.
+
 `sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
 there: what tests and benchmarks that send tensors of their own (not a trainer's model) use.
 """

@@ -322,7 +322,8 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     rotary) trained at expert parallelism 2 (two Megatron ranks, each holding half the experts), rolled out by
     `moe_engine` (two tensor-parallel ranks). After every weight sync the engine's logprobs equal the trainer's and
     each rank's checksums the trainer's prediction: the full export gathered every expert, the router bias and the
-    shared expert under the names SGLang loads."""
+    shared expert under the names SGLang loads, and the sender cut them into each engine rank's shard (the sharded
+    route, weight_sync.sharded auto with a TP2 engine and the tensor transport)."""
     import json
     import subprocess
 
@@ -337,11 +338,16 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib")}
+    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib",
+                                         "sync_engine_rank0_mib", "sync_engine_rank1_mib", "time_sync_s")}
                       for r in records])
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_failed"] == 0
         assert record["sync_checksums_predicted"] == 1, "each engine rank checked against the trainer"
+        # weight_sync.sharded auto: each engine rank was sent only its own parameters (about half the model each).
+        assert record["sync_sharded"] == 1, record
+        halves = [record["sync_engine_rank0_mib"], record["sync_engine_rank1_mib"]]
+        assert sum(halves) == pytest.approx(record["sync_mib"]) and max(halves) < 0.75 * record["sync_mib"], record
     assert records[0]["ppo_kl"] == 0.0
     assert not leftovers(), "processes left running after the job"
