@@ -5,11 +5,10 @@ directory is removed. For engines that share no network group with the trainer, 
 that needs nothing but the engine's HTTP port.
 
 Sharded (`weight_sync.sharded`): each bucket is one safetensors file per engine rank, holding only that rank's
-engine parameters (`slimish.weight_sync.sharding.EngineShards`), and each rank reads only its own: per bucket, every
-engine is asked (`/update_weights_from_tensor`, inside /begin_weight_update ... /end_weight_update) to load with
-slimish's engine-side loader (`slimish.weight_sync.engine_loader`, registered by --custom-weight-loader), rank r's
-payload naming rank r's file. The next bucket is written while the engines read the last one; a bucket's files are
-removed once every engine has read them."""
+engine parameters (`slimish.weight_sync.sharding.EngineShards`), and each rank reads only its own: with the last
+bucket every engine is asked once, as on the full path (`/update_weights_from_tensor`, inside /begin_weight_update
+... /end_weight_update), to load with slimish's engine-side loader (`slimish.weight_sync.engine_loader`, registered
+by --custom-weight-loader), rank r's payload naming rank r's files; then the directory is removed."""
 
 from __future__ import annotations
 
@@ -48,11 +47,8 @@ class DiskTransport(Transport):
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
         self._shards += 1
-        # Bucket tensors may be views into larger ones: safetensors wants each contiguous and owning its storage.
         with self.phase("write"):
-            save_file({name: t.detach().clone(memory_format=torch.contiguous_format)
-                       for name, t in zip(bucket.names, bucket.tensors)},
-                      str(self._dir / f"model-{self._shards:05d}.safetensors"))
+            save_file(_owning(bucket), str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
             path = str(self._dir)
             # In flight: every engine reads every shard, the whole model, within one call.
@@ -66,38 +62,26 @@ class DiskTransport(Transport):
     def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
+            self._rank_files: list[list[Path]] = [[] for _ in bucket.ranks]
         self._shards += 1
-        files: list[Path | None] = []
         with self.phase("write"):
             for rank, part in enumerate(bucket.ranks):
-                if not part.names:
-                    files.append(None)
-                    continue
-                path = self._dir / f"rank{rank:03d}-{self._shards:05d}.safetensors"
-                save_file({name: t.detach().clone(memory_format=torch.contiguous_format)
-                           for name, t in zip(part.names, part.tensors)}, str(path))
-                files.append(path)
-        self.wait_loaded()
-        self._remove_loaded()
-        # One pickle per receiving rank (each takes a reference to the shared size tensor, as in the tensor
-        # transport); an empty list where a rank holds nothing of this bucket.
-        payloads = {c.url: [_serialize([(str(f), torch.tensor([f.stat().st_size], device="cpu"))] if f else [])
-                            for f in files] for c in self.clients}
-        calls = self.on_all(lambda c: c.update_weights_from_tensor(
-            serialized=payloads[c.url], load_format=SHARD_LOADER, weight_version=version,
-            flush_cache=version is not None))
-        self.loading(calls, deadline=self.deadline(max(bucket.rank_bytes)))
-        self._loaded_files = [f for f in files if f is not None]
+                if part.names:
+                    path = self._dir / f"rank{rank:03d}-{self._shards:05d}.safetensors"
+                    save_file(_owning(part), str(path))
+                    self._rank_files[rank].append(path)
         if version is not None:
+            # One load of the whole model, as on the full path: rank r reads only its own files. One pickle per
+            # receiving rank (each takes a reference to the shared size tensors, as in the tensor transport).
+            payloads = {c.url: [_serialize([(str(f), torch.tensor([f.stat().st_size], device="cpu")) for f in files])
+                                for files in self._rank_files] for c in self.clients}
+            calls = self.on_all(lambda c: c.update_weights_from_tensor(
+                serialized=payloads[c.url], load_format=SHARD_LOADER, weight_version=version, flush_cache=True))
+            self.loading(calls, deadline=self.deadline(max(sum(f.stat().st_size for f in files)
+                                                           for files in self._rank_files)))
             self.wait_loaded()
             self._remove_shards()
         return bucket.nbytes
-
-    def _remove_loaded(self) -> None:
-        """The files of the bucket every engine has answered for."""
-        for path in getattr(self, "_loaded_files", []):
-            path.unlink(missing_ok=True)
-        self._loaded_files = []
 
     def _remove_shards(self) -> None:
         if self._dir is not None:
@@ -113,3 +97,14 @@ class DiskTransport(Transport):
     def close(self) -> None:
         self._remove_shards()
         super().close()
+
+
+def _owning(bucket: Bucket) -> dict[str, torch.Tensor]:
+    """The bucket's tensors as safetensors wants them, each contiguous and owning its storage: a view into a larger
+    tensor (an HF tensor's slice, a shard's column block) is copied, a tensor that already is so (a fused engine
+    parameter, built fresh) is not."""
+    def owning(t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.storage_offset() == 0 and \
+            t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return {name: t.detach() if owning(t) else t.detach().clone(memory_format=torch.contiguous_format)
+            for name, t in zip(bucket.names, bucket.tensors)}
