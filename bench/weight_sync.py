@@ -25,8 +25,8 @@ Engine start-up is excluded. Needs ~10 GB of memory.
 
     python bench/weight_sync.py --engine-tp 2 [--layers 8] [--rounds 3] [--bucket-mb 64]   (make bench-sync-sharded)
 
-The sharded case: one engine of two tensor-parallel ranks, and per transport that can send shards (`tensor`, `disk`)
-the whole model to every rank (weight_sync.sharded off) against each rank only its own parameters (on), both
+The sharded case: one engine of two tensor-parallel ranks, and per transport (`disk`, `broadcast`, `tensor`) the
+whole model to every rank (weight_sync.sharded off) against each rank only its own parameters (on), both
 verified; it prints seconds and MiB per engine rank of each, and last:
 
     sharded_vs_full_ratio=<full tensor s / sharded tensor s> rank_mib_full=<m> rank_mib_sharded=<m> ...
@@ -249,7 +249,7 @@ def phase_line(metrics: dict) -> str:
 
 
 def sharded_main(args) -> None:
-    """One engine of `args.engine_tp` ranks; full vs sharded over `tensor` and `disk` (see the module docstring)."""
+    """One engine of `args.engine_tp` ranks; full vs sharded per transport (see the module docstring)."""
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.weight_sync.checksums import sharding_of
@@ -270,7 +270,7 @@ def sharded_main(args) -> None:
         sharding = sharding_of(urls[0], api_key=None)
         print(f"1 engine of {tp} tensor-parallel ranks up in {time.monotonic() - t0:.0f}s", flush=True)
         results = {}
-        for transport in ("disk", "tensor"):  # tensor last: its ratio is the figure
+        for transport in ("disk", "broadcast", "tensor"):  # tensor last: its ratio is the figure
             for route in ("full", "sharded"):
                 best = sync_rounds(transport, urls, tensors, bucket_mb=size, rounds=args.rounds,
                                    disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded")
@@ -278,7 +278,7 @@ def sharded_main(args) -> None:
                 ranks = [best[f"sync_engine_rank{r}_mib"] for r in range(tp)]
                 print(f"{transport} {route} bucket_mb={size:g}: {best['sync_s']:.2f}s, MiB per engine rank "
                       f"{[round(m) for m in ranks]} | {phase_line(best)}", flush=True)
-        for transport in ("disk", "tensor"):
+        for transport in ("disk", "broadcast", "tensor"):
             full, sharded = results[transport, "full"], results[transport, "sharded"]
             print(f"transport={transport} sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} "
                   f"full_s={full['sync_s']:.2f} sharded_s={sharded['sync_s']:.2f} "
@@ -298,7 +298,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0])
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--engine-tp", type=int, default=1,
-                        help="> 1: one engine of this many ranks, full vs sharded sync (tensor, disk)")
+                        help="> 1: one engine of this many ranks, full vs sharded sync per transport")
     args = parser.parse_args()
     if args.engine_tp > 1:
         sharded_main(args)

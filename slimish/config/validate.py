@@ -134,7 +134,7 @@ def _check_not_negative(cfg: JobConfig) -> None:
 
 
 # The transports that can send each engine rank its own shard (`Transport.shards` in slimish.weight_sync).
-SHARDED_TRANSPORTS = ("tensor", "disk")
+SHARDED_TRANSPORTS = ("tensor", "disk", "broadcast")
 
 
 def _check_sharded_sync(cfg: JobConfig) -> None:

@@ -203,7 +203,8 @@ class WeightSender:
         from slimish.weight_sync.sync import TRANSPORTS
 
         ws = self.cfg.weight_sync
-        if ws.sharded == "off" or (ws.sharded == "auto" and sharding.tp == 1):
+        if ws.sharded == "off" or (ws.sharded == "auto" and (sharding.tp == 1
+                                                             or not TRANSPORTS[ws.transport].shards_under_auto)):
             return None
         loader = TRANSPORTS[ws.transport].shard_loader
         why_not = (f"the '{ws.transport}' transport sends the whole model" if not TRANSPORTS[ws.transport].shards

@@ -241,6 +241,8 @@ class Transport(ABC):
     shards: bool = False
     #: ... through this engine-side loader, which the engines must list in --custom-weight-loader ("": none).
     shard_loader: str = ""
+    #: `weight_sync.sharded` auto picks the sharded route with this transport (else only 'on' does).
+    shards_under_auto: bool = True
     #: This sync sends shards (set by the sync, before `connect`).
     sharded: bool = False
 

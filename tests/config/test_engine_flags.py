@@ -20,7 +20,15 @@ import pytest
 from safetensors.torch import save_file
 
 from slimish.config import ConfigError, load_config
-from slimish.config.engine_flags import A2A_BACKENDS, ALIASES, FLAGS, SHARD_LOADER, flags_set_twice, serving_args
+from slimish.config.engine_flags import (
+    A2A_BACKENDS,
+    ALIASES,
+    FLAGS,
+    SHARD_LOADER,
+    SHARD_RECEIVER,
+    flags_set_twice,
+    serving_args,
+)
 from slimish.config.schema import EngineConfig
 from slimish.engines.server import engine_argv, node_args
 from tests.config.test_recipes import RECIPES
@@ -121,7 +129,7 @@ def test_every_recipes_engine_command_line_resolves_in_sglang(tmp_path):
         assert got["dist_init_addr"] == ("10.0.0.1:29600" if engine.nodes_per_engine > 1 else None), name
         assert got["device"] == "cuda" and got["tp_size"] == engine.tensor_parallel, name
         assert got["ep_size"] == engine.expert_parallel, name
-        assert got["custom_weight_loader"] == [SHARD_LOADER], name  # the sharded disk sync's engine-side loader
+        assert got["custom_weight_loader"] == [SHARD_LOADER, SHARD_RECEIVER], name  # the sharded syncs' loaders
         assert got["attn_dp_size"] == engine.attention_data_parallel, name
         assert got["moe_a2a_backend"] == engine.moe_a2a_backend, name
         if engine.mem_fraction_static:
@@ -177,10 +185,11 @@ def test_an_moe_engine_with_expert_parallelism_loads(tiny_models, task_assets, t
 
 
 def test_the_shard_loader_engines_register_is_slimishs():
-    """The dotted path every engine registers with --custom-weight-loader (SGLang imports it with its
-    `dynamic_import`) names the sharded disk sync's engine-side loader."""
+    """The dotted paths every engine registers with --custom-weight-loader (SGLang imports them with its
+    `dynamic_import`) name the sharded disk and broadcast syncs' engine-side loaders."""
     from sglang.srt.utils.common import dynamic_import
 
-    from slimish.weight_sync.engine_loader import load_shard_files
+    from slimish.weight_sync.engine_loader import load_shard_files, receive_shard
 
     assert dynamic_import(SHARD_LOADER) is load_shard_files
+    assert dynamic_import(SHARD_RECEIVER) is receive_shard

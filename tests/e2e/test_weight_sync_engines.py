@@ -146,11 +146,13 @@ def test_the_sender_predicts_every_engine_checksum(engine):
         assert differing(mine, theirs) == [], f"tensor-parallel rank {rank}"
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk", "tensor-sharded", "disk-sharded"])
+@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk", "tensor-sharded", "disk-sharded",
+                                       "broadcast-sharded"])
 def test_a_sync_writes_every_engine_parameter(engine, transport):
     """Every transport writes every parameter; the full path puts the whole model before every engine rank, the
     sharded one (each rank its own parameters, loaded by name: from shared memory with tensor-sharded, from files of
-    its own through slimish's engine-side loader with disk-sharded) about 1 / tp of it on each of the MoE engine's
+    its own through slimish's engine-side loader with disk-sharded, over a group of its own with the sender through
+    the same loader module with broadcast-sharded) about 1 / tp of it on each of the MoE engine's
     two ranks (plus what SGLang replicates: norms, the router, the CPU's padding)."""
     family, url, tensors, workdir, arch = engine
     loaded = checksums(url)
