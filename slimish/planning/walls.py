@@ -98,10 +98,9 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
 
 def sharded_engine_tp(cfg, arch) -> int:
     """The engines' tensor-parallel size where the sync would be sharded (weight_sync.sharded, as the sender decides
-    it: a transport that sends shards, engines of more than one rank under 'auto', a layout SGLang loads by name:
-    not MLA, not DP attention), else 1."""
+    it for the engines slimish starts: a transport that sends shards, engines of more than one rank under 'auto', a
+    known layout: not DP attention), else 1. `arch`: the model (every family's layout is known)."""
     ws, engine = cfg.weight_sync, cfg.rollout.engine
-    if (ws.sharded == "off" or ws.transport not in SHARDED_TRANSPORTS or arch.mla is not None
-            or engine.attention_data_parallel > 1):
+    if ws.sharded == "off" or ws.transport not in SHARDED_TRANSPORTS or engine.attention_data_parallel > 1:
         return 1
     return engine.tensor_parallel

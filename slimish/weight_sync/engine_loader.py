@@ -25,13 +25,34 @@ import os
 _GROUPS: dict = {}
 
 
+def load_by_name(model, named_tensors) -> None:
+    """`load_format="direct"` plus the model's own post-processing: each tensor copied into the parameter of its name
+    (SGLang's `default_weight_loader`, shape checked), then, for the parameters SGLang derives buffers from after
+    loading (MLA's `w_kc` / `w_vc` from `kv_b_proj`), the model's `post_load_weights` for the layers loaded, as its
+    own `load_weights` does. The tensor transport's sharded load for such models."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    for name, tensor in named_tensors:
+        default_weight_loader(params[name], tensor)
+    post_load(model, [name for name, _ in named_tensors])
+
+
+def post_load(model, names: list[str]) -> None:
+    """The model's post-processing of the parameters `names` just loaded by name: DeepSeek-V2/V3's
+    `post_load_weights(weight_names=...)` re-derives `w_kc` / `w_vc` of the layers whose `kv_b_proj` was loaded
+    (what its `load_weights` calls after a load; `/end_weight_update` skips it once weights were loaded)."""
+    if any("kv_b_proj" in name for name in names) and hasattr(model, "post_load_weights"):
+        model.post_load_weights(weight_names=names)
+
+
 def load_shard_files(model, named_tensors) -> None:
     """Load this rank's shard files named in `named_tensors` ([(path, its size in bytes as a tensor)]) into `model`
     by parameter name. A file of another size than the sender wrote (truncated, replaced) is refused."""
     from safetensors import safe_open
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    params = dict(model.named_parameters())
+    params, loaded = dict(model.named_parameters()), []
     for path, size in named_tensors:
         found = os.path.getsize(path)
         if found != int(size.item()):
@@ -41,6 +62,8 @@ def load_shard_files(model, named_tensors) -> None:
                 if name not in params:
                     raise KeyError(f"weight shard {path}: no parameter {name} on this engine rank")
                 default_weight_loader(params[name], shard.get_tensor(name))
+                loaded.append(name)
+    post_load(model, loaded)
 
 
 def receive_shard(model, named_tensors) -> None:
@@ -68,6 +91,7 @@ def receive_shard(model, named_tensors) -> None:
         if name not in params:
             raise KeyError(f"weight shard of group {spec['group']}: no parameter {name} on this engine rank")
         default_weight_loader(params[name], tensor)
+    post_load(model, spec["names"])
 
 
 def _join(spec: dict):

@@ -198,6 +198,7 @@ class WeightSender:
         """The route (`weight_sync.sharded`): the engines' `EngineLayout` when each engine rank is sent only its own
         parameters, None when every rank gets the whole model (engines of one rank under 'auto', and wherever the
         sharded route cannot run: raised as a ConfigError under 'on')."""
+        from slimish.config.engine_flags import SHARD_DIRECT
         from slimish.config.errors import ConfigError
         from slimish.weight_sync.sharding import EngineLayout, layout_supported
         from slimish.weight_sync.sync import TRANSPORTS
@@ -214,8 +215,10 @@ class WeightSender:
                    else f"the engine layout of {self.arch.family} on {sharding} is not known"
                    if not layout_supported(self.arch, sharding) else "")
         layout = None if why_not else EngineLayout(self.arch, sharding)
-        if layout is not None and not layout.direct_loadable:
-            why_not, layout = f"{self.arch.family}'s MLA weights are post-processed by SGLang's load_weights", None
+        if layout is not None and not layout.direct_loadable and ws.transport == "tensor" \
+                and SHARD_DIRECT not in sharding.loaders:
+            why_not, layout = (f"{self.arch.family}'s MLA weights are post-processed after loading, which needs "
+                               f"{SHARD_DIRECT} in the engines' --custom-weight-loader"), None
         if why_not and ws.sharded == "on":
             raise ConfigError("weight_sync.sharded", f"'on' cannot run here: {why_not}; use 'auto' or 'off'")
         return layout

@@ -28,8 +28,9 @@ any tensor- and expert-parallel size SGLang accepts, except CPU engines whose si
 heads (SGLang then pads heads, not predicted here), and DeepSeek-V3's multi-latent attention (MLA: the down
 projections whole on every rank, fused when there is a query LoRA; the up projections split by heads; `w_kc` /
 `w_vc`, derived from `kv_b_proj` after loading, are not parameters and not reported). Not covered: engines with DP
-attention (`rollout.engine.attention_data_parallel`). Sharded payloads (`direct_loadable`): every covered layout but
-MLA's, whose `w_kc` / `w_vc` SGLang derives inside `load_weights`, which a direct copy by name does not run.
+attention (`rollout.engine.attention_data_parallel`). Sharded payloads: every covered layout; MLA's `w_kc` / `w_vc`,
+which SGLang derives inside `load_weights`, need the model's post-processing after a copy by name, which SGLang's
+stock `load_format="direct"` does not run (`direct_loadable`) and slimish's engine-side loaders do.
 """
 
 from __future__ import annotations
@@ -173,9 +174,10 @@ class EngineLayout:
 
     @property
     def direct_loadable(self) -> bool:
-        """Whether an engine rank's parameters can be copied in by name (SGLang's `load_format="direct"`): not with
+        """Whether SGLang's stock `load_format="direct"` (a copy by name) loads an engine rank's parameters: not with
         MLA, whose `w_kc` / `w_vc` SGLang computes from `kv_b_proj` in `load_weights` (and in `post_load_weights`,
-        which `/end_weight_update` runs only when nothing was loaded), so a copy by name would leave them stale."""
+        which `/end_weight_update` runs only when nothing was loaded), so a bare copy would leave them stale; slimish's
+        `engine_loader.load_by_name` copies and then post-processes."""
         return self.arch.mla is None
 
     def pieces(self, hf_name: str, tensor: torch.Tensor) -> Iterator[tuple[int, str, int, int, torch.Tensor]]:

@@ -58,6 +58,7 @@ class WeightSync:
             raise ValueError(f"the {transport} transport cannot send shards (weight_sync.sharded)")
         self.layout = layout
         self.transport.sharded = layout is not None
+        self.transport.direct_load = layout is None or layout.direct_loadable
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
         self.after_bucket, self.in_flight = after_bucket, in_flight

@@ -40,6 +40,7 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing import reductions
 
+from slimish.config.engine_flags import SHARD_DIRECT
 from slimish.config.errors import ConfigError
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket, views
@@ -97,8 +98,10 @@ class TensorTransport(Transport):
             # One pickle per receiving rank, as in `push`.
             payloads = {c.url: [_serialize(pairs) for pairs in named] for c in self.clients}
         self.wait_loaded()
+        # SGLang's stock copy by name, or slimish's (the same, then the model's post-processing: MLA).
+        load_format = "direct" if self.direct_load else SHARD_DIRECT
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
-            serialized=payloads[c.url], load_format="direct", weight_version=version,
+            serialized=payloads[c.url], load_format=load_format, weight_version=version,
             flush_cache=version is not None))
         self.loading(calls, keep=placed, deadline=self.deadline(max(bucket.rank_bytes)))
         if version is not None:

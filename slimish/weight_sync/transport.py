@@ -243,8 +243,10 @@ class Transport(ABC):
     shard_loader: str = ""
     #: `weight_sync.sharded` auto picks the sharded route with this transport (else only 'on' does).
     shards_under_auto: bool = True
-    #: This sync sends shards (set by the sync, before `connect`).
+    #: This sync sends shards (set by the sync, before `connect`) ...
     sharded: bool = False
+    #: ... which SGLang's stock load_format="direct" loads (else the model post-processes loaded weights: MLA).
+    direct_load: bool = True
 
     def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
         """Move each rank's part of `bucket` into that tensor-parallel rank of every engine (engine parameters, in

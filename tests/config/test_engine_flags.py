@@ -24,6 +24,7 @@ from slimish.config.engine_flags import (
     A2A_BACKENDS,
     ALIASES,
     FLAGS,
+    SHARD_DIRECT,
     SHARD_LOADER,
     SHARD_RECEIVER,
     flags_set_twice,
@@ -129,7 +130,8 @@ def test_every_recipes_engine_command_line_resolves_in_sglang(tmp_path):
         assert got["dist_init_addr"] == ("10.0.0.1:29600" if engine.nodes_per_engine > 1 else None), name
         assert got["device"] == "cuda" and got["tp_size"] == engine.tensor_parallel, name
         assert got["ep_size"] == engine.expert_parallel, name
-        assert got["custom_weight_loader"] == [SHARD_LOADER, SHARD_RECEIVER], name  # the sharded syncs' loaders
+        # the sharded syncs' engine-side loaders
+        assert got["custom_weight_loader"] == [SHARD_LOADER, SHARD_RECEIVER, SHARD_DIRECT], name
         assert got["attn_dp_size"] == engine.attention_data_parallel, name
         assert got["moe_a2a_backend"] == engine.moe_a2a_backend, name
         if engine.mem_fraction_static:
@@ -189,7 +191,8 @@ def test_the_shard_loader_engines_register_is_slimishs():
     `dynamic_import`) name the sharded disk and broadcast syncs' engine-side loaders."""
     from sglang.srt.utils.common import dynamic_import
 
-    from slimish.weight_sync.engine_loader import load_shard_files, receive_shard
+    from slimish.weight_sync.engine_loader import load_by_name, load_shard_files, receive_shard
 
+    assert dynamic_import(SHARD_DIRECT) is load_by_name
     assert dynamic_import(SHARD_LOADER) is load_shard_files
     assert dynamic_import(SHARD_RECEIVER) is receive_shard

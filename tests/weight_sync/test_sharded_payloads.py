@@ -89,3 +89,43 @@ def test_each_rank_receives_about_its_share(loaded, family, tp, ep, cpu):
     for rank, rank_bytes in enumerate(case["rank_bytes"]):
         assert share <= rank_bytes < ceiling * case["model_bytes"], \
             f"rank {rank}: {rank_bytes} bytes of a {case['model_bytes']}-byte model"
+
+
+def test_mla_loads_by_name_with_slimishs_loader_and_its_derived_buffers_follow(tiny_moe_models, tmp_path):
+    """DeepSeek-V3 (MLA) at TP2 on CPU: each rank's payload loaded by slimish's `load_by_name` holds what SGLang's own
+    loader makes of the changed checkpoint, parameters and the `w_kc` / `w_vc` it derives from kv_b_proj; SGLang's
+    stock `direct` copy leaves those stale (why MLA needs the loader). ~15 s more."""
+    from safetensors.torch import save_file
+
+    from tests.weight_sync.test_engine_sharding import served
+
+    model = served(tiny_moe_models["deepseek_v3"])
+    changed_dir = tmp_path / "changed"
+    changed_dir.mkdir()
+    for item in model.iterdir():
+        if item.suffix != ".safetensors":
+            (changed_dir / item.name).symlink_to(item.resolve())
+    checkpoint = HFCheckpoint(model)
+    save_file({name: t.contiguous() for name, t in changed(checkpoint)}, str(changed_dir / "model.safetensors"))
+    arch = architecture_from_hf(read_hf_config(model))
+    payloads: list[list] = [[], []]
+    for rank, name, tensor in EngineShards(EngineLayout(arch, EngineSharding(tp=2, cpu=True))).stream(
+            changed(checkpoint)):
+        payloads[rank].append((name, tensor.contiguous()))
+    cases = []
+    for rank in range(2):
+        torch.save(payloads[rank], tmp_path / f"rank{rank}.pt")
+        cases += [{"model": str(changed_dir), "tp": 2, "rank": rank},
+                  {"model": str(model), "tp": 2, "rank": rank, "direct": str(tmp_path / f"rank{rank}.pt"),
+                   "loader": "by_name"},
+                  {"model": str(model), "tp": 2, "rank": rank, "direct": str(tmp_path / f"rank{rank}.pt")}]
+    result = subprocess.run([sys.executable, "-m", "tests.weight_sync.sglang_rank", json.dumps(cases)],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for rank in range(2):
+        loaded, by_name, stock = out[3 * rank:3 * rank + 3]
+        assert loaded["derived"], "the tiny DeepSeek-V3 has MLA layers with w_kc / w_vc"
+        assert differing(loaded["checksums"], by_name["checksums"]) == [], f"rank {rank}"
+        assert by_name["derived"] == loaded["derived"], f"rank {rank}: w_kc / w_vc not re-derived"
+        assert stock["derived"] != loaded["derived"], f"rank {rank}: the stock direct copy re-derived them too"

@@ -2,7 +2,7 @@
 several tensor-parallel ranks, the transport sends shards and SGLang loads the layout by name; the full model
 otherwise; 'on' where the sharded route cannot run is a one-line ConfigError naming the key, at check-config where
 the config alone tells (DP attention), at connect where the engines tell (the model's MLA, an engine
-without slimish's loader)."""
+without slimish's loader, MLA over tensor without slimish's load_by_name)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from slimish.config import ConfigError, load_config
-from slimish.config.engine_flags import SHARD_LOADER, SHARD_RECEIVER
+from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER, SHARD_RECEIVER
 from slimish.megatron_bridge.hf_config import architecture_from_hf
 from slimish.weight_sync.sender import WeightSender
 from slimish.weight_sync.sharding import EngineSharding
@@ -54,11 +54,15 @@ def test_the_route(tmp_path, overrides, sharding, sharded):
         assert layout.sharding == sharding
 
 
-def test_mla_takes_the_full_path_under_auto_and_on_is_refused(tmp_path):
-    """DeepSeek-V3's w_kc / w_vc are derived in SGLang's load_weights, which a copy by name does not run."""
+def test_mla_over_tensor_needs_slimishs_loader(tmp_path):
+    """DeepSeek-V3's w_kc / w_vc are derived after loading, which SGLang's stock direct copy does not run: over the
+    tensor transport the engines must list slimish's load_by_name (the disk and broadcast loaders post-process
+    anyway); without it, auto takes the full path and 'on' is refused naming it."""
+    by_name = EngineSharding(tp=2, loaders=(SHARD_DIRECT,))
+    assert sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor").sharded_layout(by_name) is not None
     assert sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor").sharded_layout(WITH_LOADER) is None
     on = sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor", "weight_sync.sharded=on")
-    with pytest.raises(ConfigError, match=r"weight_sync.sharded.*MLA.*use 'auto' or 'off'"):
+    with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*MLA.*{SHARD_DIRECT}.*use 'auto' or 'off'"):
         on.sharded_layout(WITH_LOADER)
 
 
