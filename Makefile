@@ -1,7 +1,7 @@
 # The two commands a new user types:
 #   make quickstart   install the pinned CPU stack into .venv, build the tiny model, run a real RL job on CPU
 #   make test         install the same stack, lint, and run the test suite (fast tier + end-to-end + Slurm)
-# Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make gpu-battery-prepare | make lint | make docs | make bench | make bench-partial | make bench-sync |
+# Other targets: make venv | make venv-gpu | make test-fast | make test-gpu [EMULATE=1] | make gpu-battery-prepare | make lint | make docs | make bench | make bench-partial | make bench-sync | make bench-sync-sharded |
 #   make bench-flatten | make bench-tensor-buckets | make bench-long | make bench-attention | make bench-estimators | make bench-async | make bench-rollout | make bench-reward-workers | make bench-step-time
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.slimish-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-flatten bench-tensor-buckets bench-long bench-attention bench-estimators bench-async bench-rollout bench-reward-workers bench-step-time clean
+.PHONY: venv venv-gpu quickstart test test-fast test-gpu gpu-battery-prepare lint docs bench bench-partial bench-sync bench-sync-sharded bench-flatten bench-tensor-buckets bench-long bench-attention bench-estimators bench-async bench-rollout bench-reward-workers bench-step-time clean
 
 venv: $(STAMP)
 
@@ -87,6 +87,9 @@ bench-partial: venv
 
 bench-sync: venv
 	$(BIN)/python bench/weight_sync.py
+
+bench-sync-sharded: venv
+	$(BIN)/python bench/weight_sync.py --engine-tp 2 --layers 8
 
 bench-flatten: venv
 	$(BIN)/python bench/flatten.py

@@ -22,6 +22,14 @@ embedding and the first half of the layers; stage 1: the rest) and sync with `br
 1's tensors travel to rank 0 first: `funnel`) and once with stage senders (`stages`: stage 1 flattens, hashes and
 broadcasts its own buckets on its own group, the two taking turns on the wire); it prints both and their ratio.
 Engine start-up is excluded. Needs ~10 GB of memory.
+
+    python bench/weight_sync.py --engine-tp 2 [--layers 8] [--rounds 3] [--bucket-mb 64]   (make bench-sync-sharded)
+
+The sharded case: one engine of two tensor-parallel ranks, and per transport (`disk`, `broadcast`, `tensor`) the
+whole model to every rank (weight_sync.sharded off) against each rank only its own parameters (on), both
+verified; it prints seconds and MiB per engine rank of each, and last:
+
+    sharded_vs_full_ratio=<full tensor s / sharded tensor s> rank_mib_full=<m> rank_mib_sharded=<m> ...
 """
 
 from __future__ import annotations
@@ -60,17 +68,16 @@ def build_model(root: Path, layers: int) -> Path:
                             num_key_value_heads=8, head_dim=64)
 
 
-def start_engines(model: Path, log_dir: Path) -> list:
-    from slimish.compat import sglang_cpu
+def start_engines(model: Path, log_dir: Path, count: int = NUM_ENGINES, tp: int = 1) -> list:
     from slimish.engines.process import ManagedProcess
-    from slimish.engines.server import engine_argv
+    from slimish.engines.server import engine_argv, engine_env
 
     engines = []
-    for i in range(NUM_ENGINES):
+    for i in range(count):
         port = free_port()
-        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=1,
+        argv = engine_argv(model_path=str(model), host="127.0.0.1", port=port, device="cpu", dtype="float32", tp=tp,
                            max_total_tokens=1024, seed=i, extra=[])
-        proc = ManagedProcess(f"engine{i}", argv, env=sglang_cpu.server_env(), log_path=log_dir / f"engine{i}.log")
+        proc = ManagedProcess(f"engine{i}", argv, env=engine_env(tp), log_path=log_dir / f"engine{i}.log")
         proc.start()
         engines.append((proc, f"http://127.0.0.1:{port}"))
     for proc, url in engines:
@@ -112,16 +119,21 @@ def raw_broadcast_s(numel: int, rounds: int) -> float:
 
 
 def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: float, rounds: int,
-                disk_dir: Path, arch) -> dict:
+                disk_dir: Path, arch, sharding=None, sharded: bool = False) -> dict:
     """The fastest of `rounds` whole-model syncs through `transport`, verified as a job verifies them (every engine
-    parameter's checksum against the sender's), with its phase breakdown."""
+    parameter's checksum against the sender's), with its phase breakdown. `sharding`: the engines' (an
+    `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters."""
     import functools
 
-    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums
     from slimish.weight_sync.sender import sync_to
+    from slimish.weight_sync.sharding import EngineLayout
 
+    sharding = sharding or EngineSharding()
     sync = sync_to(urls, transport=transport, group_name=f"bench_{transport}", bucket_bytes=int(bucket_mb * 2**20),
-                   disk_dir=str(disk_dir), expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32))
+                   disk_dir=str(disk_dir), engine_tp=sharding.tp,
+                   expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32, sharding),
+                   layout=EngineLayout(arch, sharding) if sharded else None)
     sync.connect()
     best = None
     try:
@@ -236,13 +248,61 @@ def phase_line(metrics: dict) -> str:
                     for key, value in sorted(metrics.items()) if key.startswith("time_"))
 
 
+def sharded_main(args) -> None:
+    """One engine of `args.engine_tp` ranks; full vs sharded per transport (see the module docstring)."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+    from slimish.weight_sync.checksums import sharding_of
+
+    tp, size = args.engine_tp, args.bucket_mb[0]
+    root = Path(tempfile.mkdtemp(prefix="bench-sync-sharded-", dir=args.workdir))
+    engines = []
+    try:
+        model = build_model(root, args.layers)
+        ckpt = HFCheckpoint(model)
+        arch = architecture_from_hf(read_hf_config(model))
+        tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        print(f"model: qwen3, {args.layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
+        t0 = time.monotonic()
+        engines = start_engines(model, root, count=1, tp=tp)
+        urls = [url for _, url in engines]
+        sharding = sharding_of(urls[0], api_key=None)
+        print(f"1 engine of {tp} tensor-parallel ranks up in {time.monotonic() - t0:.0f}s", flush=True)
+        results = {}
+        for transport in ("disk", "broadcast", "tensor"):  # tensor last: its ratio is the figure
+            for route in ("full", "sharded"):
+                best = sync_rounds(transport, urls, tensors, bucket_mb=size, rounds=args.rounds,
+                                   disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded")
+                results[transport, route] = best
+                ranks = [best[f"sync_engine_rank{r}_mib"] for r in range(tp)]
+                print(f"{transport} {route} bucket_mb={size:g}: {best['sync_s']:.2f}s, MiB per engine rank "
+                      f"{[round(m) for m in ranks]} | {phase_line(best)}", flush=True)
+        for transport in ("disk", "broadcast", "tensor"):
+            full, sharded = results[transport, "full"], results[transport, "sharded"]
+            print(f"transport={transport} sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} "
+                  f"full_s={full['sync_s']:.2f} sharded_s={sharded['sync_s']:.2f} "
+                  f"rank_mib_full={full['sync_engine_rank0_mib']:.0f} "
+                  f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
+                  f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
+    finally:
+        for proc, _ in engines:
+            proc.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: 1.1 GiB in fp32)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0])
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--engine-tp", type=int, default=1,
+                        help="> 1: one engine of this many ranks, full vs sharded sync per transport")
     args = parser.parse_args()
+    if args.engine_tp > 1:
+        sharded_main(args)
+        return
 
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.megatron_bridge.hf_io import HFCheckpoint

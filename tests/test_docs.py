@@ -126,7 +126,8 @@ NOT_RUN = {
     "a GPU SGLang engine": r"(?<!no )gpu engines? (?:has|have) run\b",
     "NCCL between two GPUs": r"(?<!no )nccl between (?:two )?gpus (?:has|have) run",
     "a colocated job on a GPU": r"(?<!no )colocated job (?:has|have) run on a gpu",
-    "a sharded sync": r"sharded sync[^.|]*\| tested",
+    # The sharded sync runs on CPU engines only.
+    "a sharded sync on a GPU": r"sharded sync[^.|]*\| tested on (?:a |one )?(?:gpu|h100|h200)",
 }
 
 

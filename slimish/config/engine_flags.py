@@ -31,6 +31,17 @@ ALIASES: dict[str, tuple[str, ...]] = {
 A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe", "deepep_v2",
                 "pplx", "ascend_tp", "flashinfer_megamoe")
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in FLAGS}
+# The weight loaders of the sharded syncs (slimish.weight_sync.engine_loader), registered in every
+# engine the job starts: a request of `/update_weights_from_tensor` may name one as its load_format only if the engine
+# lists it.
+SHARD_LOADER = "slimish.weight_sync.engine_loader.load_shard_files"
+SHARD_RECEIVER = "slimish.weight_sync.engine_loader.receive_shard"
+SHARD_DIRECT = "slimish.weight_sync.engine_loader.load_by_name"  # the tensor transport's, for MLA
+
+
+def loader_args() -> list[str]:
+    """The flags that register slimish's weight loaders in an engine it starts."""
+    return ["--custom-weight-loader", SHARD_LOADER, SHARD_RECEIVER, SHARD_DIRECT]
 
 
 def serving_args(engine: EngineConfig) -> list[str]:

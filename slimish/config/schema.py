@@ -357,7 +357,13 @@ class WeightSyncConfig:
     disk_dir: str = doc("", "Directory of the disk transport's shards, readable by every engine; '' = "
                             "<run dir>/weight_sync. A run writes under a directory of its own there "
                             "(<run name>-<hash>), whose leftovers from a killed job the next start removes.")
-    bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast.")
+    bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast (the sharded sync: per engine rank).")
+    sharded: Literal["auto", "on", "off"] = doc(
+        "auto", "Send each engine tensor-parallel rank only the parameters it holds, in SGLang's layout (loaded by "
+                "name), instead of the whole model to every rank: 'auto' = where the engines have tensor_parallel > 1, "
+                "the transport is 'tensor' or 'disk' and the model's engine layout is known (not under DP "
+                "attention); 'on' = always, 'broadcast' included (per-rank groups; an error where it cannot); "
+                "'off' = the whole model to every rank.")
     stage_senders: bool = doc(True, "With the 'broadcast' transport and parallel.pipeline_parallel > 1, every "
                                     "pipeline stage broadcasts its own layers over a group of its own (the stages take "
                                     "turns on the wire); false = the later stages send theirs through trainer rank 0. "

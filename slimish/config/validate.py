@@ -133,6 +133,25 @@ def _check_not_negative(cfg: JobConfig) -> None:
             raise ConfigError(key, f"must be >= 0, got {value}")
 
 
+# The transports that can send each engine rank its own shard (`Transport.shards` in slimish.weight_sync).
+SHARDED_TRANSPORTS = ("tensor", "disk", "broadcast")
+
+
+def _check_sharded_sync(cfg: JobConfig) -> None:
+    """weight_sync.sharded 'on' where the sharded sync cannot run, known before any engine starts (the engines'
+    layout is checked when the sync connects)."""
+    ws = cfg.weight_sync
+    if ws.sharded != "on":
+        return
+    if ws.transport not in SHARDED_TRANSPORTS:
+        raise ConfigError("weight_sync.sharded", f"'on' needs weight_sync.transport in {list(SHARDED_TRANSPORTS)}; "
+                                                 f"'{ws.transport}' sends the whole model to every engine rank: use "
+                                                 "'auto' or 'off'")
+    if cfg.rollout.engine.attention_data_parallel > 1:
+        raise ConfigError("weight_sync.sharded", "'on' does not know the engine layout under DP attention "
+                                                 "(rollout.engine.attention_data_parallel > 1): use 'auto' or 'off'")
+
+
 def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False) -> None:
     """Every check; with files=False, only config.json of the model is read (no weights, no data: `slimish plan`).
     `isolate_hooks`: import the hooks in a process of their own (the CLI's check-config and train), not here."""
@@ -148,6 +167,7 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
         raise ConfigError("data.prompt_key", "is required: the dataset column that holds the prompt")
     if cfg.sft.steps and cfg.sft.batch_size == 0:
         raise ConfigError("sft.batch_size", "must be > 0 with sft.steps > 0, got 0")
+    _check_sharded_sync(cfg)
     ro, tr, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [
         ("sft.lr", cfg.sft.lr),

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from slimish.compat import sglang_cpu
-from slimish.config.engine_flags import serving_args
+from slimish.config.engine_flags import loader_args, serving_args
 from slimish.config.schema import ModelConfig, RolloutConfig
 from slimish.engines.process import ManagedProcess
 from slimish.network import engine_keys, hosted_store, node_ip, service_port
@@ -54,7 +54,8 @@ def engine_argv(*, model_path: str, host: str, port: int, device: str, dtype: st
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(tp), "--max-total-tokens", str(max_total_tokens),
             "--random-seed", str(seed), "--log-level", "warning",
-            *sglang_cpu.server_args(device=device, dtype=dtype, tp=tp, colocated=colocated), *map(str, extra)]
+            *sglang_cpu.server_args(device=device, dtype=dtype, tp=tp, colocated=colocated), *loader_args(),
+            *map(str, extra)]
 
 
 def node_args(*, nnodes: int, node_rank: int, rendezvous: tuple[str, int]) -> list[str]:

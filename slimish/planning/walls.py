@@ -4,7 +4,8 @@
            recompute), 2 more for the old logprobs and 2 for the reference when there is one, plus causal attention
            (2 x layers x hidden x length^2 per forward per sample; one forward more with selective recompute of
            core_attn; its other modules are not counted); over every trainer GPU at plan.gpu_tflops x mfu.
-  sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes.
+  sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes (sharded where
+           weight_sync.sharded would shard: `sharded_engine_tp`).
   rollout  the step's generated tokens over the engines' decode throughput, and never less than the longest
            response at one request's pace (a step waits for its slowest group).
   reward   samples x seconds per sample over the reward calls that run at once.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slimish.config.validate import SHARDED_TRANSPORTS
 from slimish.planning.memory import DTYPE_BYTES
 from slimish.planning.params import ParamCount
 from slimish.weight_sync.estimate import Cluster, sync_seconds
@@ -84,10 +86,21 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
         cluster = Cluster(nic_gbit_s=plan.nic_gbit_s, fs_write_gbyte_s=plan.fs_write_gbyte_s,
                           fs_read_gbyte_s=plan.fs_read_gbyte_s)
         sync = sync_seconds(params.total * DTYPE_BYTES[cfg.model.dtype], transport=ws.transport, cluster=cluster,
-                            pipeline_parallel=cfg.parallel.pipeline_parallel, stage_senders=ws.stage_senders)
+                            pipeline_parallel=cfg.parallel.pipeline_parallel, stage_senders=ws.stage_senders,
+                            engine_shards=sharded_engine_tp(cfg, arch))
     rollout = max(samples * response / (ro.engine.num_engines * plan.decode_tokens_per_s),
                   ro.max_new_tokens / plan.request_tokens_per_s)
     reward = samples * plan.reward_s_per_sample / plan.reward_workers
     if sync is not None and cfg.rl.mode == "async":
         sync /= cfg.rl.sync_every  # its share per step
     return Walls(train=train, sync=sync, rollout=rollout, reward=reward, overlapped=cfg.rl.mode != "sync")
+
+
+def sharded_engine_tp(cfg, arch) -> int:
+    """The engines' tensor-parallel size where the sync would be sharded (weight_sync.sharded, as the sender decides
+    it for the engines slimish starts: a transport that sends shards, engines of more than one rank under 'auto', a
+    known layout: not DP attention), else 1. `arch`: the model (every family's layout is known)."""
+    ws, engine = cfg.weight_sync, cfg.rollout.engine
+    if ws.sharded == "off" or ws.transport not in SHARDED_TRANSPORTS or engine.attention_data_parallel > 1:
+        return 1
+    return engine.tensor_parallel

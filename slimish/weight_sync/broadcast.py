@@ -6,17 +6,31 @@ broadcasts one flat uint8 tensor: the tensors' bytes concatenated in order.
 Overlap: `push` returns once its bucket is on the wire, without waiting for the engines to load it; the next
 bucket is exported and flattened meanwhile, and the next `push` waits for the engines' answers before it sends. So
 at most two buckets are alive on the sender (the one being loaded has already left it), flattened into two reused
-buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited for before `push` returns."""
+buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited for before `push` returns.
+
+Sharded (`weight_sync.sharded` on; not yet chosen under auto): engine rank r of every engine and the sender form a group
+of their own (group r: the sender at rank 0, engine e at rank 1 + e), joined by slimish's engine-side loader
+(`slimish.weight_sync.engine_loader.receive_shard`, registered by --custom-weight-loader) at the first bucket. Per
+bucket every engine is asked (`/update_weights_from_tensor`, that loader as load_format; rank r's payload describes
+its part) while the sender broadcasts rank r's part over group r, every group at once: each engine rank receives
+only its own parameters. Overlapped and given up like the full path; a group's engine side is dropped when that
+engine joins a later connection's."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
+import torch
+
 from slimish import collectives
+from slimish.config.engine_flags import SHARD_RECEIVER
 from slimish.engines.client import EngineClient, EngineError
-from slimish.weight_sync.buckets import Bucket, FlatBuffers
+from slimish.network import free_port
+from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket
 from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import LET_GO_S, Transport, keep_until_done, tensor_meta
 
@@ -24,11 +38,22 @@ logger = logging.getLogger(__name__)
 
 
 class BroadcastTransport(Transport):
+    shards = True
+    shard_loader = SHARD_RECEIVER
+    # The per-rank groups pass the sync-fault tests (tests/e2e/test_sync_faults.py), not yet the job-level
+    # engine-crash test: 'auto' keeps the full path until they do.
+    shards_under_auto = False
+
     def connect(self, clients: list[EngineClient]) -> None:
         super().connect(clients)
         ctx = self.context
         self.group, self._joined = None, False
         self.buffers = FlatBuffers()
+        self.rank_groups: list | None = None  # the sharded path's, one per engine rank, joined at the first bucket
+        self.rank_buffers: list[FlatBuffers] | None = None
+        self._given_up_groups: list = []
+        if self.sharded:
+            return
         world_size = 1 + len(clients) * ctx.engine_tp
         joins = [self._pool.submit(c.init_weights_update_group, master_address=ctx.master_addr,
                                    master_port=ctx.master_port, rank_offset=1 + i * ctx.engine_tp,
@@ -63,6 +88,53 @@ class BroadcastTransport(Transport):
             work = collectives.broadcast(flat, src=0, group=self.group, async_op=True)
             self.wait_work(work, deadline=deadline, what="the broadcast of a bucket")
 
+    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+        ctx = self.context
+        with self.phase("flatten"):
+            if self.rank_buffers is None:
+                self.rank_buffers = [FlatBuffers() for _ in bucket.ranks]
+            placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
+        self.wait_loaded()
+        if self.rank_groups is None:
+            self._ports = [free_port() for _ in bucket.ranks]
+
+        def spec(rank: int, engine: int) -> str:
+            part, (flat, offsets) = bucket.ranks[rank], placed[rank]
+            return json.dumps(dict(group=f"{ctx.group_name}_rank{rank}", address=ctx.master_addr,
+                                   port=self._ports[rank], world_size=1 + len(self.clients), rank=1 + engine,
+                                   backend=ctx.backend, names=part.names, offsets=offsets, nbytes=flat.numel(),
+                                   dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
+                                   shapes=[list(t.shape) for t in part.tensors]))
+
+        from slimish.weight_sync.tensor import _serialize
+
+        marker = torch.zeros(1, device="cpu")
+        payloads = {c.url: [_serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
+                    for engine, c in enumerate(self.clients)}
+        deadline = self.deadline(max(flat.numel() for flat, _ in placed))
+        self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=version,
+            flush_cache=version is not None)), deadline=deadline)
+        if self.rank_groups is None:
+            self.rank_groups = self._join_rank_groups(len(bucket.ranks))
+        with self.phase("wire"):
+            works = [collectives.broadcast(flat, src=0, group=group, async_op=True)
+                     for (flat, _), group in zip(placed, self.rank_groups)]
+            for work in works:
+                self.wait_work(work, deadline=deadline, what="the broadcast of a rank's part of a bucket")
+        if version is not None:
+            self.wait_loaded()
+        return bucket.nbytes
+
+    def _join_rank_groups(self, tp: int) -> list:
+        """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once."""
+        ctx = self.context
+        with ThreadPoolExecutor(tp) as pool:
+            joins = [pool.submit(new_weight_update_group, backend=ctx.backend, master_address=ctx.master_addr,
+                                 master_port=self._ports[r], world_size=1 + len(self.clients), rank=0,
+                                 group_name=f"{ctx.group_name}_rank{r}") for r in range(tp)]
+            return [join.result() for join in joins]
+
     def push_remote(self, meta: dict, *, nbytes: int, group_name: str, go: Callable[[], None]) -> None:
         """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
         stage's sender, `slimish.weight_sync.stages`), then `go()` tells that rank to send it. Ordered and
@@ -74,6 +146,14 @@ class BroadcastTransport(Transport):
         go()
 
     def abort(self) -> None:
+        if self.sharded:  # as below, per rank group (gloo; the sharded route has not run on NCCL)
+            for group in self.rank_groups or []:
+                destroy_group(group)
+                if self.given_up is not None:
+                    keep_until_done(self.given_up, group)
+            self.rank_groups = None
+            self.let_go()
+            return
         # Closing the sender's side of the group makes an engine blocked receiving a bucket fail that receive (its
         # /update_weights_from_distributed answers success=false) instead of waiting out the group's timeout. On
         # gloo it returns at once even with a broadcast still pending (`wire` gave up on it); the group is not used
@@ -117,4 +197,7 @@ class BroadcastTransport(Transport):
         if self.group is not None:
             destroy_group(self.group)
             self.group = None
+        for group in self.rank_groups or []:
+            destroy_group(group)
+        self.rank_groups = None
         super().close()

@@ -12,7 +12,12 @@ The model is the wire only: control calls, export gathers and the engines' copy 
              first takes in the later pipeline stages' share of the model, on the thread that sends (counted here as
              not overlapped).
   disk       the sender writes every byte to a shared filesystem, then every engine reads it all: bytes / write
-             bandwidth + bytes / (read bandwidth per engine), engines reading in parallel.
+             bandwidth + bytes / (read bandwidth per engine), engines reading in parallel. Sharded
+             (`engine_shards` = the engines' tensor-parallel size, weight_sync.sharded): each engine rank reads only
+             its own files, 1 / t of the bytes, the ranks in parallel at the read bandwidth each (what SGLang
+             replicates, norms and routers, is under 0.1% of a large model: not counted).
+  broadcast is not sharded (`engine_shards` is ignored): every engine rank still receives every byte over the one
+             group. `tensor` (one node, memory handles) has no wire.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ class Cluster:
 
 
 def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), pipeline_parallel: int = 1,
-                 stage_senders: bool = True) -> float:
-    """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring)."""
+                 stage_senders: bool = True, engine_shards: int = 1) -> float:
+    """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring);
+    `engine_shards` > 1: the sharded sync to engines of that many tensor-parallel ranks."""
     if transport == "broadcast":
         link = cluster.nic_gbit_s / 8 * GB
         funnel = 0.0 if stage_senders else model_bytes * (pipeline_parallel - 1) / pipeline_parallel / link
         return model_bytes / link + funnel
     if transport == "disk":
-        return model_bytes / (cluster.fs_write_gbyte_s * GB) + model_bytes / (cluster.fs_read_gbyte_s * GB)
+        return (model_bytes / (cluster.fs_write_gbyte_s * GB)
+                + model_bytes / engine_shards / (cluster.fs_read_gbyte_s * GB))
     raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")

@@ -14,6 +14,10 @@ the trainer. Who sends:
   replica's GPUs, from its own GPU by CUDA IPC.
 Other ranks only take part in the export's gathers.
 
+What each engine rank receives (`sharded_layout`, weight_sync.sharded): with the tensor or disk transport and engines
+of several tensor-parallel ranks, only the parameters it holds, in SGLang's layout (`slimish.weight_sync.sharding`);
+otherwise, and as the fallback, the whole model.
+
 `sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
 there: what tests and benchmarks that send tensors of their own (not a trainer's model) use.
 """
@@ -127,7 +131,8 @@ class WeightSender:
                     stage=stage, context=self._context(engine_tp, node_ip(), free_port(), self._group_name(stage)),
                     engine_urls=engine_urls, bucket_bytes=int(self.cfg.weight_sync.bucket_mb * 2**20),
                     coordinator=stage_leader_rank(0), group=pp_group,
-                    expected_checksums=self._expected_checksums(engine_urls, engine_tp), new_client=self.new_client)
+                    expected_checksums=self._expected_checksums(self._engine_sharding(engine_urls, engine_tp)),
+                    new_client=self.new_client)
                 self._stage_sender.connect()
             dist.barrier()
         return metrics
@@ -138,10 +143,12 @@ class WeightSender:
         ws = self.cfg.weight_sync
         port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
         self._stage_links = stages
+        sharding = self._engine_sharding(engine_urls, engine_tp)
         self._sync = WeightSync(transport=ws.transport, context=self._context(engine_tp, master_addr, port,
                                                                                self._group_name()),
                                 engine_urls=engine_urls, bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
-                                expected_checksums=self._expected_checksums(engine_urls, engine_tp),
+                                expected_checksums=self._expected_checksums(sharding),
+                                layout=self.sharded_layout(sharding, stages=bool(stages)),
                                 after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
                                 in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None,
                                 new_client=self.new_client)
@@ -167,19 +174,54 @@ class WeightSender:
         run = self.cfg.run
         return str(weight_sync_root(self.cfg.weight_sync.disk_dir, Path(run.output_dir) / run.name))
 
-    def _expected_checksums(self, engine_urls: list[str], engine_tp: int):
-        """What makes the expected engine checksums of the tensors a sender sends (None: not verifying, or layout not
-        predicted), for engines sharded as the first of `engine_urls` says it is (its /server_info); raises if that
-        engine's tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
-        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported, sharding_of
+    def _engine_sharding(self, engine_urls: list[str], engine_tp: int):
+        """How the engines shard their parameters, as the first of `engine_urls` says (its /server_info); raises if
+        its tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
+        from slimish.weight_sync.sharding import sharding_of
 
         sharding = sharding_of(engine_urls[0], api_key=self._api_key, new_client=self.new_client)
         if sharding.tp != engine_tp:
             raise ValueError(f"rollout.engine.tensor_parallel: got {engine_tp}, but engine {engine_urls[0]} runs "
                              f"--tp-size {sharding.tp}; set rollout.engine.tensor_parallel={sharding.tp}")
+        return sharding
+
+    def _expected_checksums(self, sharding):
+        """What makes the expected engine checksums of the tensors a sender sends (None: not verifying, or layout not
+        predicted), for engines sharded as `sharding`."""
+        from slimish.weight_sync.checksums import ExpectedChecksums, layout_supported
+
         if not (self.cfg.weight_sync.verify and layout_supported(self.arch, sharding)):
             return None
         return functools.partial(ExpectedChecksums, self.arch, getattr(torch, self.cfg.model.dtype), sharding)
+
+    def sharded_layout(self, sharding, *, stages: bool = False):
+        """The route (`weight_sync.sharded`): the engines' `EngineLayout` when each engine rank is sent only its own
+        parameters, None when every rank gets the whole model (engines of one rank under 'auto', and wherever the
+        sharded route cannot run: raised as a ConfigError under 'on')."""
+        from slimish.config.engine_flags import SHARD_DIRECT
+        from slimish.config.errors import ConfigError
+        from slimish.weight_sync.sharding import EngineLayout, layout_supported
+        from slimish.weight_sync.sync import TRANSPORTS
+
+        ws = self.cfg.weight_sync
+        if ws.sharded == "off" or (ws.sharded == "auto" and (sharding.tp == 1
+                                                             or not TRANSPORTS[ws.transport].shards_under_auto)):
+            return None
+        loader = TRANSPORTS[ws.transport].shard_loader
+        why_not = (f"the '{ws.transport}' transport sends the whole model" if not TRANSPORTS[ws.transport].shards
+                   else "stage senders send the whole model" if stages
+                   else f"the engines do not list {loader} in --custom-weight-loader (slimish starts its engines "
+                        f"with it; add it to attached ones)" if loader and loader not in sharding.loaders
+                   else f"the engine layout of {self.arch.family} on {sharding} is not known"
+                   if not layout_supported(self.arch, sharding) else "")
+        layout = None if why_not else EngineLayout(self.arch, sharding)
+        if layout is not None and not layout.direct_loadable and ws.transport == "tensor" \
+                and SHARD_DIRECT not in sharding.loaders:
+            why_not, layout = (f"{self.arch.family}'s MLA weights are post-processed after loading, which needs "
+                               f"{SHARD_DIRECT} in the engines' --custom-weight-loader"), None
+        if why_not and ws.sharded == "on":
+            raise ConfigError("weight_sync.sharded", f"'on' cannot run here: {why_not}; use 'auto' or 'off'")
+        return layout
 
     # ------------------------------------------------------------------------------------------------- send
     def send(self, module, version: int) -> dict:

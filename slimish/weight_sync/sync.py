@@ -20,9 +20,10 @@ import torch
 from slimish.engines import timeouts
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
-from slimish.weight_sync.buckets import plan_buckets
+from slimish.weight_sync.buckets import ShardedBucket, plan_buckets, plan_sharded_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums, differing
 from slimish.weight_sync.disk import DiskTransport
+from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink
 from slimish.weight_sync.tensor import TensorTransport
 from slimish.weight_sync.transport import SyncReleased, Transport, TransportContext
@@ -42,15 +43,22 @@ class WeightSync:
     index, engine_urls)` is called after each bucket but the last is on its way (the weight_sync.after_bucket_hook);
     `in_flight(version, index, engine_urls)` once the engines have been asked for a bucket of this rank's and before
     it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model).
-    `new_client(url, api_key=...)` makes the client of each engine (`EngineClient`; a stand-in in unit tests)."""
+    `new_client(url, api_key=...)` makes the client of each engine (`EngineClient`; a stand-in in unit tests).
+    `layout`: the engines' `EngineLayout` for the sharded route (each engine rank is sent only the engine parameters
+    it holds, `EngineShards`; the transport must have `shards`); None: the full model to every rank."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
                  after_bucket: Callable[[str, int, list[str]], None] | None = None,
                  in_flight: Callable[[str, int, list[str]], None] | None = None,
-                 new_client: Callable[..., EngineClient] = EngineClient):
+                 new_client: Callable[..., EngineClient] = EngineClient, layout: EngineLayout | None = None):
         self.clients = [new_client(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
+        if layout is not None and not self.transport.shards:
+            raise ValueError(f"the {transport} transport cannot send shards (weight_sync.sharded)")
+        self.layout = layout
+        self.transport.sharded = layout is not None
+        self.transport.direct_load = layout is None or layout.direct_loadable
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.expected_checksums = expected_checksums if verify else None
         self.after_bucket, self.in_flight = after_bucket, in_flight
@@ -118,19 +126,36 @@ class WeightSync:
         if self.transport.bracketed:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.begin_weight_update(), "/begin_weight_update")
-        sent = {"buckets": 0, "bytes": 0}
+        tp = self.transport.context.engine_tp
+        sent = {"buckets": 0, "bytes": 0, "ranks": [0] * tp}
 
-        def count(nbytes: int, *, last: bool = False) -> None:
+        def count(nbytes: int, *, rank_bytes: list[int] | None = None, last: bool = False) -> None:
             if self.after_bucket is not None and not last:
                 self.after_bucket(version, sent["buckets"], [c.url for c in self.clients])
             sent["buckets"] += 1
             sent["bytes"] += nbytes
+            # What each engine rank receives: its own part of a sharded bucket, else the whole bucket.
+            for rank, received in enumerate(rank_bytes or [nbytes] * tp):
+                sent["ranks"][rank] += received
+
+        def push(bucket, *, version: str | None) -> None:
+            if isinstance(bucket, ShardedBucket):
+                count(self.transport.push_shards(bucket, version=version), rank_bytes=bucket.rank_bytes,
+                      last=version is not None)
+            else:
+                count(self.transport.push(bucket, version=version), last=version is not None)
 
         expected = self.expected_checksums() if self.expected_checksums else None
         tensors = self._timed_export(named_tensors)
-        if expected is not None:
-            tensors = self.transport.hashing(tensors, expected)
-        own = plan_buckets(tensors, self.bucket_bytes)
+        if self.layout is None:
+            if expected is not None:
+                tensors = self.transport.hashing(tensors, expected)
+            own = plan_buckets(tensors, self.bucket_bytes)
+        else:  # the sharded route: per engine rank, its engine parameters (hashed as sent)
+            shards = EngineShards(self.layout).stream(tensors)
+            if expected is not None:
+                shards = self.transport.hashing_shards(shards, expected)
+            own = plan_sharded_buckets(shards, tp, self.bucket_bytes)
         stage_checksums, stage_phases = [], []
         pending, own_left, remote = None, True, list(stages)
         while own_left or remote:
@@ -141,7 +166,7 @@ class WeightSync:
                 if own_left:
                     # Hold one bucket back so the last one, which flips the version, is known when it is sent.
                     if pending is not None:
-                        count(self.transport.push(pending, version=None))
+                        push(pending, version=None)
                     pending = bucket
             for link in list(remote):
                 message = link.next()
@@ -156,7 +181,7 @@ class WeightSync:
                 else:
                     raise RuntimeError(message["failed"])
         if pending is not None:
-            count(self.transport.push(pending, version=version), last=True)
+            push(pending, version=version)
         if self.transport.bracketed:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.end_weight_update(), "/end_weight_update")
@@ -171,7 +196,9 @@ class WeightSync:
             self.check_engines(version, checksums)
         stage_metrics = {f"{key.removesuffix('_s')}_stage{stage}_s": seconds
                          for stage, phases in stage_phases for key, seconds in phases.items()}
+        per_rank = {f"sync_engine_rank{rank}_mib": received / 2**20 for rank, received in enumerate(sent["ranks"])}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
+                "sync_sharded": int(self.layout is not None), **per_rank,
                 "sync_checksums_predicted": int(expected is not None),
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}

@@ -40,15 +40,18 @@ import torch
 import torch.multiprocessing
 from torch.multiprocessing import reductions
 
+from slimish.config.engine_flags import SHARD_DIRECT
 from slimish.config.errors import ConfigError
 from slimish.engines.client import EngineClient
-from slimish.weight_sync.buckets import Bucket, FlatBuffers
+from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket, views
 from slimish.weight_sync.transport import Transport
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class TensorTransport(Transport):
+    shards = True
+
     def connect(self, clients: list[EngineClient]) -> None:
         away = [c.url for c in clients if not _same_host(urlparse(c.url).hostname, self.context.master_addr)]
         if away:
@@ -57,6 +60,7 @@ class TensorTransport(Transport):
                               f"({self.context.master_addr}); {', '.join(away)} is not: use 'broadcast' or 'disk'")
         super().connect(clients)
         self.buffers: FlatBuffers | None = None  # made at the first bucket, whose device decides reuse
+        self.rank_buffers: list[FlatBuffers] | None = None  # the sharded sync's: one per engine rank
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
@@ -78,6 +82,31 @@ class TensorTransport(Transport):
         if version is not None:
             self.wait_loaded()
         return flat.numel()
+
+    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+        """Each engine rank r maps only its own part: `serialized_named_tensors[r]` (SGLang hands rank r that entry)
+        is a list of (engine parameter, view of rank r's flat buffer), loaded with `load_format="direct"` (each
+        tensor copied into the parameter of its name, shape checked). One shared segment per rank per bucket."""
+        with self.phase("flatten"):
+            if self.rank_buffers is None:
+                device = next((b.tensors[0].device for b in bucket.ranks if b.tensors), torch.device("cpu"))
+                self.rank_buffers = [FlatBuffers(share=_share_by_name, reuse=device.type == "cpu")
+                                     for _ in bucket.ranks]
+            placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
+            named = [list(zip(part.names, views(_crossing(flat), part, offsets)))
+                     for part, (flat, offsets) in zip(bucket.ranks, placed)]
+            # One pickle per receiving rank, as in `push`.
+            payloads = {c.url: [_serialize(pairs) for pairs in named] for c in self.clients}
+        self.wait_loaded()
+        # SGLang's stock copy by name, or slimish's (the same, then the model's post-processing: MLA).
+        load_format = "direct" if self.direct_load else SHARD_DIRECT
+        calls = self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=load_format, weight_version=version,
+            flush_cache=version is not None))
+        self.loading(calls, keep=placed, deadline=self.deadline(max(bucket.rank_bytes)))
+        if version is not None:
+            self.wait_loaded()
+        return bucket.nbytes
 
     def abort(self) -> None:
         self.let_go()

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from slimish.engines.client import EngineClient
-from slimish.weight_sync.buckets import Bucket
+from slimish.weight_sync.buckets import Bucket, ShardedBucket
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +187,14 @@ class Transport(ABC):
                 expected.add(name, tensor)
             yield name, tensor
 
+    def hashing_shards(self, shards, expected):
+        """The sharded sync's (rank, engine parameter, tensor) items, each also fed to `expected`
+        (`ExpectedChecksums.add_shard`), that time counted as phase 'hash'."""
+        for rank, name, tensor in shards:
+            with self.phase("hash"):
+                expected.add_shard(rank, name, tensor)
+            yield rank, name, tensor
+
     def connect(self, clients: list[EngineClient]) -> None:
         """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
         self.clients = clients
@@ -228,6 +236,23 @@ class Transport(ABC):
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         """Move `bucket` into every engine; returns its bytes. `version` is given with the last bucket only: the
         engines then take it as their weight version and flush their KV cache."""
+
+    #: The transport can send each engine rank its own shard (`push_shards`; the sharded sync) ...
+    shards: bool = False
+    #: ... through this engine-side loader, which the engines must list in --custom-weight-loader ("": none).
+    shard_loader: str = ""
+    #: `weight_sync.sharded` auto picks the sharded route with this transport (else only 'on' does).
+    shards_under_auto: bool = True
+    #: This sync sends shards (set by the sync, before `connect`) ...
+    sharded: bool = False
+    #: ... which SGLang's stock load_format="direct" loads (else the model post-processes loaded weights: MLA).
+    direct_load: bool = True
+
+    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+        """Move each rank's part of `bucket` into that tensor-parallel rank of every engine (engine parameters, in
+        SGLang's layout, copied in by name); returns the bytes this sender staged (all ranks' parts). `version` as
+        for `push`."""
+        raise NotImplementedError(f"{type(self).__name__} sends the full model only")
 
     @abstractmethod
     def abort(self) -> None:

@@ -20,7 +20,16 @@ import pytest
 from safetensors.torch import save_file
 
 from slimish.config import ConfigError, load_config
-from slimish.config.engine_flags import A2A_BACKENDS, ALIASES, FLAGS, flags_set_twice, serving_args
+from slimish.config.engine_flags import (
+    A2A_BACKENDS,
+    ALIASES,
+    FLAGS,
+    SHARD_DIRECT,
+    SHARD_LOADER,
+    SHARD_RECEIVER,
+    flags_set_twice,
+    serving_args,
+)
 from slimish.config.schema import EngineConfig
 from slimish.engines.server import engine_argv, node_args
 from tests.config.test_recipes import RECIPES
@@ -90,7 +99,7 @@ for argv in json.loads(sys.argv[1]):
     args.check_server_args()
     out.append({k: getattr(args, k) for k in ("tp_size", "ep_size", "attn_dp_size", "moe_a2a_backend",
                                               "mem_fraction_static", "cuda_graph_max_bs_decode", "device", "nnodes",
-                                              "node_rank", "dist_init_addr")})
+                                              "node_rank", "dist_init_addr", "custom_weight_loader")})
 print(json.dumps(out))
 """
 
@@ -121,6 +130,8 @@ def test_every_recipes_engine_command_line_resolves_in_sglang(tmp_path):
         assert got["dist_init_addr"] == ("10.0.0.1:29600" if engine.nodes_per_engine > 1 else None), name
         assert got["device"] == "cuda" and got["tp_size"] == engine.tensor_parallel, name
         assert got["ep_size"] == engine.expert_parallel, name
+        # the sharded syncs' engine-side loaders
+        assert got["custom_weight_loader"] == [SHARD_LOADER, SHARD_RECEIVER, SHARD_DIRECT], name
         assert got["attn_dp_size"] == engine.attention_data_parallel, name
         assert got["moe_a2a_backend"] == engine.moe_a2a_backend, name
         if engine.mem_fraction_static:
@@ -173,3 +184,15 @@ def test_an_moe_engine_with_expert_parallelism_loads(tiny_models, task_assets, t
         f"sft.data_path={task_assets['sft']}", "rollout.engine.device=cuda", "rollout.engine.tensor_parallel=2",
         "rollout.engine.expert_parallel=2", "rollout.engine.moe_a2a_backend=deepep"])
     assert serving_args(cfg.rollout.engine) == ["--ep-size", "2", "--moe-a2a-backend", "deepep"]
+
+
+def test_the_shard_loader_engines_register_is_slimishs():
+    """The dotted paths every engine registers with --custom-weight-loader (SGLang imports them with its
+    `dynamic_import`) name the sharded disk and broadcast syncs' engine-side loaders."""
+    from sglang.srt.utils.common import dynamic_import
+
+    from slimish.weight_sync.engine_loader import load_by_name, load_shard_files, receive_shard
+
+    assert dynamic_import(SHARD_DIRECT) is load_by_name
+    assert dynamic_import(SHARD_LOADER) is load_shard_files
+    assert dynamic_import(SHARD_RECEIVER) is receive_shard

@@ -15,7 +15,9 @@ watchdog and the driver (`slimish.orchestration.sync.EngineSync._watched`); the 
 Each case prints `stalled_s`: how long the fault held the sync (time_sync_stalled_s in a job's metrics), which the
 bucket's deadline bounds by construction (60 s here: `weight_sync.bucket_timeout_s`, the default); the release by
 the fault's detection is asserted, not a figure. Cost: ~5 s per frozen case; ~30 s per killed case (the engine's
-restart). The frozen engine is continued as soon as the sync has given up, while it lets the engines' calls end."""
+restart). The sharded route (each engine rank sent only its own parameters) runs the frozen case per transport and
+the killed one for broadcast, whose per-rank groups are its own. The frozen engine is continued as soon as the sync
+has given up, while it lets the engines' calls end."""
 
 from __future__ import annotations
 
@@ -34,17 +36,22 @@ from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_conf
 from slimish.megatron_bridge.hf_io import HFCheckpoint
 from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.sender import sync_to
+from slimish.weight_sync.sharding import EngineLayout, sharding_of
 from slimish.weight_sync.sync import WeightSync
 from slimish.weight_sync.transport import SyncReleased
 
 VICTIM = 1
 
 
-def new_sync(engines, urls: list[str], *, transport: str, workdir, name: str, in_flight=None) -> WeightSync:
+def new_sync(engines, urls: list[str], *, transport: str, workdir, name: str, in_flight=None,
+             sharded: bool = False) -> WeightSync:
+    """`sharded`: each engine rank sent only its own parameters (weight_sync.sharded; these engines have one rank,
+    so the payloads are whole, but they travel the sharded route: its loaders, groups and aborts)."""
     arch = architecture_from_hf(read_hf_config(engines.model))
+    layout = EngineLayout(arch, sharding_of(urls[0], api_key=engines.key)) if sharded else None
     sync = sync_to(urls, transport=transport, group_name=name, bucket_bytes=64 << 10, disk_dir=str(workdir / "disk"),
                    api_key=engines.key, expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32),
-                   in_flight=in_flight)
+                   in_flight=in_flight, layout=layout)
     sync.connect()
     return sync
 
@@ -82,14 +89,19 @@ class FaultInFlight:
             os.killpg(process.pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
-@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk"])
-def test_a_bucket_in_flight_to_a_lost_engine_releases_the_sync(attached, tmp_path, transport, signal_name):
+# The sharded route (weight_sync.sharded): every transport frozen, and broadcast's per-rank groups killed too.
+CASES = [(t, s, False) for s in ("SIGSTOP", "SIGKILL") for t in ("broadcast", "tensor", "disk")] + \
+    [(t, "SIGSTOP", True) for t in ("broadcast", "tensor", "disk")] + [("broadcast", "SIGKILL", True)]
+
+
+@pytest.mark.parametrize(("transport", "signal_name", "sharded"), CASES,
+                         ids=[f"{t}-{s}" + ("-sharded" if sh else "") for t, s, sh in CASES])
+def test_a_bucket_in_flight_to_a_lost_engine_releases_the_sync(attached, tmp_path, transport, signal_name, sharded):
     engines = attached
     victim = engines.urls[VICTIM]
     fault = FaultInFlight(engines, signal_name=signal_name, bucket=0 if transport == "disk" else 1)
     sync = fault.sync = new_sync(engines, engines.urls, transport=transport, workdir=tmp_path, name="faulty",
-                                 in_flight=fault)
+                                 in_flight=fault, sharded=sharded)
     try:
         with pytest.raises(RuntimeError) as failure:  # SyncReleased, or what the killed engine's sockets raise
             sync.send(tensors(engines), version=f"{transport}-fault")
@@ -106,20 +118,20 @@ def test_a_bucket_in_flight_to_a_lost_engine_releases_the_sync(attached, tmp_pat
                 failure.value
         assert 0 <= sync.stalled_s < 60 + 1
         # Done again to the other engine: verified.
-        rerun(engines, engines.urls[:VICTIM], transport=transport, workdir=tmp_path, name="survivor")
+        rerun(engines, engines.urls[:VICTIM], transport=transport, workdir=tmp_path, name="survivor", sharded=sharded)
         # The lost engine back, then a whole sync to both: every parameter of both verified. (A continued engine
         # finished the given-up request first: SGLang serves weight updates one at a time.)
         if signal_name == "SIGKILL":
             engines.restart(VICTIM)
-        rerun(engines, engines.urls, transport=transport, workdir=tmp_path, name="rejoined")
+        rerun(engines, engines.urls, transport=transport, workdir=tmp_path, name="rejoined", sharded=sharded)
     finally:
         with contextlib.suppress(ProcessLookupError):  # whatever happened, nothing stays frozen
             os.killpg(engines.processes[VICTIM].pid, signal.SIGCONT)
         sync.close()  # last: the given-up sync's shards (disk) stay until then
 
 
-def rerun(engines, urls: list[str], *, transport: str, workdir, name: str) -> None:
-    sync = new_sync(engines, urls, transport=transport, workdir=workdir, name=name)
+def rerun(engines, urls: list[str], *, transport: str, workdir, name: str, sharded: bool = False) -> None:
+    sync = new_sync(engines, urls, transport=transport, workdir=workdir, name=name, sharded=sharded)
     try:
         assert sync.send(tensors(engines), version=f"{transport}-{name}")["sync_buckets"] >= 1
     finally:

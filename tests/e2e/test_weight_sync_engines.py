@@ -103,13 +103,16 @@ def sharding(url: str):
     return sharding_of(url, api_key=KEYS.get(url))
 
 
-def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None) -> dict:
+def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None,
+         sharded: bool = False) -> dict:
     """Send `tensors` to the engine (or engines); with `arch`, verified against the checksums predicted from them,
-    else each engine against the first. `in_transit` may alter each bucket after the sender hashed it."""
+    else each engine against the first. `in_transit` may alter each bucket after the sender hashed it. `sharded`
+    (with `arch`): each engine rank is sent only its own parameters (the sharded route)."""
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
     from slimish.weight_sync.sender import sync_to
+    from slimish.weight_sync.sharding import EngineLayout
 
     urls = [url] if isinstance(url, str) else url
     layout = sharding(urls[0])
@@ -117,7 +120,7 @@ def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str
     expected = functools.partial(ExpectedChecksums, arch, torch.float32, layout) if arch else None
     weight_sync = sync_to(urls, transport=transport, group_name=f"test_{transport}_{version}", bucket_bytes=64 << 10,
                           engine_tp=layout.tp, disk_dir=str(workdir / "disk"), api_key=KEYS.get(urls[0]),
-                          expected_checksums=expected)
+                          expected_checksums=expected, layout=EngineLayout(arch, layout) if sharded else None)
     if in_transit is not None:
         push = weight_sync.transport.push
         weight_sync.transport.push = lambda bucket, version: push(in_transit(bucket), version=version)
@@ -143,15 +146,31 @@ def test_the_sender_predicts_every_engine_checksum(engine):
         assert differing(mine, theirs) == [], f"tensor-parallel rank {rank}"
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk"])
+@pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk", "tensor-sharded", "disk-sharded",
+                                       "broadcast-sharded"])
 def test_a_sync_writes_every_engine_parameter(engine, transport):
+    """Every transport writes every parameter; the full path puts the whole model before every engine rank, the
+    sharded one (each rank its own parameters, loaded by name: from shared memory with tensor-sharded, from files of
+    its own through slimish's engine-side loader with disk-sharded, over a group of its own with the sender through
+    the same loader module with broadcast-sharded) about 1 / tp of it on each of the MoE engine's
+    two ranks (plus what SGLang replicates: norms, the router, the CPU's padding)."""
     family, url, tensors, workdir, arch = engine
     loaded = checksums(url)
     weights_checker(url, "reset_tensors")
     assert len(differ(loaded, checksums(url))) == sum(map(len, loaded)), "reset_tensors changed every parameter"
-    metrics = sync(url, tensors, transport=transport, workdir=workdir, version=f"{transport}-1", arch=arch)
+    name, _, route = transport.partition("-")
+    metrics = sync(url, tensors, transport=name, workdir=workdir, version=f"{transport}-1", arch=arch,
+                   sharded=route == "sharded")
     assert metrics["sync_buckets"] > 1 and metrics["time_verify_s"] > 0
     assert differ(loaded, checksums(url)) == [], f"{family}/{transport}: parameters the sync did not write"
+    model_mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
+    received = [metrics[f"sync_engine_rank{r}_mib"] for r in range(ENGINE_TP[family])]
+    print(f"{family}/{transport}: model {model_mib:.3f} MiB, per engine rank {[round(r, 3) for r in received]} MiB")
+    if route != "sharded" or ENGINE_TP[family] == 1:
+        assert received == [pytest.approx(metrics["sync_mib"])] * ENGINE_TP[family]
+    else:
+        assert metrics["sync_sharded"] == 1
+        assert all(model_mib / 2 <= r < 0.75 * model_mib for r in received), received
 
 
 def test_a_bucket_corrupted_on_its_way_fails_the_sync_naming_the_tensor(engine):
@@ -305,7 +324,8 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     rotary) trained at expert parallelism 2 (two Megatron ranks, each holding half the experts), rolled out by
     `moe_engine` (two tensor-parallel ranks). After every weight sync the engine's logprobs equal the trainer's and
     each rank's checksums the trainer's prediction: the full export gathered every expert, the router bias and the
-    shared expert under the names SGLang loads."""
+    shared expert under the names SGLang loads, and the sender cut them into each engine rank's shard (the sharded
+    route, weight_sync.sharded auto with a TP2 engine and the tensor transport)."""
     import json
     import subprocess
 
@@ -320,11 +340,16 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib")}
+    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib",
+                                         "sync_engine_rank0_mib", "sync_engine_rank1_mib", "time_sync_s")}
                       for r in records])
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_failed"] == 0
         assert record["sync_checksums_predicted"] == 1, "each engine rank checked against the trainer"
+        # weight_sync.sharded auto: each engine rank was sent only its own parameters (about half the model each).
+        assert record["sync_sharded"] == 1, record
+        halves = [record["sync_engine_rank0_mib"], record["sync_engine_rank1_mib"]]
+        assert sum(halves) == pytest.approx(record["sync_mib"]) and max(halves) < 0.75 * record["sync_mib"], record
     assert records[0]["ppo_kl"] == 0.0
     assert not leftovers(), "processes left running after the job"

@@ -16,7 +16,7 @@ from slimish.planning.params import count_params
 from slimish.planning.walls import step_walls
 from tests.config.test_recipes import RECIPES
 from tests.conftest import REPO
-from tests.megatron_bridge.real_configs import LLAMA31_405B, QWEN3_8B, trimmed
+from tests.megatron_bridge.real_configs import DEEPSEEK_V3, LLAMA31_405B, QWEN3_8B, trimmed
 from tests.megatron_bridge.test_real_shapes import megatron_meta_shapes
 
 
@@ -354,6 +354,21 @@ def test_the_405b_full_broadcast_sync_is_its_bytes_over_one_link(tmp_path):
     assert step_walls(cfg, arch, params).sync == pytest.approx(16.23, abs=0.01)
     funnel = recipe("llama31_405b_math_grpo", tmp_path, "weight_sync.stage_senders=false")
     assert step_walls(funnel, arch, params).sync == pytest.approx(16.23 * (1 + 6 / 7), abs=0.01)
+
+
+def test_a_sharded_disk_sync_reads_a_tth_per_engine_rank(tmp_path):
+    """The 405B recipe over disk (812 GB at 10 GB/s): 81 s to write; each of the TP8 engines' ranks reads its own
+    eighth (10 s) where the full path reads it all (81 s). DeepSeek-V3 (1.34 TB) on TP16 engines: 134 + 8.4 s."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    arch, params = architecture_from_hf(LLAMA31_405B), count_params(LLAMA31_405B)
+    full = step_walls(recipe("llama31_405b_math_grpo", tmp_path, "weight_sync.transport=disk",
+                             "weight_sync.sharded=off"), arch, params).sync
+    sharded = step_walls(recipe("llama31_405b_math_grpo", tmp_path, "weight_sync.transport=disk"), arch, params).sync
+    assert (full, sharded) == (pytest.approx(162.3, abs=0.1), pytest.approx(81.2 + 81.2 / 8, abs=0.1))
+    arch, params = architecture_from_hf(DEEPSEEK_V3), count_params(DEEPSEEK_V3)
+    assert step_walls(recipe("deepseek_v3_math_grpo", tmp_path, "weight_sync.transport=disk"), arch, params).sync == \
+        pytest.approx(134.2 + 134.2 / 16, abs=0.1)
 
 
 def test_overlapped_modes_take_the_longer_of_training_and_generation(tmp_path):

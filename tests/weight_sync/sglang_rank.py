@@ -10,7 +10,11 @@ pipeline stage (as SGLang's own tests do in sglang/test/parallel_groups.py).
 Run as a script (SGLang leaves environment variables and logging set behind it; keep it out of the test process):
     python -m tests.weight_sync.sglang_rank CASES_JSON  ->  one JSON list on stdout, per case
         {"checksums": {name: checksum}, "server_info": the server's resolved arguments, as /server_info gives them}
-where each case is {"model": path, "tp": size, "rank": r, "args": [extra server args], "cpu_padding": bool}:
+where each case is {"model": path, "tp": size, "rank": r, "args": [extra server args], "cpu_padding": bool,
+"direct": optional path}: `direct`, a `torch.save`d list of (engine parameter, tensor) that is then loaded into the
+built rank as a sync with `load_format="direct"` does (`load_direct`), before the checksums are taken, or with
+"loader": "by_name", as slimish's engine-side `load_by_name` does (the copy, then the model's post-processing); each
+result also has "derived": the checksums of MLA's `w_kc` / `w_vc` buffers, which SGLang derives after loading;
 `cpu_padding` False leaves out the CPU engine's padding, and answers the models' one question to the device while
 they are built, whether shared experts may be fused, as an NVIDIA GPU of compute capability 9.0 (an H100) would
 (`as_on_nvidia`): the sharding of GPU engines.
@@ -114,6 +118,32 @@ def build_rank(model: str, *, tp: int, rank: int, args=(), cpu_padding: bool = T
     return model, server_args.resolved_dict()
 
 
+def load_direct(model, named_tensors, loader: str = "direct") -> None:
+    """What one engine rank does with a weight update of `load_format="direct"` inside /begin_weight_update ...
+    /end_weight_update (SGLang's WeightUpdater: restore packed weights, copy each tensor into the parameter of its
+    name, shape checked, then re-process the weights; no post_load_weights, since weights were loaded)."""
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import _model_load_weights_direct
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from slimish.weight_sync.engine_loader import load_by_name
+
+    DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
+    (load_by_name if loader == "by_name" else _model_load_weights_direct)(model, named_tensors)
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+
+
+def derived(model) -> dict[str, str]:
+    """The checksums of every MLA layer's `w_kc` / `w_vc` (buffers SGLang derives from kv_b_proj, not parameters)."""
+    import torch
+
+    from slimish.weight_sync.checksums import tensor_checksum
+
+    return {f"{name}.{attr}": tensor_checksum(getattr(module, attr))
+            for name, module in model.named_modules() for attr in ("w_kc", "w_vc")
+            if isinstance(getattr(module, attr, None), torch.Tensor)}
+
+
 def checksums(model) -> dict[str, str]:
     """What `/weights_checker` {"action": "checksum"} reports for this rank."""
     from sglang.srt.utils.weight_checker import WeightChecker
@@ -136,7 +166,12 @@ def main(cases: list[dict]) -> list[dict]:
             on_nvidia = True
         model, info = build_rank(case["model"], tp=case["tp"], rank=case["rank"], args=case.get("args", ()),
                                  cpu_padding=case.get("cpu_padding", True))
-        result[i] = {"checksums": checksums(model), "server_info": json.loads(json.dumps(info, default=str))}
+        if case.get("direct"):
+            import torch
+
+            load_direct(model, torch.load(case["direct"]), case.get("loader", "direct"))
+        result[i] = {"checksums": checksums(model), "derived": derived(model),
+                     "server_info": json.loads(json.dumps(info, default=str))}
     return result
 
 

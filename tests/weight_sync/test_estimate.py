@@ -24,3 +24,12 @@ def test_disk_writes_then_reads_every_byte():
     assert sync_seconds(20e9, transport="disk", cluster=Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)) == 6.0
     with pytest.raises(ValueError, match="known"):
         sync_seconds(1.0, transport="carrier_pigeon")
+
+
+def test_a_sharded_disk_sync_reads_a_tth_per_engine_rank():
+    """Sharded, each engine rank reads only its own files (1/t of the bytes, the ranks in parallel); the writer
+    still writes every byte. Broadcast is not sharded."""
+    cluster = Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)
+    assert sync_seconds(20e9, transport="disk", cluster=cluster, engine_shards=8) == pytest.approx(2.0 + 0.5)
+    assert sync_seconds(LLAMA_405B_BF16, transport="broadcast", engine_shards=8) == \
+        sync_seconds(LLAMA_405B_BF16, transport="broadcast")

@@ -110,3 +110,44 @@ def test_fresh_buffers_are_new_for_every_bucket():
     bucket.add("a", torch.ones(4))
     first, second, third = (buffers.flatten(bucket) for _ in range(3))
     assert len({t.untyped_storage().data_ptr() for t in (first, second, third)}) == 3
+
+
+def read_pairs_in_a_new_process(payloads: list[str]) -> list[dict]:
+    """What the engine ranks of a sharded sync unpickle, one payload each: (engine parameter, tensor) pairs; their
+    names, values and how many distinct shared segments they map. (One process reads them all: each rank
+    unpickles its own payload once, as in an engine.)"""
+    code = ("import base64, json, pickle, sys, torch\n"
+            "out = []\n"
+            "for payload in sys.argv[1:]:\n"
+            "    pairs = pickle.loads(base64.b64decode(payload))\n"
+            "    out.append({'values': {n: t.tolist() for n, t in pairs},\n"
+            "                'segments': len({t.untyped_storage().data_ptr() for _, t in pairs})})\n"
+            "print(json.dumps(out))\n")
+    out = subprocess.run([sys.executable, "-c", code, *payloads], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_each_engine_rank_maps_only_its_own_shard_from_one_segment():
+    """`push_shards`: entry r of every engine's payload is rank r's (engine parameter, tensor) pairs, all views of
+    one shared segment (however many tensors, and of mixed dtypes), loaded with load_format="direct"."""
+    from slimish.weight_sync.buckets import ShardedBucket
+
+    engines = [StandInClient("http://127.0.0.1:1"), StandInClient("http://127.0.0.1:2")]
+    transport = TensorTransport(TransportContext(master_addr="127.0.0.1", master_port=0, backend="gloo",
+                                                 group_name="g", engine_tp=2, disk_dir=""))
+    transport.connect(engines)
+    try:
+        ranks = [Bucket(), Bucket()]
+        ranks[0].add("qkv_proj.weight", torch.arange(6, dtype=torch.float32).reshape(3, 2))
+        ranks[0].add("norm.weight", torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))  # 6 bytes: next is aligned
+        ranks[0].add("o_proj.weight", torch.full((2, 2), 7.0))
+        ranks[1].add("qkv_proj.weight", torch.full((3, 2), -1.0))
+        assert transport.push_shards(ShardedBucket(ranks), version="1") == sum(b.nbytes for b in ranks)
+        read = read_pairs_in_a_new_process([p for engine in engines for p in engine.payloads[0]])
+        for rank0, rank1 in (read[:2], read[2:]):
+            assert rank0 == {"values": {"qkv_proj.weight": [[0, 1], [2, 3], [4, 5]], "norm.weight": [1, 2, 3],
+                                        "o_proj.weight": [[7, 7], [7, 7]]}, "segments": 1}
+            assert rank1 == {"values": {"qkv_proj.weight": [[-1, -1]] * 3}, "segments": 1}
+    finally:
+        transport.close()

@@ -1,0 +1,81 @@
+"""Which route the sender takes (`WeightSender.sharded_layout`, weight_sync.sharded): sharded where the engines have
+several tensor-parallel ranks, the transport sends shards and SGLang loads the layout by name; the full model
+otherwise; 'on' where the sharded route cannot run is a one-line ConfigError naming the key, at check-config where
+the config alone tells (DP attention), at connect where the engines tell (the model's MLA, an engine
+without slimish's loader, MLA over tensor without slimish's load_by_name)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slimish.config import ConfigError, load_config
+from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER, SHARD_RECEIVER
+from slimish.megatron_bridge.hf_config import architecture_from_hf
+from slimish.weight_sync.sender import WeightSender
+from slimish.weight_sync.sharding import EngineSharding
+from tests.conftest import REPO
+from tests.megatron_bridge.real_configs import DEEPSEEK_V3, QWEN3_8B
+
+WITH_LOADER = EngineSharding(tp=2, loaders=(SHARD_LOADER,))
+BOTH_LOADERS = EngineSharding(tp=2, loaders=(SHARD_LOADER, SHARD_RECEIVER))
+
+
+def sender(tmp_path, hf_config: dict, *overrides: str) -> WeightSender:
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml", [f"model.hf_path={tmp_path}", *overrides],
+                      files=False)
+    return WeightSender(cfg, architecture_from_hf(hf_config), rank=0)
+
+
+@pytest.mark.parametrize(("overrides", "sharding", "sharded"), [
+    (["weight_sync.transport=tensor"], WITH_LOADER, True),
+    (["weight_sync.transport=disk"], WITH_LOADER, True),
+    (["weight_sync.transport=tensor"], EngineSharding(tp=1), False),  # one rank: nothing to shard under auto
+    (["weight_sync.transport=tensor", "weight_sync.sharded=on"], EngineSharding(tp=1), True),
+    (["weight_sync.transport=tensor", "weight_sync.sharded=off"], WITH_LOADER, False),
+    (["weight_sync.transport=broadcast"], WITH_LOADER, False),  # per-rank groups: only under 'on' for now
+    (["weight_sync.transport=broadcast", "weight_sync.sharded=on"], BOTH_LOADERS, True),
+    (["weight_sync.transport=broadcast", "weight_sync.sharded=on", "parallel.pipeline_parallel=2",
+      "parallel.num_trainer_ranks=2"], BOTH_LOADERS, "stage senders"),
+    (["weight_sync.transport=disk"], EngineSharding(tp=2), False),  # an engine without slimish's loader
+], ids=["tensor", "disk", "one-rank", "one-rank-on", "off", "broadcast", "broadcast-on", "broadcast-stages-on",
+        "disk-without-loader"])
+def test_the_route(tmp_path, overrides, sharding, sharded):
+    weight_sender = sender(tmp_path, QWEN3_8B, *overrides)
+    if isinstance(sharded, str):  # refused under 'on', naming why
+        with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*{sharded}"):
+            weight_sender.sharded_layout(sharding, stages=True)
+        return
+    layout = weight_sender.sharded_layout(sharding)
+    assert (layout is not None) == sharded
+    if sharded:
+        assert layout.sharding == sharding
+
+
+def test_mla_over_tensor_needs_slimishs_loader(tmp_path):
+    """DeepSeek-V3's w_kc / w_vc are derived after loading, which SGLang's stock direct copy does not run: over the
+    tensor transport the engines must list slimish's load_by_name (the disk and broadcast loaders post-process
+    anyway); without it, auto takes the full path and 'on' is refused naming it."""
+    by_name = EngineSharding(tp=2, loaders=(SHARD_DIRECT,))
+    assert sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor").sharded_layout(by_name) is not None
+    assert sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor").sharded_layout(WITH_LOADER) is None
+    on = sender(tmp_path, DEEPSEEK_V3, "weight_sync.transport=tensor", "weight_sync.sharded=on")
+    with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*MLA.*{SHARD_DIRECT}.*use 'auto' or 'off'"):
+        on.sharded_layout(WITH_LOADER)
+
+
+def test_on_without_its_loader_is_refused_naming_it(tmp_path):
+    on = sender(tmp_path, QWEN3_8B, "weight_sync.transport=disk", "weight_sync.sharded=on")
+    with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*{SHARD_LOADER}.*--custom-weight-loader"):
+        on.sharded_layout(EngineSharding(tp=2))
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["weight_sync.transport=tensor", "rollout.engine.tensor_parallel=2", "rollout.engine.device=cuda",
+      "rollout.engine.attention_data_parallel=2"], r"DP attention"),
+], ids=["dp-attention"])
+def test_on_where_the_config_alone_rules_it_out_fails_check_config(tmp_path, overrides, fragment):
+    with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*{fragment}"):
+        sender(tmp_path, QWEN3_8B, "weight_sync.sharded=on", *overrides)
