@@ -9,6 +9,7 @@
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
+  slimish convert dequantize --hf DIR --out DIR [--max-shard-mb MB]   FP8 (DeepSeek-V3's release) -> bf16 HF
 
 Bad input (a config key, a missing or corrupt file, an unwritable directory, a checkpoint of another model) is
 reported as one line, `error: <what is wrong and what to do>`, with exit status 2: every such error is a
@@ -185,6 +186,11 @@ def cmd_convert(args) -> int:
         _output_dir(args.out, "--out")
         out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
                                      pipeline_parallel=args.pp, expert_parallel=args.ep)
+    elif args.direction == "dequantize":
+        _input_dir(args.hf, "--hf", holds="config.json", what="a block-scaled FP8 Hugging Face model directory")
+        _output_dir(args.out, "--out")
+        convert.dequantize_hf(hf_dir=args.hf, out_dir=args.out, max_shard_bytes=args.max_shard_mb << 20)
+        out = args.out
     else:
         _input_dir(args.megatron, "--megatron", holds="metadata.json", what="a Megatron distributed checkpoint "
                    "(from `slimish convert hf-to-megatron`)")
@@ -248,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")
     d.add_argument("--out", required=True, help="output HF directory")
     d.add_argument("--max-shard-mb", type=int, default=2048, help="largest safetensors shard (MiB)")
+    d = directions.add_parser("dequantize", help="block-scaled FP8 HF checkpoint (DeepSeek-V3's release) -> bf16 HF")
+    d.add_argument("--hf", required=True, help="FP8 HF model directory (config.json + safetensors)")
+    d.add_argument("--out", required=True, help="output HF directory (bf16)")
+    d.add_argument("--max-shard-mb", type=int, default=4096, help="largest safetensors shard (MiB)")
     p.set_defaults(fn=cmd_convert)
     return parser
 

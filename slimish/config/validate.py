@@ -436,10 +436,17 @@ def _check_model(path: str) -> None:
     from slimish.megatron_bridge.hf_io import HFCheckpoint
 
     try:
-        architecture_from_hf(read_hf_config(path))
+        config = read_hf_config(path)
+        architecture_from_hf(config)
         HFCheckpoint(path)
     except (UnsupportedConfig, CheckpointError) as exc:
         raise ConfigError("model.hf_path", str(exc)) from None
+    if config.get("quantization_config"):
+        # The trainer would read it (dequantized), but the engines would serve FP8 layers that weight sync's bf16
+        # tensors cannot update (each block's scale would stay the checkpoint's).
+        raise ConfigError("model.hf_path", f"{_shown(path)} is an FP8 checkpoint, which the rollout engines would "
+                          "serve in FP8 and weight sync cannot update; write a bf16 copy with `slimish convert "
+                          "dequantize --hf DIR --out DIR` and point model.hf_path at it")
 
 
 def _check_resume(resume: str) -> None:

@@ -2,17 +2,20 @@
 
     hf_to_megatron(hf_dir=..., out_dir=..., tensor_parallel=1, pipeline_parallel=1, expert_parallel=1)
     megatron_to_hf(megatron_dir=..., hf_config_dir=..., out_dir=...)
+    dequantize_hf(hf_dir=..., out_dir=...)   block-scaled FP8 HF -> bf16 HF
 
 Both walk the bridge's rule table (`dense.model_rules`), the one the trainer loads and weight sync exports with,
 and stream: one (fused) tensor is in memory at a time, so memory stays flat as the model grows. The distributed
 checkpoint holds full (unsharded) tensors keyed as Megatron-Core's GPTModel names them, so the trainer loads it at
 any TP/PP/EP layout; the parallel sizes given only check that the model splits evenly at that layout.
 Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact (multi-token-prediction layers are not converted,
-see `dense.is_mtp_tensor`).
+see `dense.is_mtp_tensor`), except that a block-scaled FP8 checkpoint (DeepSeek-V3's release, see `fp8`) is
+dequantized to bf16 as it is read, and its config.json is written back without `quantization_config`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -190,6 +193,34 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
     return files
 
 
+def dequantize_hf(*, hf_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 << 30,
+                  progress: bool = True) -> list[Path]:
+    """Write the block-scaled FP8 HF checkpoint in `hf_dir` as bf16 HF safetensors shards in `out_dir` (every tensor,
+    multi-token-prediction layers included, streamed one at a time), with config.json (without its
+    `quantization_config`) and the tokenizer files: what rollout engines serve and weight sync updates in bf16."""
+    config = read_hf_config(hf_dir)
+    architecture_from_hf(config)
+    if not config.get("quantization_config"):
+        raise CheckpointError(f"{hf_dir}: config.json has no quantization_config; the checkpoint is not quantized")
+    ckpt = HFCheckpoint(hf_dir)
+    specs = [(name, torch.empty(ckpt.shape(name), dtype=ckpt.dtype(name), device="meta")) for name in ckpt.names()]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(ckpt.nbytes(n) for n in ckpt.names()), unit="B", unit_scale=True, desc="fp8->bf16",
+               disable=not progress)
+
+    def tensors():
+        for name in ckpt.names():
+            tensor = ckpt.get(name)
+            bar.update(tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+    files = write_hf_shards(out_dir, specs, tensors(), max_shard_bytes=max_shard_bytes)
+    bar.close()
+    _copy_side_files(Path(hf_dir), out_dir)
+    return files
+
+
 _SIDE_FILE_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken"}
 
 
@@ -198,3 +229,6 @@ def _copy_side_files(src: Path, dst: Path) -> None:
     for file in src.iterdir():
         if file.is_file() and file.suffix in _SIDE_FILE_SUFFIXES and file.name != INDEX:
             shutil.copy2(file, dst / file.name)
+    config = read_hf_config(dst)
+    if config.pop("quantization_config", None) is not None:  # the weights written are bf16: say so
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

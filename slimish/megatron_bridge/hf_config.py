@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimish.megatron_bridge import mla_config, moe_config
+from slimish.megatron_bridge import fp8, mla_config, moe_config
 from slimish.megatron_bridge.errors import CheckpointError, UnsupportedConfig
 from slimish.megatron_bridge.mla_config import MLA
 from slimish.megatron_bridge.moe_config import MoE
@@ -130,10 +130,7 @@ def _check_common(cfg: dict) -> None:
         raise UnsupportedConfig("use_sliding_window", True, "sliding-window attention is not supported")
     if cfg.get("attention_dropout", 0.0):
         raise UnsupportedConfig("attention_dropout", cfg["attention_dropout"], "RL trains without dropout")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise UnsupportedConfig("quantization_config", method, "quantized checkpoints (e.g. FP8 DeepSeek-V3 / "
-                                "GLM-4.5) must be dequantized to bf16 first")
+    fp8.block_size(cfg)  # block-scaled FP8 is read as bf16 (hf_io); any other quantization is refused here
 
 
 def architecture_from_hf(cfg: dict) -> Architecture:

@@ -4,12 +4,16 @@ Reads parse the safetensors headers and copy each tensor's bytes with a position
 Nothing stays mapped, so resident memory is one tensor however large the checkpoint (pages of a memory-mapped file
 count as resident for as long as the mapping lives). A missing, truncated or corrupt shard raises `CheckpointError`
 naming the file.
+
+A block-scaled FP8 checkpoint (config.json's `quantization_config`, see `fp8`) reads as bf16: each `X.weight` with a
+`X.weight_scale_inv` is dequantized as it is read (whole or by rows), and the scale tensors are not listed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from slimish.megatron_bridge import fp8
 from slimish.megatron_bridge.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -77,9 +82,21 @@ class HFCheckpoint:
         self._entries: dict[str, _Entry] = {}
         for file in files:
             self._entries.update(_read_header(file))
+        # weight name -> its FP8 block scales
+        self._scales = {name[:-len(fp8.SCALE_SUFFIX)]: self._entries.pop(name) for name in list(self._entries)
+                        if name.endswith(fp8.SCALE_SUFFIX)}
+        self._block = fp8.block_size(_config(self.path)) if self._scales else None
+        if self._scales and self._block is None:
+            raise CheckpointError(f"{self.path}: holds FP8 block scales ({next(iter(self._scales))}"
+                                  f"{fp8.SCALE_SUFFIX}) but config.json has no quantization_config; restore the "
+                                  "model's config.json")
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def quantized(self, name: str) -> bool:
+        """Whether `name` is stored in FP8 (and read as bf16)."""
+        return name in self._scales
 
     def _entry(self, name: str) -> _Entry:
         if name not in self._entries:
@@ -90,39 +107,79 @@ class HFCheckpoint:
         return self._entry(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._entry(name).dtype
+        """The dtype `get` returns: bf16 for an FP8 weight."""
+        return fp8.DTYPE if name in self._scales else self._entry(name).dtype
 
     def nbytes(self, name: str) -> int:
-        return self._entry(name).nbytes
+        """The bytes of the tensor `get` returns."""
+        entry = self._entry(name)
+        return math.prod(entry.shape) * fp8.DTYPE.itemsize if name in self._scales else entry.nbytes
 
     def get(self, name: str, *, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The stored tensor, or its rows [start, stop) along dim 0, read into `out` (contiguous, matching shape and
-        dtype) or a fresh tensor."""
+        dtype) or a fresh tensor. An FP8 weight is dequantized to bf16 (only its rows' blocks of scales read)."""
         entry = self._entry(name)
-        shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
-        if rows is not None:
-            start, stop = rows
-            if not 0 <= start <= stop <= shape[0]:
-                raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
-            row_bytes = nbytes // shape[0] if shape[0] else 0
-            shape, offset, nbytes = (stop - start, *shape[1:]), offset + start * row_bytes, (stop - start) * row_bytes
+        if name in self._scales:
+            return self._dequantized(name, entry, rows=rows, out=out)
+        shape, offset, nbytes = _span(name, entry, rows)
         if out is None:
-            out = torch.empty(shape, dtype=entry.dtype)
+            out = torch.empty(shape, dtype=entry.dtype, device="cpu")
         elif tuple(out.shape) != shape or out.dtype != entry.dtype or not out.is_contiguous():
             raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {shape} {entry.dtype}")
-        # A ctypes view of the tensor's memory: unlike .numpy(), it leaves the storage resizable (releasable).
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-        try:
-            with open(entry.file, "rb", buffering=0) as f:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], offset + done)
-                    if got == 0:
-                        raise OSError(f"unexpected end of file at byte {offset + done}")
-                    done += got
-        except OSError as exc:
-            raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
-        return out
+        return _read_into(name, entry, out, offset, nbytes)
+
+    def _dequantized(self, name: str, entry: _Entry, *, rows, out) -> torch.Tensor:
+        scale = self._scales[name]
+        expected = tuple(math.ceil(n / b) for n, b in zip(entry.shape, self._block))
+        if len(entry.shape) != 2 or scale.shape != expected:
+            raise CheckpointError(f"{entry.file}: {name}{fp8.SCALE_SUFFIX} is {scale.shape}, expected {expected} for "
+                                  f"{name} {entry.shape} in {self._block} blocks; the checkpoint does not match its "
+                                  "config.json's weight_block_size")
+        shape, offset, nbytes = _span(name, entry, rows)
+        if out is not None and (tuple(out.shape) != shape or out.dtype != fp8.DTYPE or not out.is_contiguous()):
+            raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {shape} {fp8.DTYPE}")
+        stored = _read_into(name, entry, torch.empty(shape, dtype=entry.dtype, device="cpu"), offset, nbytes)
+        first = rows[0] if rows is not None else 0
+        scale_span = _span(name + fp8.SCALE_SUFFIX, scale, fp8.scale_rows((first, first + shape[0]), self._block[0]))
+        scales = _read_into(name + fp8.SCALE_SUFFIX, scale, torch.empty(scale_span[0], dtype=scale.dtype,
+                                                                        device="cpu"), *scale_span[1:])
+        return fp8.dequantize(stored, scales, self._block, first_row=first, out=out)
+
+
+def _span(name: str, entry: _Entry, rows: tuple[int, int] | None) -> tuple[tuple[int, ...], int, int]:
+    """(shape, file offset, bytes) of rows [start, stop) of `entry`, or of all of it."""
+    shape, offset, nbytes = entry.shape, entry.offset, entry.nbytes
+    if rows is None:
+        return shape, offset, nbytes
+    start, stop = rows
+    if not 0 <= start <= stop <= shape[0]:
+        raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
+    row_bytes = nbytes // shape[0] if shape[0] else 0
+    return (stop - start, *shape[1:]), offset + start * row_bytes, (stop - start) * row_bytes
+
+
+def _config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _read_into(name: str, entry: _Entry, out: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `entry`'s file from `offset` into `out`'s memory."""
+    # A ctypes view of the tensor's memory: unlike .numpy(), it leaves the storage resizable (releasable).
+    view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+    try:
+        with open(entry.file, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                got = os.preadv(f.fileno(), [view[done:done + _MAX_READ]], offset + done)
+                if got == 0:
+                    raise OSError(f"unexpected end of file at byte {offset + done}")
+                done += got
+    except OSError as exc:
+        raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
+    return out
 
 
 def _shard_names(count: int) -> list[str]:

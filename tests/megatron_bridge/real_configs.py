@@ -29,7 +29,7 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
 
-# The bf16 (dequantized) DeepSeek-V3: the released checkpoint is FP8 (quantization_config), which the bridge rejects.
+# DeepSeek-V3 as the bf16 copy describes it (the released checkpoint adds an FP8 quantization_config: see test_fp8.py).
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3,
