@@ -2,7 +2,7 @@
 
   slimish train CONFIG [key.sub=value ...]              run an RL job (`--config CONFIG` works too)
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
-  slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
+  slimish plan CONFIG [--model PATH|NAME] [key=value ...]  memory per GPU, seconds per wall, the binding wall
   slimish check-gpu                                     whether this node can use CUDA, or why not (one line)
   slimish config [SECTION] [--markdown]                 every config key: type, default, meaning
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
@@ -98,8 +98,9 @@ def cmd_plan(args) -> int:
     from slimish.megatron_bridge.hf_config import read_hf_config
     from slimish.planning.report import plan_text
 
+    overrides = [*args.overrides, f"model.hf_path={args.model}"] if args.model else args.overrides
     try:
-        cfg = load_config(args.config, args.overrides, files=False)
+        cfg = load_config(args.config, overrides, files=False)
     except FileNotFoundError as exc:
         raise UserError(f"config file not found: {exc.filename}") from None
     print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(config.json of the model only: no GPU, no weights)")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides (plan.* states the cluster and workload)")
+    p.add_argument("--model", metavar="PATH|NAME", help="the model to plan for instead of model.hf_path: its "
+                   "directory, its config.json alone, or a known model by name (planned before the download): "
+                   "llama-3.1-405b, qwen3-8b, qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, glm-4.5")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("report", help="a run's metrics as plots: RUN_DIR/report/report.html (self-contained) and PNGs")
     p.add_argument("run_dir", help="the run directory (runs/<run.name>)")
@@ -272,7 +276,12 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.command == "plan" and all("=" in e and not e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # overrides after `plan ... --model X`: argparse ends the positionals at the option
+        args.overrides += extra
     try:
         return args.fn(args)
     except Exception as exc:

@@ -263,8 +263,8 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
 
     if files:
         _check_paths(cfg)
-    elif not (Path(cfg.model.hf_path) / "config.json").is_file():
-        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
+    else:
+        _check_plan_model(cfg.model.hf_path)
     _check_resume(cfg.checkpoint.resume)
     _check_layout(cfg)
     _check_expert_parallel(cfg, data_parallel)
@@ -285,6 +285,19 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 ROWS_CHECKED = 64  # the first rows of each jsonl dataset that check-config reads
+
+
+def _check_plan_model(path: str) -> None:
+    """What `slimish plan` reads for the model: its directory, its config.json alone, or a known model's name."""
+    from slimish.megatron_bridge.known_models import KNOWN, known_config
+
+    hf = Path(path)
+    if (hf / "config.json").is_file() or (hf.is_file() and hf.suffix == ".json"):
+        return
+    if not hf.exists() and known_config(path) is not None:
+        return
+    raise ConfigError("model.hf_path", f"{_shown(path)} has no config.json; to plan before the download, give the "
+                      f"model's config.json alone or a known model: {', '.join(KNOWN)}")
 
 
 def _check_paths(cfg: JobConfig) -> None:

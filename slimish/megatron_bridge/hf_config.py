@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimish.megatron_bridge import fp8, mla_config, moe_config
+from slimish.megatron_bridge import fp8, known_models, mla_config, moe_config
 from slimish.megatron_bridge.errors import CheckpointError, UnsupportedConfig
 from slimish.megatron_bridge.mla_config import MLA
 from slimish.megatron_bridge.moe_config import MoE
@@ -52,14 +52,19 @@ class Architecture:
 
 
 def read_hf_config(path: str | Path) -> dict:
-    """config.json of the HF model directory `path` (or the file itself)."""
+    """config.json of the HF model directory `path` (or the file itself); where no such path exists, the released
+    config.json fields of the known model of that name (`known_models.KNOWN`: planning before the download)."""
+    known = known_models.known_config(str(path)) if not Path(path).exists() else None
+    if known is not None:
+        return known
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory (config.json and "
-                              "safetensors weights)") from None
+                              "safetensors weights), its config.json, or (to plan) one of the known models: "
+                              f"{', '.join(known_models.KNOWN)}") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: cannot read it as JSON ({exc}); restore the model's config.json") from None
 
