@@ -7,7 +7,7 @@
   slimish config [SECTION] [--markdown]                 every config key: type, default, meaning
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
-  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
+  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N --workers N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
   slimish convert dequantize --hf DIR --out DIR [--max-shard-mb MB]   FP8 (DeepSeek-V3's release) -> bf16 HF
 
@@ -185,8 +185,10 @@ def cmd_convert(args) -> int:
         _input_dir(args.hf, "--hf", holds="config.json", what="a Hugging Face model directory (config.json + "
                    "safetensors)")
         _output_dir(args.out, "--out")
+        if args.workers is not None and args.workers < 1:
+            raise UserError(f"--workers {args.workers}: give at least 1 (the writer threads)")
         out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
-                                     pipeline_parallel=args.pp, expert_parallel=args.ep)
+                                     pipeline_parallel=args.pp, expert_parallel=args.ep, workers=args.workers)
     elif args.direction == "dequantize":
         _input_dir(args.hf, "--hf", holds="config.json", what="a block-scaled FP8 Hugging Face model directory")
         _output_dir(args.out, "--out")
@@ -253,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size")
     d.add_argument("--pp", type=int, default=1, help="check the model splits over this pipeline-parallel size")
     d.add_argument("--ep", type=int, default=1, help="check the experts split over this expert-parallel size")
+    d.add_argument("--workers", type=int, help="threads reading, converting and writing in parallel, each to a file "
+                   "of its own (default: the usable cores, at most 8)")
     d = directions.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors")
     d.add_argument("--megatron", required=True, help="distributed checkpoint directory")
     d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")
