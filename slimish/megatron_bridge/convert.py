@@ -113,8 +113,8 @@ def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str
     child.stdin.close()
 
     def finish() -> None:
-        out, err = child.stdout.read(), child.stderr.read()
-        if child.wait():
+        out, err = child.communicate()  # both pipes at once: transformers may warn more than a pipe holds
+        if child.returncode:
             why = err.strip().splitlines()[-1] if err.strip() else f"exit code {child.returncode}"
             raise CheckpointError(f"{where}: transformers could not build the model it describes to check the "
                                   f"weights' shapes: {why}")
@@ -141,12 +141,12 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     ckpt = HFCheckpoint(hf_dir)
     rules = dense.model_rules(arch)
     total = sum(ckpt.nbytes(n) for r in rules for n in r.hf)
-    finish_check = _shape_check(config, {name: ckpt.shape(name) for rule in rules for name in rule.hf},
-                                source=str(hf_dir), background=workers > 1 and total >= BACKGROUND_SHAPE_CHECK_BYTES)
     unmapped = dense.unmapped_hf_names(ckpt.names(), arch)
     if unmapped:
         raise MappingError(f"{hf_dir}: {len(unmapped)} tensors have no Megatron mapping under its config.json and "
                            f"would be dropped, e.g. {unmapped[:3]}; is config.json the one these weights belong to?")
+    finish_check = _shape_check(config, {name: ckpt.shape(name) for rule in rules for name in rule.hf},
+                                source=str(hf_dir), background=workers > 1 and total >= BACKGROUND_SHAPE_CHECK_BYTES)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
     buffers = dist_ckpt_io.BufferPool(chunk_bytes)
 
