@@ -97,7 +97,7 @@ BACKGROUND_SHAPE_CHECK_BYTES = 1 << 30
 
 
 _SHAPES_CHILD = ("import json, sys; from slimish.megatron_bridge.hf_shapes import expected_hf_shapes; "
-                 "json.dump(expected_hf_shapes(json.load(sys.stdin)), sys.stdout)")
+                 "json.dump(expected_hf_shapes(json.loads(sys.argv[1])), sys.stdout)")
 
 
 def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str, background: bool):
@@ -107,10 +107,8 @@ def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str
     if not background:
         check_shapes(found, expected_hf_shapes(config), source=source, config=where)
         return lambda: None
-    child = subprocess.Popen([sys.executable, "-c", _SHAPES_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    child.stdin.write(json.dumps(config))
-    child.stdin.close()
+    child = subprocess.Popen([sys.executable, "-c", _SHAPES_CHILD, json.dumps(config)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def finish() -> None:
         out, err = child.communicate()  # both pipes at once: transformers may warn more than a pipe holds
