@@ -1,19 +1,21 @@
-"""Benchmark `slimish convert hf-to-megatron` against `cp` on synthetic ~2 GiB and ~4 GiB checkpoints.
+"""Benchmark `slimish convert hf-to-megatron` against `cp` on synthetic ~2 GiB and ~8 GiB checkpoints.
 
-    python bench/convert.py [--workdir /tmp] [--sizes-gib 2 4]      (or: make bench)
+    python bench/convert.py [--workdir /tmp] [--sizes-gib 2 8] [--workers N]      (or: make bench)
 
 For each size it writes a random Llama-shaped bf16 checkpoint (real tensor names and shapes; the layer count sets
 the size) as several safetensors shards and flushes it to disk, then times, in alternating rounds (--rounds), `cp` of
 the shards (+ fsync, as the conversion fsyncs its output) and the conversion (the function behind the CLI) in a
-child process, which reports its peak RSS (VmHWM). Every timing starts with no dirty pages (the previous output is
-deleted and the disk synced) and reads the shards from the page cache. Each side's best time over the rounds is
-used (as timeit does): a single timing on a shared virtual disk swings 3-4x with other guests' I/O, which only
-ever adds time. Conversion time is measured inside
-the child after its imports (a fixed start-up cost, printed too). Everything is deleted afterwards. The last line
-printed is
-    convert_vs_cp_ratio=<x> peak_rss_2g_mib=<a> peak_rss_4g_mib=<b> largest_tensor_mib=<c>
-with ratio = conversion throughput / cp throughput over all sizes. Targets: ratio >= 0.5; peak RSS <= 1024 MiB +
-largest tensor, flat as the size doubles.
+child process, which reports its peak RSS (VmHWM; and, apart, that of the child Python that checks the shapes
+against transformers' while the conversion runs, from 1 GiB on). Every timing starts with no dirty pages (the
+previous output is deleted and the disk synced) and reads the shards from the page cache. Each side's best time
+over the rounds is used (as timeit does): a single timing on a shared virtual disk swings 3-4x with other guests'
+I/O, which only ever adds time. Conversion time is measured inside the child after its imports (a fixed start-up
+cost, printed too). Everything is deleted afterwards. A line per size gives seconds, the ratio to cp of that size
+and the peak RSS; the last line printed is
+    convert_vs_cp_ratio=<x> ratio_<s>g=<r> ... peak_rss_<s>g_mib=<m> ... largest_tensor_mib=<c> workers=<n>
+with convert_vs_cp_ratio = conversion throughput / cp throughput over all sizes from 8 GiB on (over all sizes when
+none is that large). Targets: ratio >= 0.5 from 8 GiB on; peak RSS flat as the size grows (bounded by two chunks
+per worker, or the largest fused tensor).
 """
 
 from __future__ import annotations
@@ -90,59 +92,65 @@ def time_cp(src: Path, dst: Path) -> float:
 
 # The conversion as `slimish convert hf-to-megatron` runs it, timed inside the child after its imports (torch and
 # torch.distributed.checkpoint take seconds to import on a busy 2-core machine, a fixed cost unrelated to size).
-_CHILD = """import sys, time
+_CHILD = """import resource, sys, time
 from slimish.megatron_bridge.convert import hf_to_megatron
 start = time.perf_counter()
-hf_to_megatron(hf_dir=sys.argv[1], out_dir=sys.argv[2], progress=False)
+hf_to_megatron(hf_dir=sys.argv[1], out_dir=sys.argv[2], progress=False, workers=int(sys.argv[3]) or None)
 seconds = time.perf_counter() - start
 hwm_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(seconds, hwm_kib)
+print(seconds, hwm_kib, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
-def time_convert(src: Path, dst: Path) -> tuple[float, float, float]:
-    """(conversion seconds, child wall seconds including imports, peak RSS MiB) of a conversion in a child.
+def time_convert(src: Path, dst: Path, workers: int) -> tuple[float, float, float, float]:
+    """(conversion seconds, child wall seconds including imports, peak RSS MiB, peak RSS MiB of the shape-check
+    child) of a conversion in a child.
 
     Peak RSS is the child's own VmHWM: its ru_maxrss (wait4 / getrusage) would start at this process's RSS, because
     Linux carries the pre-exec memory of a vfork'ed child (this process's) into maxrss.
     """
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), str(workers)], stdout=subprocess.PIPE,
+                            text=True)
     output = proc.stdout.read()
     if proc.wait():
         raise RuntimeError(f"conversion of {src} failed with exit code {proc.returncode}")
     wall = time.perf_counter() - start
-    seconds, hwm_kib = output.strip().splitlines()[-1].split()
-    return float(seconds), wall, int(hwm_kib) / 1024
+    seconds, hwm_kib, shape_kib = output.strip().splitlines()[-1].split()
+    return float(seconds), wall, int(hwm_kib) / 1024, int(shape_kib) / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp")
-    parser.add_argument("--sizes-gib", type=float, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating cp / convert timings per size")
+    parser.add_argument("--sizes-gib", type=float, nargs="+", default=[2, 8])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating cp / convert timings per size")
+    parser.add_argument("--workers", type=int, default=0, help="conversion threads (0: the converter's default)")
     args = parser.parse_args()
     free = shutil.disk_usage(args.workdir).free
     need = 3.2 * max(args.sizes_gib) * (1 << 30)  # source + cp copy + conversion, one size at a time
     if free < need:
         sys.exit(f"need {need / (1 << 30):.1f} GiB free in {args.workdir}, have {free / (1 << 30):.1f}")
-    total_bytes = cp_seconds = convert_seconds = 0.0
-    rss, largest = {}, 0
+    from slimish.megatron_bridge.convert import default_workers
+
+    workers = args.workers or default_workers()
+    results, largest = {}, 0
     for size in args.sizes_gib:
         root = Path(tempfile.mkdtemp(prefix="slimish-bench-convert-", dir=args.workdir))
         try:
             config = config_for_size(int(size * (1 << 30)))
             size_bytes, largest_bytes = write_synthetic(root / "hf", config)
             os.sync()
-            cp_times, conv_times, walls, peaks = [], [], [], []
+            cp_times, conv_times, walls, peaks, shape_peaks = [], [], [], [], []
             for _ in range(args.rounds):
                 cp_times.append(time_cp(root / "hf", root / "cp"))
                 shutil.rmtree(root / "cp")
                 os.sync()
-                conv, wall, peak = time_convert(root / "hf", root / "megatron")
+                conv, wall, peak, shape_peak = time_convert(root / "hf", root / "megatron", workers)
                 conv_times.append(conv)
                 walls.append(wall)
                 peaks.append(peak)
+                shape_peaks.append(shape_peak)
                 shutil.rmtree(root / "megatron")
                 os.sync()
             cp_s, conv_s = min(cp_times), min(conv_times)
@@ -151,18 +159,17 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         print(f"{size:g} GiB target: {size_bytes / (1 << 30):.2f} GiB, {config['num_hidden_layers']} layers, "
               f"cp {size_bytes / cp_s / MiB:.0f} MiB/s ({cp_s:.1f} s), convert {size_bytes / conv_s / MiB:.0f} MiB/s "
-              f"({conv_s:.1f} s; {wall_s:.1f} s with start-up), convert peak RSS {peak:.0f} MiB; best of "
-              f"{args.rounds} rounds, cp {' '.join(f'{t:.1f}' for t in cp_times)} s, convert "
-              f"{' '.join(f'{t:.1f}' for t in conv_times)} s", flush=True)
-        total_bytes += size_bytes
-        cp_seconds += cp_s
-        convert_seconds += conv_s
-        rss[size] = peak
+              f"({conv_s:.1f} s; {wall_s:.1f} s with start-up), ratio {cp_s / conv_s:.2f}, {workers} workers, convert "
+              f"peak RSS {peak:.0f} MiB (shape-check child {max(shape_peaks):.0f} MiB); best of {args.rounds} rounds, "
+              f"cp {' '.join(f'{t:.1f}' for t in cp_times)} s, convert {' '.join(f'{t:.1f}' for t in conv_times)} s",
+              flush=True)
+        results[size] = (size_bytes, cp_s, conv_s, peak)
         largest = max(largest, largest_bytes)
-    ratio = (total_bytes / convert_seconds) / (total_bytes / cp_seconds)
-    sizes = sorted(rss)
-    print(f"convert_vs_cp_ratio={ratio:.2f} peak_rss_2g_mib={rss[sizes[0]]:.0f} "
-          f"peak_rss_4g_mib={rss[sizes[-1]]:.0f} largest_tensor_mib={largest / MiB:.0f}")
+    counted = [s for s in results if s >= 8] or list(results)
+    ratio = sum(results[s][1] for s in counted) / sum(results[s][2] for s in counted)  # same bytes: time ratio
+    per_size = " ".join(f"ratio_{s:g}g={results[s][1] / results[s][2]:.2f}" for s in results)
+    rss = " ".join(f"peak_rss_{s:g}g_mib={results[s][3]:.0f}" for s in results)
+    print(f"convert_vs_cp_ratio={ratio:.2f} {per_size} {rss} largest_tensor_mib={largest / MiB:.0f} workers={workers}")
 
 
 if __name__ == "__main__":

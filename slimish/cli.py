@@ -2,13 +2,14 @@
 
   slimish train CONFIG [key.sub=value ...]              run an RL job (`--config CONFIG` works too)
   slimish check-config CONFIG [key.sub=value ...]       validate a config without starting anything
-  slimish plan CONFIG [key.sub=value ...]               memory per GPU, seconds per wall, the binding wall
+  slimish plan CONFIG [--model PATH|NAME] [key=value ...]  memory per GPU, seconds per wall, the binding wall
   slimish check-gpu                                     whether this node can use CUDA, or why not (one line)
   slimish config [SECTION] [--markdown]                 every config key: type, default, meaning
   slimish report RUN_DIR                                a run's metrics as plots (report/report.html, PNGs)
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
-  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N]
+  slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N --workers N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
+  slimish convert dequantize --hf DIR --out DIR [--max-shard-mb MB]   FP8 (DeepSeek-V3's release) -> bf16 HF
 
 Bad input (a config key, a missing or corrupt file, an unwritable directory, a checkpoint of another model) is
 reported as one line, `error: <what is wrong and what to do>`, with exit status 2: every such error is a
@@ -97,8 +98,9 @@ def cmd_plan(args) -> int:
     from slimish.megatron_bridge.hf_config import read_hf_config
     from slimish.planning.report import plan_text
 
+    overrides = [*args.overrides, f"model.hf_path={args.model}"] if args.model else args.overrides
     try:
-        cfg = load_config(args.config, args.overrides, files=False)
+        cfg = load_config(args.config, overrides, files=False)
     except FileNotFoundError as exc:
         raise UserError(f"config file not found: {exc.filename}") from None
     print(plan_text(cfg, read_hf_config(cfg.model.hf_path)))
@@ -183,8 +185,15 @@ def cmd_convert(args) -> int:
         _input_dir(args.hf, "--hf", holds="config.json", what="a Hugging Face model directory (config.json + "
                    "safetensors)")
         _output_dir(args.out, "--out")
+        if args.workers is not None and args.workers < 1:
+            raise UserError(f"--workers {args.workers}: give at least 1 (the writer threads)")
         out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
-                                     pipeline_parallel=args.pp, expert_parallel=args.ep)
+                                     pipeline_parallel=args.pp, expert_parallel=args.ep, workers=args.workers)
+    elif args.direction == "dequantize":
+        _input_dir(args.hf, "--hf", holds="config.json", what="a block-scaled FP8 Hugging Face model directory")
+        _output_dir(args.out, "--out")
+        convert.dequantize_hf(hf_dir=args.hf, out_dir=args.out, max_shard_bytes=args.max_shard_mb << 20)
+        out = args.out
     else:
         _input_dir(args.megatron, "--megatron", holds="metadata.json", what="a Megatron distributed checkpoint "
                    "(from `slimish convert hf-to-megatron`)")
@@ -221,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(config.json of the model only: no GPU, no weights)")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides (plan.* states the cluster and workload)")
+    p.add_argument("--model", metavar="PATH|NAME", help="the model to plan for instead of model.hf_path: its "
+                   "directory, its config.json alone, or a known model by name (planned before the download): "
+                   "llama-3.1-405b, qwen3-8b, qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, glm-4.5")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("report", help="a run's metrics as plots: RUN_DIR/report/report.html (self-contained) and PNGs")
     p.add_argument("run_dir", help="the run directory (runs/<run.name>)")
@@ -243,11 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size")
     d.add_argument("--pp", type=int, default=1, help="check the model splits over this pipeline-parallel size")
     d.add_argument("--ep", type=int, default=1, help="check the experts split over this expert-parallel size")
+    d.add_argument("--workers", type=int, help="threads reading, converting and writing in parallel, each to a file "
+                   "of its own (default: the usable cores, at most 8)")
     d = directions.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors")
     d.add_argument("--megatron", required=True, help="distributed checkpoint directory")
     d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")
     d.add_argument("--out", required=True, help="output HF directory")
     d.add_argument("--max-shard-mb", type=int, default=2048, help="largest safetensors shard (MiB)")
+    d = directions.add_parser("dequantize", help="block-scaled FP8 HF checkpoint (DeepSeek-V3's release) -> bf16 HF")
+    d.add_argument("--hf", required=True, help="FP8 HF model directory (config.json + safetensors)")
+    d.add_argument("--out", required=True, help="output HF directory (bf16)")
+    d.add_argument("--max-shard-mb", type=int, default=4096, help="largest safetensors shard (MiB)")
     p.set_defaults(fn=cmd_convert)
     return parser
 
@@ -262,7 +280,12 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.command == "plan" and all("=" in e and not e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # overrides after `plan ... --model X`: argparse ends the positionals at the option
+        args.overrides += extra
     try:
         return args.fn(args)
     except Exception as exc:

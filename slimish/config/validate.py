@@ -283,8 +283,8 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
 
     if files:
         _check_paths(cfg)
-    elif not (Path(cfg.model.hf_path) / "config.json").is_file():
-        raise ConfigError("model.hf_path", f"{_shown(cfg.model.hf_path)} has no config.json")
+    else:
+        _check_plan_model(cfg.model.hf_path)
     _check_resume(cfg.checkpoint.resume)
     _check_layout(cfg)
     _check_expert_parallel(cfg, data_parallel)
@@ -305,6 +305,19 @@ def validate(cfg: JobConfig, *, files: bool = True, isolate_hooks: bool = False)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 ROWS_CHECKED = 64  # the first rows of each jsonl dataset that check-config reads
+
+
+def _check_plan_model(path: str) -> None:
+    """What `slimish plan` reads for the model: its directory, its config.json alone, or a known model's name."""
+    from slimish.megatron_bridge.known_models import KNOWN, known_config
+
+    hf = Path(path)
+    if (hf / "config.json").is_file() or (hf.is_file() and hf.suffix == ".json"):
+        return
+    if not hf.exists() and known_config(path) is not None:
+        return
+    raise ConfigError("model.hf_path", f"{_shown(path)} has no config.json; to plan before the download, give the "
+                      f"model's config.json alone or a known model: {', '.join(KNOWN)}")
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -458,10 +471,17 @@ def _check_model(path: str) -> None:
     from slimish.megatron_bridge.hf_io import HFCheckpoint
 
     try:
-        architecture_from_hf(read_hf_config(path))
+        config = read_hf_config(path)
+        architecture_from_hf(config)
         HFCheckpoint(path)
     except (UnsupportedConfig, CheckpointError) as exc:
         raise ConfigError("model.hf_path", str(exc)) from None
+    if config.get("quantization_config"):
+        # The trainer would read it (dequantized), but the engines would serve FP8 layers that weight sync's bf16
+        # tensors cannot update (each block's scale would stay the checkpoint's).
+        raise ConfigError("model.hf_path", f"{_shown(path)} is an FP8 checkpoint, which the rollout engines would "
+                          "serve in FP8 and weight sync cannot update; write a bf16 copy with `slimish convert "
+                          "dequantize --hf DIR --out DIR` and point model.hf_path at it")
 
 
 def _check_megatron_path(path: str, hf_path: str) -> None:

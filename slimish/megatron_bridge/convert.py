@@ -2,19 +2,25 @@
 
     hf_to_megatron(hf_dir=..., out_dir=..., tensor_parallel=1, pipeline_parallel=1, expert_parallel=1)
     megatron_to_hf(megatron_dir=..., hf_config_dir=..., out_dir=...)
+    dequantize_hf(hf_dir=..., out_dir=...)   block-scaled FP8 HF -> bf16 HF
 
 Both walk the bridge's rule table (`dense.model_rules`), the one the trainer loads and weight sync exports with,
 and stream: one (fused) tensor is in memory at a time, so memory stays flat as the model grows. The distributed
 checkpoint holds full (unsharded) tensors keyed as Megatron-Core's GPTModel names them, so the trainer loads it at
 any TP/PP/EP layout; the parallel sizes given only check that the model splits evenly at that layout.
 Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact (multi-token-prediction layers are not converted,
-see `dense.is_mtp_tensor`).
+see `dense.is_mtp_tensor`), except that a block-scaled FP8 checkpoint (DeepSeek-V3's release, see `fp8`) is
+dequantized to bf16 as it is read, and its config.json is written back without `quantization_config`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -78,27 +84,68 @@ def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list
     return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)] or [(0, 0)]
 
 
+def default_workers() -> int:
+    """Writer threads when not told: the cores this process may use, at most 8 (more do not write one disk
+    faster, and each holds up to two chunks)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+# From this size on, transformers' shapes for the config (seconds: importing transformers, building the model on
+# the meta device) are worked out in a process of their own while the conversion runs, and checked before the
+# checkpoint is committed; below it, first (a spawned process costs more than it saves on a small model).
+BACKGROUND_SHAPE_CHECK_BYTES = 1 << 30
+
+
+_SHAPES_CHILD = ("import json, sys; from slimish.megatron_bridge.hf_shapes import expected_hf_shapes; "
+                 "json.dump(expected_hf_shapes(json.loads(sys.argv[1])), sys.stdout)")
+
+
+def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str, background: bool):
+    """A function that raises `CheckpointError` if `found` does not fit `config`: checked now, or in a child
+    Python started now (its own core) and waited for when the function is called."""
+    where = f"{source}/config.json"
+    if not background:
+        check_shapes(found, expected_hf_shapes(config), source=source, config=where)
+        return lambda: None
+    child = subprocess.Popen([sys.executable, "-c", _SHAPES_CHILD, json.dumps(config)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish() -> None:
+        out, err = child.communicate()  # both pipes at once: transformers may warn more than a pipe holds
+        if child.returncode:
+            why = err.strip().splitlines()[-1] if err.strip() else f"exit code {child.returncode}"
+            raise CheckpointError(f"{where}: transformers could not build the model it describes to check the "
+                                  f"weights' shapes: {why}")
+        expected = {name: tuple(shape) for name, shape in json.loads(out).items()}
+        check_shapes(found, expected, source=source, config=where)
+    return finish
+
+
 def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1,
                    pipeline_parallel: int = 1, expert_parallel: int = 1, chunk_bytes: int = 64 << 20,
-                   progress: bool = True) -> Path:
+                   workers: int | None = None, progress: bool = True) -> Path:
     """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`.
 
     Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
-    does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole)."""
+    does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole).
+    `workers` threads (default `default_workers()`) each read, convert and write their own share of the chunks to a
+    file of their own: memory is at most two chunks per worker. A checkpoint whose shapes do not fit config.json is
+    refused, and nothing that Megatron would load is left in `out_dir`."""
     config = read_hf_config(hf_dir)
     arch = architecture_from_hf(config)
     check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                  expert_parallel=expert_parallel)
+    workers = workers or default_workers()
     ckpt = HFCheckpoint(hf_dir)
     rules = dense.model_rules(arch)
-    check_shapes({name: ckpt.shape(name) for rule in rules for name in rule.hf}, expected_hf_shapes(config),
-                 source=str(hf_dir), config=f"{hf_dir}/config.json")
+    total = sum(ckpt.nbytes(n) for r in rules for n in r.hf)
     unmapped = dense.unmapped_hf_names(ckpt.names(), arch)
     if unmapped:
         raise MappingError(f"{hf_dir}: {len(unmapped)} tensors have no Megatron mapping under its config.json and "
                            f"would be dropped, e.g. {unmapped[:3]}; is config.json the one these weights belong to?")
-    bar = tqdm(total=sum(ckpt.nbytes(n) for r in rules for n in r.hf), unit="B", unit_scale=True, desc="hf->megatron",
-               disable=not progress)
+    finish_check = _shape_check(config, {name: ckpt.shape(name) for rule in rules for name in rule.hf},
+                                source=str(hf_dir), background=workers > 1 and total >= BACKGROUND_SHAPE_CHECK_BYTES)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
     buffers = dist_ckpt_io.BufferPool(chunk_bytes)
 
     def load(rule: dense.Rule, shape: tuple[int, ...], rows: tuple[int, int] | None, layered: bool):
@@ -136,8 +183,13 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
             chunks.setdefault(key, []).append((offsets, sizes, load(rule, full, rows, layered)))
     # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
     objects = {name: [None] for name in dense.extra_state_objects(arch)}
-    dist_ckpt_io.save(out_dir, tensors={key: (shapes[key], dtypes[key], parts) for key, parts in chunks.items()},
-                      objects=objects, buffers=buffers)
+    try:
+        dist_ckpt_io.save(out_dir, tensors={key: (shapes[key], dtypes[key], parts) for key, parts in chunks.items()},
+                          objects=objects, buffers=buffers, workers=workers, before_commit=finish_check)
+    except Exception as exc:
+        if not isinstance(exc, CheckpointError):
+            finish_check()  # weights that do not fit config.json fail the conversion anywhere: say that
+        raise
     bar.close()
     return Path(out_dir)
 
@@ -190,6 +242,34 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
     return files
 
 
+def dequantize_hf(*, hf_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 << 30,
+                  progress: bool = True) -> list[Path]:
+    """Write the block-scaled FP8 HF checkpoint in `hf_dir` as bf16 HF safetensors shards in `out_dir` (every tensor,
+    multi-token-prediction layers included, streamed one at a time), with config.json (without its
+    `quantization_config`) and the tokenizer files: what rollout engines serve and weight sync updates in bf16."""
+    config = read_hf_config(hf_dir)
+    architecture_from_hf(config)
+    if not config.get("quantization_config"):
+        raise CheckpointError(f"{hf_dir}: config.json has no quantization_config; the checkpoint is not quantized")
+    ckpt = HFCheckpoint(hf_dir)
+    specs = [(name, torch.empty(ckpt.shape(name), dtype=ckpt.dtype(name), device="meta")) for name in ckpt.names()]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(ckpt.nbytes(n) for n in ckpt.names()), unit="B", unit_scale=True, desc="fp8->bf16",
+               disable=not progress)
+
+    def tensors():
+        for name in ckpt.names():
+            tensor = ckpt.get(name)
+            bar.update(tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+    files = write_hf_shards(out_dir, specs, tensors(), max_shard_bytes=max_shard_bytes)
+    bar.close()
+    _copy_side_files(Path(hf_dir), out_dir)
+    return files
+
+
 _SIDE_FILE_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken"}
 
 
@@ -198,3 +278,6 @@ def _copy_side_files(src: Path, dst: Path) -> None:
     for file in src.iterdir():
         if file.is_file() and file.suffix in _SIDE_FILE_SUFFIXES and file.name != INDEX:
             shutil.copy2(file, dst / file.name)
+    config = read_hf_config(dst)
+    if config.pop("quantization_config", None) is not None:  # the weights written are bf16: say so
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -5,7 +5,8 @@ The format is what `megatron.core.dist_checkpointing.save` writes with the torch
 torch.distributed.checkpoint (DCP) directory (`.metadata` + `*.distcp`), `common.pt` (the non-tensor state, empty
 for a model) and `metadata.json` naming the backends. A global tensor is a DCP key with any number of chunks; DCP
 asks for each chunk's data only when it writes it (`LazyTensor` below); chunks are read one ahead of the write
-(`_Prefetcher`), so at most two chunks are in memory.
+(`_Prefetcher`), so at most two chunks are in memory; or, with several writer threads (`workers`), each thread
+reads and writes its own file's chunks, two per thread at most (`_PerThreadRelease`).
 """
 
 from __future__ import annotations
@@ -187,6 +188,32 @@ class _Prefetcher:
             self._thread = None
 
 
+class _PerThreadRelease:
+    """Serves chunks to several writer threads (DCP's FileSystemWriter with thread_count > 1, one file each): each
+    thread asks for its file's chunks one after another, so a thread's previous chunk is written once it asks for
+    the next, and is released then (or given back to its `BufferPool`). No read-ahead within a thread: the threads'
+    reads and writes overlap one another. At most two chunks per thread are in memory."""
+
+    def __init__(self, produce: dict[tuple, Callable[[], torch.Tensor]], buffers: BufferPool | None = None):
+        self._produce = produce
+        self._buffers = buffers
+        self._local = threading.local()
+
+    def start(self, order: list[tuple]) -> None:
+        pass
+
+    def get(self, key: tuple) -> torch.Tensor:
+        previous = getattr(self._local, "previous", None)
+        if previous is not None:
+            if self._buffers is None or not self._buffers.give_back(previous):
+                previous.untyped_storage().resize_(0)
+        self._local.previous = tensor = self._produce[key]()
+        return tensor
+
+    def close(self) -> None:
+        pass
+
+
 def _sync_file_range() -> Callable[[int, int, int], None] | None:
     """Linux sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE): start writing a range of dirty pages to
     disk without waiting for it. None where libc has no such call."""
@@ -250,14 +277,18 @@ class _OrderRecordingPlanner(dcp.DefaultSavePlanner):
 
 
 def save(out_dir: str | Path, *, tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[Chunk]]],
-         objects: dict[str, object], buffers: BufferPool | None = None) -> None:
+         objects: dict[str, object], buffers: BufferPool | None = None, workers: int = 1,
+         before_commit: Callable[[], None] | None = None) -> None:
     """Write a torch_dist checkpoint: `tensors` maps key -> (global size, dtype, chunks), `objects` maps a
     ShardedObject's unique key -> picklable value. Each chunk function must return a fresh tensor or one taken from
     `buffers` (its memory is released, or given back, once written) and may be called from a background thread
-    (chunks are produced one ahead of the write, see `_Prefetcher`). Files are fsynced: the checkpoint is durable
-    when this returns."""
+    (with one worker, chunks are produced one ahead of the write, see `_Prefetcher`; with `workers` > 1, that many
+    threads each write a file of their own, `_PerThreadRelease`, so chunk functions must be thread-safe). Files are
+    fsynced: the checkpoint is durable when this returns. `before_commit`, if given, runs once the data is written
+    and before metadata.json (what makes the directory a Megatron checkpoint); if it raises, the data files are
+    removed and no metadata.json is written."""
     produce = {(key, tuple(at)): data for key, (_, _, chunks) in tensors.items() for at, _, data in chunks}
-    prefetcher = _Prefetcher(produce, buffers)
+    prefetcher = _Prefetcher(produce, buffers) if workers == 1 else _PerThreadRelease(produce, buffers)
 
     def lazy(key: str, at: tuple[int, ...]) -> Callable[[], torch.Tensor]:
         return lambda: prefetcher.get((key, tuple(at)))
@@ -272,7 +303,8 @@ def save(out_dir: str | Path, *, tensors: dict[str, tuple[tuple[int, ...], torch
     # any faster to one disk, and would multiply the chunks in memory). per_thread_copy_ahead=0 keeps DCP's serial
     # loader where CUDA is available too: its overlapping loader resolves several chunks (sorted by size) before
     # writing them, which the one-at-a-time release above does not allow.
-    writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True,
+    # With workers > 1, DCP splits the chunks by size into one file per thread and writes the files in parallel.
+    writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=workers, sync_files=True,
                                   per_thread_copy_ahead=0)
     writer.fs = _WritebackFileSystem()
     try:
@@ -280,6 +312,13 @@ def save(out_dir: str | Path, *, tensors: dict[str, tuple[tuple[int, ...], torch
             dcp.save(state, storage_writer=writer, planner=_OrderRecordingPlanner(prefetcher), no_dist=True)
     finally:
         prefetcher.close()
+    if before_commit is not None:
+        try:
+            before_commit()
+        except BaseException:
+            for file in [*out_dir.glob("*.distcp"), out_dir / ".metadata"]:
+                file.unlink(missing_ok=True)
+            raise
     torch.save({}, out_dir / "common.pt")
     (out_dir / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
 

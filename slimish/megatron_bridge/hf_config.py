@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimish.megatron_bridge import mla_config, moe_config
+from slimish.megatron_bridge import fp8, known_models, mla_config, moe_config
 from slimish.megatron_bridge.errors import CheckpointError, UnsupportedConfig
 from slimish.megatron_bridge.mla_config import MLA
 from slimish.megatron_bridge.moe_config import MoE
@@ -52,14 +52,19 @@ class Architecture:
 
 
 def read_hf_config(path: str | Path) -> dict:
-    """config.json of the HF model directory `path` (or the file itself)."""
+    """config.json of the HF model directory `path` (or the file itself); where no such path exists, the released
+    config.json fields of the known model of that name (`known_models.KNOWN`: planning before the download)."""
+    known = known_models.known_config(str(path)) if not Path(path).exists() else None
+    if known is not None:
+        return known
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory (config.json and "
-                              "safetensors weights)") from None
+                              "safetensors weights), its config.json, or (to plan) one of the known models: "
+                              f"{', '.join(known_models.KNOWN)}") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: cannot read it as JSON ({exc}); restore the model's config.json") from None
 
@@ -130,10 +135,7 @@ def _check_common(cfg: dict) -> None:
         raise UnsupportedConfig("use_sliding_window", True, "sliding-window attention is not supported")
     if cfg.get("attention_dropout", 0.0):
         raise UnsupportedConfig("attention_dropout", cfg["attention_dropout"], "RL trains without dropout")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise UnsupportedConfig("quantization_config", method, "quantized checkpoints (e.g. FP8 DeepSeek-V3 / "
-                                "GLM-4.5) must be dequantized to bf16 first")
+    fp8.block_size(cfg)  # block-scaled FP8 is read as bf16 (hf_io); any other quantization is refused here
 
 
 def architecture_from_hf(cfg: dict) -> Architecture:

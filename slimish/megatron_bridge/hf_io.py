@@ -4,12 +4,16 @@ Reads parse the safetensors headers and copy each tensor's bytes with a position
 Nothing stays mapped, so resident memory is one tensor however large the checkpoint (pages of a memory-mapped file
 count as resident for as long as the mapping lives). A missing, truncated or corrupt shard raises `CheckpointError`
 naming the file.
+
+A block-scaled FP8 checkpoint (config.json's `quantization_config`, see `fp8`) reads as bf16: each `X.weight` with a
+`X.weight_scale_inv` is dequantized as it is read (whole or by rows), and the scale tensors are not listed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from slimish.megatron_bridge import fp8
 from slimish.megatron_bridge.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -78,9 +83,21 @@ class HFCheckpoint:
         self.bytes_read = 0  # tensor bytes asked of the files by `get` so far (headers not counted)
         for file in files:
             self._entries.update(_read_header(file))
+        # weight name -> its FP8 block scales
+        self._scales = {name[:-len(fp8.SCALE_SUFFIX)]: self._entries.pop(name) for name in list(self._entries)
+                        if name.endswith(fp8.SCALE_SUFFIX)}
+        self._block = fp8.block_size(_config(self.path)) if self._scales else None
+        if self._scales and self._block is None:
+            raise CheckpointError(f"{self.path}: holds FP8 block scales ({next(iter(self._scales))}"
+                                  f"{fp8.SCALE_SUFFIX}) but config.json has no quantization_config; restore the "
+                                  "model's config.json")
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def quantized(self, name: str) -> bool:
+        """Whether `name` is stored in FP8 (and read as bf16)."""
+        return name in self._scales
 
     def _entry(self, name: str) -> _Entry:
         if name not in self._entries:
@@ -91,38 +108,34 @@ class HFCheckpoint:
         return self._entry(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._entry(name).dtype
+        """The dtype `get` returns: bf16 for an FP8 weight."""
+        return fp8.DTYPE if name in self._scales else self._entry(name).dtype
 
     def nbytes(self, name: str) -> int:
-        return self._entry(name).nbytes
+        """The bytes of the tensor `get` returns."""
+        entry = self._entry(name)
+        return math.prod(entry.shape) * fp8.DTYPE.itemsize if name in self._scales else entry.nbytes
 
     def get(self, name: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """The stored tensor, or its rows [start, stop) along dim 0 and / or its columns [start, stop) along dim 1,
         read into `out` (contiguous, matching shape and dtype) or a fresh tensor. Only those bytes are read: rows are
         one contiguous range; columns are one positioned read per row (a strided read: the row's other columns are
-        never read, at the cost of a system call per row). `bytes_read` counts every byte asked of the files."""
+        never read, at the cost of a system call per row). An FP8 weight is dequantized to bf16 (only its rows'
+        blocks of scales read; a column slice of it is cut from its dequantized rows). `bytes_read` counts every
+        byte asked of the files."""
         entry = self._entry(name)
-        shape, offset = entry.shape, entry.offset
-        row_bytes = entry.nbytes // shape[0] if shape and shape[0] else 0
-        start, stop = rows if rows is not None else (0, shape[0] if shape else 0)
-        if shape and not 0 <= start <= stop <= shape[0]:
-            raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
-        if cols is None and rows is None:
-            ranges = [(offset, entry.nbytes)]
-        elif cols is None:
-            ranges, shape = [(offset + start * row_bytes, (stop - start) * row_bytes)], (stop - start, *shape[1:])
-        else:
-            if len(shape) < 2 or not 0 <= cols[0] <= cols[1] <= shape[1]:
-                raise ValueError(f"{name}: columns {cols} outside shape {shape}")
-            col_bytes = row_bytes // shape[1] if shape[1] else 0
-            width = (cols[1] - cols[0]) * col_bytes
-            ranges = [(offset + row * row_bytes + cols[0] * col_bytes, width) for row in range(start, stop)]
-            shape = (stop - start, cols[1] - cols[0], *shape[2:])
+        if name in self._scales:
+            return self._dequantized(name, entry, rows=rows, cols=cols, out=out)
+        shape, ranges = _ranges(name, entry, rows, cols)
         if out is None:
-            out = torch.empty(shape, dtype=entry.dtype)
+            out = torch.empty(shape, dtype=entry.dtype, device="cpu")
         elif tuple(out.shape) != shape or out.dtype != entry.dtype or not out.is_contiguous():
             raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {shape} {entry.dtype}")
+        return self._read_into(name, entry, out, ranges)
+
+    def _read_into(self, name: str, entry: _Entry, out: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The file's byte `ranges` of `entry`, concatenated, into `out`'s memory."""
         nbytes = sum(size for _, size in ranges)
         # A ctypes view of the tensor's memory: unlike .numpy(), it leaves the storage resizable (releasable).
         view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B") if nbytes else b""
@@ -136,6 +149,59 @@ class HFCheckpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from shard {entry.file}: {exc}") from None
         self.bytes_read += nbytes
         return out
+
+    def _dequantized(self, name: str, entry: _Entry, *, rows, cols, out) -> torch.Tensor:
+        scale = self._scales[name]
+        expected = tuple(math.ceil(n / b) for n, b in zip(entry.shape, self._block))
+        if len(entry.shape) != 2 or scale.shape != expected:
+            raise CheckpointError(f"{entry.file}: {name}{fp8.SCALE_SUFFIX} is {scale.shape}, expected {expected} for "
+                                  f"{name} {entry.shape} in {self._block} blocks; the checkpoint does not match its "
+                                  "config.json's weight_block_size")
+        shape, ranges = _ranges(name, entry, rows, None)
+        want = shape if cols is None else (shape[0], cols[1] - cols[0])
+        if out is not None and (tuple(out.shape) != want or out.dtype != fp8.DTYPE or not out.is_contiguous()):
+            raise ValueError(f"{name}: out is {tuple(out.shape)} {out.dtype}, reading {want} {fp8.DTYPE}")
+        stored = self._read_into(name, entry, torch.empty(shape, dtype=entry.dtype, device="cpu"), ranges)
+        first = rows[0] if rows is not None else 0
+        scale_shape, scale_ranges = _ranges(name + fp8.SCALE_SUFFIX, scale,
+                                            fp8.scale_rows((first, first + shape[0]), self._block[0]), None)
+        scales = self._read_into(name + fp8.SCALE_SUFFIX, scale,
+                                 torch.empty(scale_shape, dtype=scale.dtype, device="cpu"), scale_ranges)
+        if cols is None:
+            return fp8.dequantize(stored, scales, self._block, first_row=first, out=out)
+        whole_rows = fp8.dequantize(stored, scales, self._block, first_row=first)
+        if not 0 <= cols[0] <= cols[1] <= shape[1]:
+            raise ValueError(f"{name}: columns {cols} outside shape {entry.shape}")
+        part = whole_rows[:, cols[0]:cols[1]]
+        return part.contiguous() if out is None else out.copy_(part)
+
+
+def _ranges(name: str, entry: _Entry, rows: tuple[int, int] | None,
+            cols: tuple[int, int] | None) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """(shape, [(file offset, bytes)]) of rows [start, stop) and / or columns [start, stop) of `entry`, or of all
+    of it: one range for rows, one per row for columns."""
+    shape, offset = entry.shape, entry.offset
+    if rows is None and cols is None:
+        return shape, [(offset, entry.nbytes)]
+    row_bytes = entry.nbytes // shape[0] if shape and shape[0] else 0
+    start, stop = rows if rows is not None else (0, shape[0] if shape else 0)
+    if shape and not 0 <= start <= stop <= shape[0]:
+        raise ValueError(f"{name}: rows {rows} outside {shape[0]}")
+    if cols is None:
+        return (stop - start, *shape[1:]), [(offset + start * row_bytes, (stop - start) * row_bytes)]
+    if len(shape) < 2 or not 0 <= cols[0] <= cols[1] <= shape[1]:
+        raise ValueError(f"{name}: columns {cols} outside shape {shape}")
+    col_bytes = row_bytes // shape[1] if shape[1] else 0
+    width = (cols[1] - cols[0]) * col_bytes
+    return ((stop - start, cols[1] - cols[0], *shape[2:]),
+            [(offset + row * row_bytes + cols[0] * col_bytes, width) for row in range(start, stop)])
+
+
+def _config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

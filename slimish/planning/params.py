@@ -4,7 +4,8 @@ The tensors are those transformers builds for the config (`hf_shapes.expected_hf
 memory, no weights), so the count is the checkpoint's. Per rank, as Megatron-Core lays the model out:
   - the layers split over the pipeline stages evenly or as parallel.first_stage_layers / last_stage_layers say;
     the embedding sits on the first stage and the output layer on the last (vocab split over tensor parallelism);
-  - matrices split over tensor parallelism (norms, one-dimensional, are kept whole on every rank);
+  - matrices split over tensor parallelism, and so are the q/k/v biases (column-parallel); norms and the router
+    (Megatron replicates it on every tensor-parallel rank) are kept whole;
   - routed experts split over expert parallelism, and each expert's matrices over tensor parallelism (Megatron's
     default expert tensor parallelism is the tensor-parallel size).
 Multi-token-prediction layers are not built by the trainer and not counted.
@@ -26,7 +27,7 @@ class ParamCount:
     output: int             # output layer (0 when tied to the embedding)
     per_layer: list[int]    # non-expert parameters of each layer (attention, norms, dense MLP, router, shared)
     experts_per_layer: list[int]  # routed-expert parameters of each layer
-    matrices_per_layer: list[int]  # of per_layer: the ones tensor parallelism splits (two-dimensional)
+    matrices_per_layer: list[int]  # of per_layer: the ones tensor parallelism splits (matrices, q/k/v biases)
 
     def rank(self, *, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
              stage: int, expert_tensor_parallel: int = 0, stage_layers: list[int] | None = None) -> tuple[int, int]:
@@ -52,6 +53,15 @@ class ParamCount:
         return dense, experts
 
 
+def _split_over_tp(name: str, shape) -> bool:
+    """Whether Megatron splits this layer tensor over tensor parallelism: every matrix but the router's
+    (`mlp.gate.weight`, replicated), and the q/k/v biases of the column-parallel projection (checked against Megatron's
+    own build at each large recipe's layout: tests/megatron_bridge/test_real_shapes.py)."""
+    if len(shape) == 2:
+        return not name.endswith(".mlp.gate.weight")
+    return name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+
+
 def count_params(hf_config: dict) -> ParamCount:
     from slimish.megatron_bridge.hf_config import architecture_from_hf
     from slimish.megatron_bridge.hf_shapes import expected_hf_shapes
@@ -74,7 +84,7 @@ def count_params(hf_config: dict) -> ParamCount:
                 experts[k] += size
             else:
                 per_layer[k] += size
-                matrices[k] += size if len(shape) == 2 else 0
+                matrices[k] += size if _split_over_tp(name, shape) else 0
         elif name.startswith("model.embed_tokens"):
             embedding += size
         elif name.startswith("lm_head"):

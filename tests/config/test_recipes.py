@@ -13,7 +13,14 @@ from safetensors.torch import save_file
 from slimish.config import load_config
 from slimish.megatron_bridge.hf_config import architecture_from_hf, pipeline_stage_layers, transformer_config
 from tests.conftest import REPO
-from tests.megatron_bridge.real_configs import DEEPSEEK_V3, LLAMA31_405B, QWEN3_8B, QWEN3_30B_A3B
+from tests.megatron_bridge.real_configs import (
+    DEEPSEEK_V3,
+    GLM45,
+    LLAMA31_405B,
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    QWEN3_235B_A22B,
+)
 
 # Every recipe and its model's released config.json (tests/planning/test_plan.py and tests/config/test_engine_flags.py
 # read this table too).
@@ -21,7 +28,8 @@ RECIPES = {"qwen3_8b_math_grpo": QWEN3_8B, "qwen3_8b_math_grpo_colocated": QWEN3
            "qwen3_8b_math_grpo_32k": QWEN3_8B,
            "qwen3_30b_a3b_math_grpo": QWEN3_30B_A3B,
            "llama31_405b_math_grpo": LLAMA31_405B, "llama31_405b_math_grpo_h100": LLAMA31_405B,
-           "deepseek_v3_math_grpo": DEEPSEEK_V3}
+           "deepseek_v3_math_grpo": DEEPSEEK_V3, "qwen3_235b_a22b_math_grpo": QWEN3_235B_A22B,
+           "glm45_math_grpo": GLM45}
 
 
 def test_every_recipe_is_checked():

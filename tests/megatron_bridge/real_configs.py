@@ -1,63 +1,22 @@
-"""The architecture fields of the released config.json of each target model (the checkpoints' own files are not
-downloadable here). `LAYERS_FOR_TEST` trims a mixture-of-experts model to its dense layers plus one sparse layer:
-every sparse layer has the same shapes, and building all of them on the meta device only costs time."""
+"""The target models' released config.json fields (kept in the package: `slimish.megatron_bridge.known_models`, which
+`slimish plan` reads by name). `LAYERS_FOR_TEST` trims a mixture-of-experts model to its dense layers plus one sparse
+layer: every sparse layer has the same shapes, and building all of them on the meta device only costs time."""
 
 from __future__ import annotations
 
-LLAMA31_405B = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16384, "intermediate_size": 53248,
-    "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
-
-QWEN3_8B = {
-    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
-
-QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "attention_bias": False,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
-
-# The bf16 (dequantized) DeepSeek-V3: the released checkpoint is FP8 (quantization_config), which the bridge rejects.
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "num_nextn_predict_layers": 1, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-GLM45 = {
-    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 5120,
-    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92, "first_k_dense_replace": 3,
-    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 160,
-    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True,
-    "vocab_size": 151552, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-    "num_nextn_predict_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
+from slimish.megatron_bridge.known_models import (
+    DEEPSEEK_V3,
+    GLM45,
+    LLAMA31_405B,
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    QWEN3_235B_A22B,
+)
 
 REAL_CONFIGS = {"llama31_405b": LLAMA31_405B, "qwen3_8b": QWEN3_8B, "qwen3_30b_a3b": QWEN3_30B_A3B,
-                "deepseek_v3": DEEPSEEK_V3, "glm45": GLM45}
+                "qwen3_235b_a22b": QWEN3_235B_A22B, "deepseek_v3": DEEPSEEK_V3, "glm45": GLM45}
 
-LAYERS_FOR_TEST = {"qwen3_30b_a3b": 2, "deepseek_v3": 4, "glm45": 4}
+LAYERS_FOR_TEST = {"qwen3_30b_a3b": 2, "qwen3_235b_a22b": 2, "deepseek_v3": 4, "glm45": 4}
 
 
 def trimmed(name: str) -> dict:

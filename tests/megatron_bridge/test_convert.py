@@ -124,3 +124,68 @@ def test_prefetched_save_serves_any_request_order(tmp_path):
     for key in chunks:
         expected = torch.stack([values[(f"t{row}", (0,))] for row in range(4)])
         assert torch.equal(ckpt.read(key, offsets=(0, 0), sizes=(4, 64)), expected)
+
+
+def test_parallel_writers_give_the_same_checkpoint(tiny_models, tmp_path):
+    """Four writer threads (four files, chunks split by size) in small row blocks: the same checkpoint as one writer,
+    bit-exact back to HF."""
+    from slimish.megatron_bridge import dist_ckpt_io
+
+    for workers in (1, 4):
+        hf_to_megatron(hf_dir=tiny_models["llama"], out_dir=tmp_path / str(workers), chunk_bytes=3000,
+                       workers=workers, progress=False)
+    assert len(list((tmp_path / "4").glob("*.distcp"))) == 4
+    one, four = dist_ckpt_io.DistCheckpoint(tmp_path / "1"), dist_ckpt_io.DistCheckpoint(tmp_path / "4")
+    assert sorted(one.keys()) == sorted(four.keys())
+    for key in one.keys():
+        meta = one.meta(key)
+        whole = dict(offsets=(0,) * meta.dim(), sizes=tuple(meta.shape))
+        assert torch.equal(one.read(key, **whole), four.read(key, **whole)), key
+    megatron_to_hf(megatron_dir=tmp_path / "4", hf_config_dir=tiny_models["llama"], out_dir=tmp_path / "hf",
+                   progress=False)
+    assert_same_checkpoint(tmp_path / "hf", tiny_models["llama"])
+
+
+def test_each_writer_thread_holds_two_chunks_at_most():
+    """`_PerThreadRelease`: a thread's previous chunk is released when it asks for its next, whatever the others do."""
+    import threading
+
+    from slimish.megatron_bridge import dist_ckpt_io
+
+    keys = [(f"t{i}", (0,)) for i in range(12)]
+    served = dist_ckpt_io._PerThreadRelease({key: (lambda: torch.ones(256)) for key in keys})
+    held: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(3)
+
+    def writer(index: int) -> None:
+        mine = held.setdefault(index, [])
+        for key in keys[index::3]:
+            barrier.wait()  # the three threads interleave their requests
+            mine.append(served.get(key))
+            assert sum(t.untyped_storage().nbytes() > 0 for t in mine) == 1
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(len(v) for v in held.values()) == [4, 4, 4]
+
+
+def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(tiny_models, tmp_path, monkeypatch, capsys):
+    """With the shape check in a child Python during the conversion (as from 1 GiB on), weights of another shape than
+    config.json's are still refused in one line, and the output is not a checkpoint (no metadata.json, no data)."""
+    from slimish.megatron_bridge import convert
+
+    monkeypatch.setattr(convert, "BACKGROUND_SHAPE_CHECK_BYTES", 0)
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_models["llama"].iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+    assert main(["convert", "hf-to-megatron", "--hf", str(model), "--out", str(tmp_path / "out"),
+                 "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "embed_tokens" in err and err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []

@@ -144,3 +144,43 @@ def test_stage_layer_counts_are_megatrons_split():
                          ((61, 4), {"first": 16, "virtual_pipeline": 2}), ((8, 2), {"virtual_pipeline": 2})):
         with pytest.raises(ValueError):
             pipeline_stage_layers(*args, **kwargs)
+
+
+# The large-model recipes and their models: each is built at its own layout (recipe_meta_build.py).
+RECIPE_MODELS = {"llama31_405b_math_grpo": "llama-3.1-405b", "deepseek_v3_math_grpo": "deepseek-v3",
+                 "qwen3_235b_a22b_math_grpo": "qwen3-235b-a22b", "glm45_math_grpo": "glm-4.5"}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPE_MODELS))
+def test_recipe_builds_at_its_layout(recipe, tmp_path):
+    """Megatron builds one trainer rank of every pipeline stage of the recipe at the recipe's TP / PP / EP / ETP
+    (torch's fake process group standing in for its world; meta device), holding the layers
+    `pipeline_stage_layers` gives each stage (check-config and plan use it) and the parameters `slimish plan` counts
+    for that rank: what plan's memory figures in the recipe header stand on."""
+    import json
+    import subprocess
+    import sys
+
+    from slimish.config import load_config
+    from slimish.megatron_bridge.hf_config import pipeline_stage_layers, read_hf_config
+    from slimish.planning.params import count_params
+    from tests.conftest import REPO
+
+    model, path = RECIPE_MODELS[recipe], REPO / "configs" / "recipes" / f"{recipe}.yaml"
+    out = tmp_path / "stages.json"
+    subprocess.run([sys.executable, "-m", "tests.megatron_bridge.recipe_meta_build", str(path), model, str(out)],
+                   cwd=REPO, check=True, timeout=600)
+    stages = json.loads(out.read_text())
+    par = load_config(path, [f"model.hf_path={model}"], files=False).parallel
+    hf_config = read_hf_config(model)
+    counts = pipeline_stage_layers(hf_config["num_hidden_layers"], par.pipeline_parallel,
+                                   first=par.first_stage_layers, last=par.last_stage_layers)
+    params = count_params(hf_config)
+    assert [len(s["layers"]) for s in stages] == counts
+    assert [n for s in stages for n in s["layers"]] == list(range(1, hf_config["num_hidden_layers"] + 1))
+    assert [(s["embedding"], s["output_layer"]) for s in stages] == [
+        (k == 0, k == par.pipeline_parallel - 1) for k in range(par.pipeline_parallel)]
+    planned = [list(params.rank(tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel,
+                                expert_parallel=par.expert_parallel, expert_tensor_parallel=par.expert_tensor_parallel,
+                                stage=k, stage_layers=counts)) for k in range(par.pipeline_parallel)]
+    assert [s["params"] for s in stages] == planned

@@ -26,7 +26,8 @@ def recipe(name: str, tmp_path, *overrides: str):
                        files=False)
 
 
-@pytest.mark.parametrize("name", ["llama31_405b", "qwen3_8b", "qwen3_30b_a3b", "deepseek_v3", "glm45"])
+@pytest.mark.parametrize("name", ["llama31_405b", "qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3",
+                                  "glm45"])
 def test_the_count_is_megatron_cores(name, megatron_world):
     """The plan counts what Megatron-Core builds (on the meta device; MoE models trimmed to their first sparse layer,
     every sparse layer being alike)."""
@@ -401,6 +402,32 @@ def test_plan_prints_memory_and_the_binding_wall(name, tmp_path, capsys):
     colocated = "colocated" in name
     assert ("colocated GPU (trainer rank and engine rank in turns)" in out) == colocated
     assert out.count(": fits") == 2 + colocated
+
+
+# Each known model's recipe
+KNOWN_RECIPES = {"llama-3.1-405b": "llama31_405b_math_grpo", "qwen3-8b": "qwen3_8b_math_grpo",
+                 "qwen3-30b-a3b": "qwen3_30b_a3b_math_grpo", "qwen3-235b-a22b": "qwen3_235b_a22b_math_grpo",
+                 "deepseek-v3": "deepseek_v3_math_grpo", "glm-4.5": "glm45_math_grpo"}
+
+
+@pytest.mark.parametrize("model", sorted(KNOWN_RECIPES))
+def test_plan_before_the_download(model, tmp_path, capsys):
+    """`plan --model` takes a known model by name (its released config.json fields, kept in the package) or the
+    config.json file alone, and prints the same plan as for a model directory holding that config.json; overrides
+    may follow the option."""
+    from slimish.cli import main
+    from slimish.megatron_bridge.known_models import KNOWN
+
+    path = REPO / "configs" / "recipes" / f"{KNOWN_RECIPES[model]}.yaml"
+    (tmp_path / "config.json").write_text(json.dumps(KNOWN[model]))
+    outs = []
+    for args in (["--model", model.upper()], ["--model", str(tmp_path / "config.json")],
+                 [f"model.hf_path={tmp_path}"]):
+        assert main(["plan", str(path), *args, "rl.num_steps=7"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] and "trainer rank" in outs[0]
+    assert main(["plan", str(path), "--model", "no-such-model"]) == 2
+    assert "known model: llama-3.1-405b" in capsys.readouterr().err
 
 
 def test_a_model_without_config_json_is_one_line(tmp_path, capsys):
