@@ -1,7 +1,8 @@
 """Seconds per RL step of each wall, on paper, and which one binds.
 
   train    model FLOPs of the step's tokens: 6 x active parameters per token for the optimizer pass (8 with full
-           recompute), 2 more for the old logprobs and 2 for the reference when there is one, plus causal attention
+           recompute), 2 more for the old logprobs, 2 for the reference when the trainer builds one and, with a
+           critic (ppo), 2 for its values and 6 (8) for its own optimizer pass, plus causal attention
            (2 x layers x hidden x length^2 per forward per sample; one forward more with selective recompute of
            core_attn; its other modules are not counted); over every trainer GPU at plan.gpu_tflops x mfu.
   sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes (sharded where
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slimish.config.validate import SHARDED_TRANSPORTS
-from slimish.planning.memory import DTYPE_BYTES
+from slimish.planning.memory import DTYPE_BYTES, builds_roles
 from slimish.planning.params import ParamCount
 from slimish.weight_sync.estimate import Cluster, sync_seconds
 
@@ -73,8 +74,9 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
     samples = ro.prompts_per_step * ro.samples_per_prompt
     response = plan.mean_response_tokens or ro.max_new_tokens / 2
     length = plan.prompt_tokens + response
-    passes = (8 if tr.recompute == "full" else 6) + 2 + (2 if tr.loss.kl_coef > 0 or tr.loss.reward_kl_coef > 0
-                                                          else 0)
+    optimizer_pass = 8 if tr.recompute == "full" else 6
+    reference, critic = builds_roles(cfg)  # the roles the trainer builds, by the same rule as its set-up
+    passes = optimizer_pass + 2 + (2 if reference else 0) + (2 + optimizer_pass if critic else 0)
     dense_flops = passes * params.active * samples * length
     if tr.recompute == "selective" and "core_attn" in tr.recompute_modules:
         passes += 2  # the core attention's forward again in the backward pass

@@ -389,6 +389,24 @@ def test_overlapped_modes_take_the_longer_of_training_and_generation(tmp_path):
     assert walls.step_seconds() == pytest.approx(max(walls.train, walls.rollout + walls.reward) + serial.sync / 4)
 
 
+def test_the_train_wall_counts_the_roles_the_trainer_builds(tmp_path):
+    """The reference's forward where the trainer builds one (`builds_roles`, the set-up's rule: reward_kl_coef
+    counts only for the estimators that use it), and ppo's critic (its values and its own optimizer pass)."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf
+
+    arch, params = architecture_from_hf(LLAMA31_405B), count_params(LLAMA31_405B)
+
+    def train(*overrides):
+        return step_walls(recipe("llama31_405b_math_grpo", tmp_path, "trainer.recompute=full",
+                                 "trainer.loss.kl_coef=0", *overrides), arch, params).train
+
+    alone = train()
+    assert train("trainer.loss.reward_kl_coef=0.1") == pytest.approx(alone)  # grpo reads no reward KL: no reference
+    assert train("trainer.loss.kl_coef=0.01") > alone
+    assert train("trainer.loss.advantage_estimator=reinforce_plus_plus", "trainer.loss.reward_kl_coef=0.1") > alone
+    assert train("trainer.loss.advantage_estimator=ppo") > alone
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_plan_prints_memory_and_the_binding_wall(name, tmp_path, capsys):
     from slimish.cli import main
