@@ -251,11 +251,13 @@ def best_s(fn, rounds: int) -> float:
     return best
 
 
-def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path):
+def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None):
     """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`: a copy
     into a reused buffer, SGLang's CPU checksum, a raw gloo broadcast to `receivers` processes (bytes put out per
     second), and writing then reading a file in `directory` (the disk transport's, so the page cache is as warm as
-    the transport finds it)."""
+    the transport finds it); with `url`, an engine's request round trip (/begin_weight_update then
+    /end_weight_update through its scheduler and tensor-parallel workers, best of 10 pairs, halved)."""
+    from slimish.engines.client import EngineClient
     from slimish.weight_sync.checksums import tensor_checksum
     from slimish.weight_sync.estimate import GB, Machine
 
@@ -278,7 +280,16 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
     write_s = best_s(write, rounds)
     read_s = best_s(read, rounds)
     path.unlink()
-    return Machine(copy_gbyte_s=nbytes / copy_s / GB, hash_gbyte_s=nbytes / hash_s / GB,
+    request_s = 0.0
+    if url is not None:
+        client = EngineClient(url)
+        try:
+            request_s = best_s(lambda: (client.begin_weight_update(), client.end_weight_update()), 10) / 2
+        except Exception as err:  # noqa: BLE001 - the other rates still calibrate; say so
+            print(f"engine request round trip not measured ({err}); counted as 0", flush=True)
+        finally:
+            client.close()
+    return Machine(request_s=request_s, copy_gbyte_s=nbytes / copy_s / GB, hash_gbyte_s=nbytes / hash_s / GB,
                    link_gbyte_s=nbytes * receivers / link_s / GB, fs_write_gbyte_s=nbytes / write_s / GB,
                    fs_read_gbyte_s=nbytes / read_s / GB)
 
@@ -301,8 +312,8 @@ def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
     for (transport, route), best in results.items():
         load = payload(model, engine_tp=tp, sharded=route == "sharded", replicated_bytes=replicated,
                        fused_bytes=fused)
-        estimated = cpu_sync_seconds(load, transport=transport, machine=machine)
-        terms = cpu_sync_terms(load, transport=transport, machine=machine)
+        estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
+        terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
         errors[transport, route] = estimated / best["sync_s"] - 1
         print(f"calibration transport={transport} route={route} measured_s={best['sync_s']:.2f} "
@@ -359,7 +370,7 @@ def sharded_main(args) -> None:
                   f"rank_mib_full={full['sync_engine_rank0_mib']:.0f} "
                   f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
                   f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
-        machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk")
+        machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0])
         calibrate(results, tensors, tp=tp, machine=machine)
     finally:
         for proc, _ in engines:

@@ -59,12 +59,19 @@ class Machine:
     """One node's measured rates, GB/s (1e9 bytes): `copy_gbyte_s` a tensor copy into a reused buffer (the sender's
     flatten, an engine's copy into its parameters), `hash_gbyte_s` SGLang's CPU checksum (SHA-256), `link_gbyte_s`
     bytes leaving a gloo broadcast's sender per second (a broadcast of n bytes to k receivers puts out k x n),
-    `fs_write_gbyte_s` / `fs_read_gbyte_s` writing and reading a file in the disk transport's directory."""
+    `fs_write_gbyte_s` / `fs_read_gbyte_s` writing and reading a file in the disk transport's directory;
+    `request_s` one engine request's round trip through its scheduler and tensor-parallel workers."""
     copy_gbyte_s: float
     hash_gbyte_s: float
     link_gbyte_s: float
     fs_write_gbyte_s: float
     fs_read_gbyte_s: float
+    request_s: float = 0.0
+
+
+# Engine requests per sync besides one per bucket: /begin_weight_update, /end_weight_update, /weights_checker and
+# /model_info (the version).
+SYNC_REQUESTS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,15 +103,16 @@ def payload(model_bytes: float, *, engine_tp: int, sharded: bool, replicated_byt
                    link_bytes=model_bytes * engine_tp, assembled_bytes=0.0)
 
 
-def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine) -> dict[str, float]:
+def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> dict[str, float]:
     """Seconds per step of one sync on `machine`; `cpu_sync_seconds` says how they add up. `assemble`, `stage`
     (flatten, or write the files), `wire` / `read` and `load` (each engine rank's copy into its parameters, the
     ranks in parallel) are the sender's path, counted one after another: on a node of a few cores the sender's
     copies and the engine ranks' copies compete for the same CPUs, so overlapping buckets saves little (the bench's
     phases show it). `hash`: the sender's checksums, on a thread of their own beside that path. `verify`: the engine
-    ranks' checksums of what they hold, after the last bucket."""
+    ranks' checksums of what they hold, after the last bucket. `requests`: one engine request per bucket
+    (`buckets`) and `SYNC_REQUESTS` more, one after another, in the sender's path."""
     copy, gb = machine.copy_gbyte_s * GB, GB
-    terms = {"assemble": load.assembled_bytes / copy}
+    terms = {"requests": (buckets + SYNC_REQUESTS) * machine.request_s, "assemble": load.assembled_bytes / copy}
     if transport == "tensor":
         terms["stage"] = load.sender_bytes / copy
     elif transport == "broadcast":
@@ -121,9 +129,9 @@ def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine) -> dict[s
     return terms
 
 
-def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine) -> float:
+def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> float:
     """Seconds of one verified sync of `load` on `machine`: the sender's path or its hashing thread, whichever ends
     last, then the engines' checksums (`cpu_sync_terms`)."""
-    terms = cpu_sync_terms(load, transport=transport, machine=machine)
+    terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
     path = sum(v for k, v in terms.items() if k not in ("hash", "verify"))
     return max(path, terms["hash"]) + terms["verify"]

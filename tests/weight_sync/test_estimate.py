@@ -38,6 +38,7 @@ def test_a_sharded_disk_sync_reads_a_tth_per_engine_rank():
 # ------------------------------------------------------------------------------------ the CPU model's arithmetic
 
 ONE = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1)
+SLOW_HASH = Machine(copy_gbyte_s=1, hash_gbyte_s=0.25, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1)
 
 
 def test_full_every_rank_receives_the_model_and_keeps_its_shard_plus_the_replicated():
@@ -55,7 +56,7 @@ def test_sharded_each_rank_receives_what_it_holds_and_the_sender_stages_the_repl
 def test_the_cpu_terms_per_transport():
     full = payload(4e9, engine_tp=2, sharded=False)
     assert cpu_sync_terms(full, transport="tensor", machine=ONE) == \
-        {"assemble": 0.0, "stage": 4.0, "load": 2.0, "hash": 4.0, "verify": 2.0}
+        {"requests": 0.0, "assemble": 0.0, "stage": 4.0, "load": 2.0, "hash": 4.0, "verify": 2.0}
     assert cpu_sync_terms(full, transport="broadcast", machine=ONE)["wire"] == 8.0  # put out once per rank
     disk = cpu_sync_terms(payload(4e9, engine_tp=2, sharded=True), transport="disk", machine=ONE)
     assert (disk["stage"], disk["read"]) == (4.0, 2.0)
@@ -66,5 +67,12 @@ def test_the_cpu_terms_per_transport():
 def test_the_senders_hash_overlaps_its_path_and_the_engines_checksums_come_last():
     full = payload(4e9, engine_tp=2, sharded=False)
     assert cpu_sync_seconds(full, transport="tensor", machine=ONE) == max(4.0 + 2.0, 4.0) + 2.0
-    slow_hash = Machine(copy_gbyte_s=1, hash_gbyte_s=0.25, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1)
-    assert cpu_sync_seconds(full, transport="tensor", machine=slow_hash) == 16.0 + 8.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=SLOW_HASH) == 16.0 + 8.0
+
+
+def test_one_engine_request_per_bucket_and_four_per_sync_in_the_senders_path():
+    machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
+                      request_s=0.5)
+    full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_terms(full, transport="tensor", machine=machine, buckets=6)["requests"] == 5.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=machine, buckets=6) == 5.0 + 6.0 + 2.0
