@@ -29,7 +29,14 @@ The sharded case: one engine of two tensor-parallel ranks, and per transport (`d
 whole model to every rank (weight_sync.sharded off) against each rank only its own parameters (on), both
 verified; it prints seconds and MiB per engine rank of each, and last:
 
-    sharded_vs_full_ratio=<full tensor s / sharded tensor s> rank_mib_full=<m> rank_mib_sharded=<m> ...
+    transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
+
+then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: this machine's rates measured in the same
+run (`measure_machine`: a copy, SGLang's CPU checksum, a raw gloo broadcast to the engine's ranks, a file write and
+read, an engine request's round trip), per transport and route the measured and estimated seconds and bytes per
+engine rank, and last:
+
+    calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
 """
 
 from __future__ import annotations

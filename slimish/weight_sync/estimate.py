@@ -18,6 +18,12 @@ The model is the wire only: control calls, export gathers and the engines' copy 
              replicates, norms and routers, is under 0.1% of a large model: not counted).
   broadcast is not sharded (`engine_shards` is ignored): every engine rank still receives every byte over the one
              group. `tensor` (one node, memory handles) has no wire.
+
+`cpu_sync_seconds` models the other end: one CPU node, where a sync is copies, checksums, a loopback broadcast,
+page-cache files and engine requests (`Machine`, rates the bench measures in the same run), for the bytes a sync
+really moves (`payload`: per engine rank its shard plus what SGLang replicates when sharded, the whole model when
+not; the sender's total). bench/weight_sync.py --engine-tp 2 checks it against measured syncs (docs/weight-sync.md,
+"Calibration on the CPU").
 """
 
 from __future__ import annotations
