@@ -41,16 +41,20 @@ class Cluster:
 
 
 def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), pipeline_parallel: int = 1,
-                 stage_senders: bool = True, engine_shards: int = 1) -> float:
+                 stage_senders: bool = True, engine_shards: int = 1, replicated_bytes: float = 0.0) -> float:
     """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring);
-    `engine_shards` > 1: the sharded sync to engines of that many tensor-parallel ranks."""
+    `engine_shards` > 1: the sharded sync to engines of that many tensor-parallel ranks, of which every rank holds
+    `replicated_bytes` whole (`payload`: the writer writes them once per rank, each rank reads its shard and them;
+    0, as `slimish plan` passes it, is the 1/t split)."""
     if transport == "broadcast":
         link = cluster.nic_gbit_s / 8 * GB
         funnel = 0.0 if stage_senders else model_bytes * (pipeline_parallel - 1) / pipeline_parallel / link
         return model_bytes / link + funnel
     if transport == "disk":
-        return (model_bytes / (cluster.fs_write_gbyte_s * GB)
-                + model_bytes / engine_shards / (cluster.fs_read_gbyte_s * GB))
+        if engine_shards == 1:
+            return model_bytes / (cluster.fs_write_gbyte_s * GB) + model_bytes / (cluster.fs_read_gbyte_s * GB)
+        load = payload(model_bytes, engine_tp=engine_shards, sharded=True, replicated_bytes=replicated_bytes)
+        return load.sender_bytes / (cluster.fs_write_gbyte_s * GB) + load.rank_bytes / (cluster.fs_read_gbyte_s * GB)
     raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
 
 

@@ -76,3 +76,10 @@ def test_one_engine_request_per_bucket_and_four_per_sync_in_the_senders_path():
     full = payload(4e9, engine_tp=2, sharded=False)
     assert cpu_sync_terms(full, transport="tensor", machine=machine, buckets=6)["requests"] == 5.0
     assert cpu_sync_seconds(full, transport="tensor", machine=machine, buckets=6) == 5.0 + 6.0 + 2.0
+
+
+def test_a_sharded_disk_sync_writes_the_replicated_tensors_once_per_rank():
+    cluster = Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)
+    # 8 ranks of (18 - 2) / 8 + 2 = 4 GB each: 32 GB written, 4 GB read per rank
+    assert sync_seconds(18e9, transport="disk", cluster=cluster, engine_shards=8, replicated_bytes=2e9) == \
+        pytest.approx(3.2 + 0.8)
