@@ -15,7 +15,8 @@ The model is the wire only: control calls, export gathers and the engines' copy 
              bandwidth + bytes / (read bandwidth per engine), engines reading in parallel. Sharded
              (`engine_shards` = the engines' tensor-parallel size, weight_sync.sharded): each engine rank reads only
              its own files, 1 / t of the bytes, the ranks in parallel at the read bandwidth each (what SGLang
-             replicates, norms and routers, is under 0.1% of a large model: not counted).
+             replicates, norms and routers, is counted when given as `replicated_bytes`; `plan` gives 0: under
+             0.1% of a large model).
   broadcast is not sharded (`engine_shards` is ignored): every engine rank still receives every byte over the one
              group. `tensor` (one node, memory handles) has no wire.
 
