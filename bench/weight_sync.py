@@ -29,7 +29,14 @@ The sharded case: one engine of two tensor-parallel ranks, and per transport (`d
 whole model to every rank (weight_sync.sharded off) against each rank only its own parameters (on), both
 verified; it prints seconds and MiB per engine rank of each, and last:
 
-    sharded_vs_full_ratio=<full tensor s / sharded tensor s> rank_mib_full=<m> rank_mib_sharded=<m> ...
+    transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
+
+then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: this machine's rates measured in the same
+run (`measure_machine`: a copy, SGLang's CPU checksum, a raw gloo broadcast to the engine's ranks, a file write and
+read, an engine request's round trip), per transport and route the measured and estimated seconds and bytes per
+engine rank, and last:
+
+    calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
 """
 
 from __future__ import annotations
@@ -95,9 +102,9 @@ def _receiver(rank: int, port: int, world_size: int, numel: int, rounds: int) ->
     dist.destroy_process_group()
 
 
-def raw_broadcast_s(numel: int, rounds: int) -> float:
-    """Best time of one gloo broadcast of `numel` bytes from this process to NUM_ENGINES receiving processes."""
-    port, world_size = free_port(), 1 + NUM_ENGINES
+def raw_broadcast_s(numel: int, rounds: int, receivers: int = NUM_ENGINES) -> float:
+    """Best time of one gloo broadcast of `numel` bytes from this process to `receivers` receiving processes."""
+    port, world_size = free_port(), 1 + receivers
     ctx = mp.get_context("spawn")
     receivers = [ctx.Process(target=_receiver, args=(rank, port, world_size, numel, rounds))
                  for rank in range(1, world_size)]
@@ -242,6 +249,91 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
     return best
 
 
+def best_s(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None):
+    """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`: a copy
+    into a reused buffer, SGLang's CPU checksum, a raw gloo broadcast to `receivers` processes (bytes put out per
+    second), and writing then reading a file in `directory` (the disk transport's, so the page cache is as warm as
+    the transport finds it); with `url`, an engine's request round trip (/begin_weight_update then
+    /end_weight_update through its scheduler and tensor-parallel workers, best of 10 pairs, halved)."""
+    from slimish.engines.client import EngineClient
+    from slimish.weight_sync.checksums import tensor_checksum
+    from slimish.weight_sync.estimate import GB, Machine
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_s = best_s(lambda: dst.copy_(src), rounds)
+    hash_s = best_s(lambda: tensor_checksum(src), rounds)
+    link_s = raw_broadcast_s(nbytes, rounds, receivers=receivers)
+    directory.mkdir(parents=True, exist_ok=True)
+    path, view = directory / "machine.bin", memoryview(src.numpy()).cast("B")
+
+    def write():
+        with open(path, "wb") as f:
+            f.write(view)
+
+    def read():
+        with open(path, "rb") as f:
+            f.readinto(memoryview(dst.numpy()).cast("B"))
+
+    write_s = best_s(write, rounds)
+    read_s = best_s(read, rounds)
+    path.unlink()
+    request_s = 0.0
+    if url is not None:
+        client = EngineClient(url)
+        try:
+            request_s = best_s(lambda: (client.begin_weight_update(), client.end_weight_update()), 10) / 2
+        except Exception as err:  # noqa: BLE001 - the other rates still calibrate; say so
+            print(f"engine request round trip not measured ({err}); counted as 0", flush=True)
+        finally:
+            client.close()
+    return Machine(request_s=request_s, copy_gbyte_s=nbytes / copy_s / GB, hash_gbyte_s=nbytes / hash_s / GB,
+                   link_gbyte_s=nbytes * receivers / link_s / GB, fs_write_gbyte_s=nbytes / write_s / GB,
+                   fs_read_gbyte_s=nbytes / read_s / GB)
+
+
+FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang fuses them: qkv_proj, gate_up_proj
+
+
+def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
+    """The estimate (`slimish.weight_sync.estimate.cpu_sync_seconds`, fed `machine`) against each measured sync,
+    and its bytes per engine rank against the sender's counters; the last line is the worst error."""
+    from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, payload
+
+    def nbytes(keep) -> float:
+        return float(sum(t.numel() * t.element_size() for name, t in tensors if keep(name)))
+
+    model, replicated = nbytes(lambda name: True), nbytes(lambda name: "norm" in name)
+    fused = nbytes(lambda name: any(part in name for part in FUSED_PARTS))
+    print(f"machine (best of rounds, shared machine): {machine}", flush=True)
+    errors = {}
+    for (transport, route), best in results.items():
+        load = payload(model, engine_tp=tp, sharded=route == "sharded", replicated_bytes=replicated,
+                       fused_bytes=fused)
+        estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
+        terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
+        measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
+        errors[transport, route] = estimated / best["sync_s"] - 1
+        print(f"calibration transport={transport} route={route} measured_s={best['sync_s']:.2f} "
+              f"estimated_s={estimated:.2f} estimated_vs_measured={estimated / best['sync_s']:.2f} "
+              f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} | "
+              + " ".join(f"{k}={v:.2f}s" for k, v in terms.items()), flush=True)
+    worst = max(errors, key=lambda case: abs(errors[case]))
+    full, sharded = results["tensor", "full"], results["tensor", "sharded"]
+    print(f"calibration_worst_abs_error={abs(errors[worst]):.2f} worst_case={worst[0]}-{worst[1]} "
+          f"within_30pct={sum(abs(e) <= 0.3 for e in errors.values())}/{len(errors)} "
+          f"sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} (tensor) engine_tp={tp}", flush=True)
+
+
 def phase_line(metrics: dict) -> str:
     """A sync's phases, e.g. 'flatten=1.45s wire=1.48s'."""
     return " ".join(f"{key.removeprefix('time_').removesuffix('_s')}={value:.2f}s"
@@ -285,6 +377,8 @@ def sharded_main(args) -> None:
                   f"rank_mib_full={full['sync_engine_rank0_mib']:.0f} "
                   f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
                   f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
+        machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0])
+        calibrate(results, tensors, tp=tp, machine=machine)
     finally:
         for proc, _ in engines:
             proc.stop()

@@ -1,8 +1,8 @@
-"""The scale table's arithmetic: bytes per link over link bandwidth."""
+"""The scale table's arithmetic: bytes per link over link bandwidth; and the CPU model the bench calibrates."""
 
 import pytest
 
-from slimish.weight_sync.estimate import Cluster, sync_seconds
+from slimish.weight_sync.estimate import Cluster, Machine, cpu_sync_seconds, cpu_sync_terms, payload, sync_seconds
 
 LLAMA_405B_BF16 = 405.85e9 * 2
 
@@ -33,3 +33,53 @@ def test_a_sharded_disk_sync_reads_a_tth_per_engine_rank():
     assert sync_seconds(20e9, transport="disk", cluster=cluster, engine_shards=8) == pytest.approx(2.0 + 0.5)
     assert sync_seconds(LLAMA_405B_BF16, transport="broadcast", engine_shards=8) == \
         sync_seconds(LLAMA_405B_BF16, transport="broadcast")
+
+
+# ------------------------------------------------------------------------------------ the CPU model's arithmetic
+
+ONE = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1)
+SLOW_HASH = Machine(copy_gbyte_s=1, hash_gbyte_s=0.25, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1)
+
+
+def test_full_every_rank_receives_the_model_and_keeps_its_shard_plus_the_replicated():
+    load = payload(10e9, engine_tp=2, sharded=False, replicated_bytes=2e9, fused_bytes=6e9)
+    assert (load.rank_bytes, load.sender_bytes, load.held_bytes, load.link_bytes) == (10e9, 10e9, 6e9, 20e9)
+    assert load.assembled_bytes == 0
+
+
+def test_sharded_each_rank_receives_what_it_holds_and_the_sender_stages_the_replicated_t_times():
+    load = payload(10e9, engine_tp=2, sharded=True, replicated_bytes=2e9, fused_bytes=6e9)
+    assert (load.rank_bytes, load.sender_bytes, load.held_bytes, load.link_bytes) == (6e9, 12e9, 6e9, 12e9)
+    assert load.assembled_bytes == 6e9
+
+
+def test_the_cpu_terms_per_transport():
+    full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_terms(full, transport="tensor", machine=ONE) == \
+        {"requests": 0.0, "assemble": 0.0, "stage": 4.0, "load": 2.0, "hash": 4.0, "verify": 2.0}
+    assert cpu_sync_terms(full, transport="broadcast", machine=ONE)["wire"] == 8.0  # put out once per rank
+    disk = cpu_sync_terms(payload(4e9, engine_tp=2, sharded=True), transport="disk", machine=ONE)
+    assert (disk["stage"], disk["read"]) == (4.0, 2.0)
+    with pytest.raises(ValueError, match="known"):
+        cpu_sync_terms(full, transport="carrier_pigeon", machine=ONE)
+
+
+def test_the_senders_hash_overlaps_its_path_and_the_engines_checksums_come_last():
+    full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_seconds(full, transport="tensor", machine=ONE) == max(4.0 + 2.0, 4.0) + 2.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=SLOW_HASH) == 16.0 + 8.0
+
+
+def test_one_engine_request_per_bucket_and_four_per_sync_in_the_senders_path():
+    machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
+                      request_s=0.5)
+    full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_terms(full, transport="tensor", machine=machine, buckets=6)["requests"] == 5.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=machine, buckets=6) == 5.0 + 6.0 + 2.0
+
+
+def test_a_sharded_disk_sync_writes_the_replicated_tensors_once_per_rank():
+    cluster = Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)
+    # 8 ranks of (18 - 2) / 8 + 2 = 4 GB each: 32 GB written, 4 GB read per rank
+    assert sync_seconds(18e9, transport="disk", cluster=cluster, engine_shards=8, replicated_bytes=2e9) == \
+        pytest.approx(3.2 + 0.8)
