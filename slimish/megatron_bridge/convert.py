@@ -208,7 +208,6 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
     if unused:
         raise CheckpointError(f"{megatron_dir}: holds weights that {hf_config_dir}/config.json does not describe, "
                               f"e.g. {unused[:3]}: pass the config of the model that was converted")
-    out_dir = Path(out_dir)
     plan, specs = [], []
     for rule in rules:
         key, layer, count = dense.checkpoint_key(rule.megatron, arch)
@@ -222,9 +221,6 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
         specs += zip(rule.hf, dense.to_hf(rule, meta, arch))
     check_shapes({name: tuple(meta.shape) for name, meta in specs}, expected_hf_shapes(config),
                  source=str(megatron_dir), config=f"{hf_config_dir}/config.json")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(m.numel() * m.element_size() for _, m in specs), unit="B", unit_scale=True,
-               desc="megatron->hf", disable=not progress)
 
     def tensors():
         for rule, key, layer, meta in plan:
@@ -232,14 +228,10 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
                 full = ckpt.read(key, offsets=(0,) * meta.dim(), sizes=tuple(meta.shape))
             else:
                 full = ckpt.read(key, offsets=(layer, *[0] * meta.dim()), sizes=(1, *meta.shape))[0]
-            for name, tensor in zip(rule.hf, dense.to_hf(rule, full, arch)):
-                bar.update(tensor.numel() * tensor.element_size())
-                yield name, tensor
+            yield from zip(rule.hf, dense.to_hf(rule, full, arch))
 
-    files = write_hf_shards(out_dir, specs, tensors(), max_shard_bytes=max_shard_bytes)
-    bar.close()
-    _copy_side_files(Path(hf_config_dir), out_dir)
-    return files
+    return _write_hf(out_dir, specs, tensors(), side_files_from=Path(hf_config_dir), desc="megatron->hf",
+                     max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def dequantize_hf(*, hf_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 << 30,
@@ -253,20 +245,28 @@ def dequantize_hf(*, hf_dir: str | Path, out_dir: str | Path, max_shard_bytes: i
         raise CheckpointError(f"{hf_dir}: config.json has no quantization_config; the checkpoint is not quantized")
     ckpt = HFCheckpoint(hf_dir)
     specs = [(name, torch.empty(ckpt.shape(name), dtype=ckpt.dtype(name), device="meta")) for name in ckpt.names()]
+    tensors = ((name, ckpt.get(name)) for name in ckpt.names())
+    return _write_hf(out_dir, specs, tensors, side_files_from=Path(hf_dir), desc="fp8->bf16",
+                     max_shard_bytes=max_shard_bytes, progress=progress)
+
+
+def _write_hf(out_dir: str | Path, specs: list[tuple[str, torch.Tensor]], tensors, *, side_files_from: Path,
+              desc: str, max_shard_bytes: int, progress: bool) -> list[Path]:
+    """Stream `tensors` ((name, tensor) in the order of `specs`, their meta shapes) into HF safetensors shards in
+    `out_dir` with a byte progress bar, then copy config.json and the tokenizer files from `side_files_from`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(ckpt.nbytes(n) for n in ckpt.names()), unit="B", unit_scale=True, desc="fp8->bf16",
+    bar = tqdm(total=sum(m.numel() * m.element_size() for _, m in specs), unit="B", unit_scale=True, desc=desc,
                disable=not progress)
 
-    def tensors():
-        for name in ckpt.names():
-            tensor = ckpt.get(name)
+    def counted():
+        for name, tensor in tensors:
             bar.update(tensor.numel() * tensor.element_size())
             yield name, tensor
 
-    files = write_hf_shards(out_dir, specs, tensors(), max_shard_bytes=max_shard_bytes)
+    files = write_hf_shards(out_dir, specs, counted(), max_shard_bytes=max_shard_bytes)
     bar.close()
-    _copy_side_files(Path(hf_dir), out_dir)
+    _copy_side_files(side_files_from, out_dir)
     return files
 
 
