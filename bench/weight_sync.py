@@ -75,6 +75,20 @@ def build_model(root: Path, layers: int) -> Path:
                             num_key_value_heads=8, head_dim=64)
 
 
+def load_model(root: Path, layers: int) -> tuple[Path, object, list, int]:
+    """Build the bench's model under `root` and read it whole: (its directory, its architecture, its tensors, their
+    bytes), announced in one line."""
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+
+    model = build_model(root, layers)
+    ckpt = HFCheckpoint(model)
+    tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    print(f"model: qwen3, {layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
+    return model, architecture_from_hf(read_hf_config(model)), tensors, nbytes
+
+
 def start_engines(model: Path, log_dir: Path, count: int = NUM_ENGINES, tp: int = 1) -> list:
     from slimish.engines.process import ManagedProcess
     from slimish.engines.server import engine_argv, engine_env
@@ -342,20 +356,13 @@ def phase_line(metrics: dict) -> str:
 
 def sharded_main(args) -> None:
     """One engine of `args.engine_tp` ranks; full vs sharded per transport (see the module docstring)."""
-    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
-    from slimish.megatron_bridge.hf_io import HFCheckpoint
     from slimish.weight_sync.checksums import sharding_of
 
     tp, size = args.engine_tp, args.bucket_mb[0]
     root = Path(tempfile.mkdtemp(prefix="bench-sync-sharded-", dir=args.workdir))
     engines = []
     try:
-        model = build_model(root, args.layers)
-        ckpt = HFCheckpoint(model)
-        arch = architecture_from_hf(read_hf_config(model))
-        tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        print(f"model: qwen3, {args.layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
+        model, arch, tensors, nbytes = load_model(root, args.layers)
         t0 = time.monotonic()
         engines = start_engines(model, root, count=1, tp=tp)
         urls = [url for _, url in engines]
@@ -398,18 +405,10 @@ def main() -> None:
         sharded_main(args)
         return
 
-    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
-    from slimish.megatron_bridge.hf_io import HFCheckpoint
-
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=args.workdir))
     engines = []
     try:
-        model = build_model(root, args.layers)
-        ckpt = HFCheckpoint(model)
-        arch = architecture_from_hf(read_hf_config(model))
-        tensors = [(name, ckpt.get(name)) for name in ckpt.names()]
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        print(f"model: qwen3, {args.layers} layers, {nbytes / 2**20:.0f} MiB fp32, {len(tensors)} tensors", flush=True)
+        model, arch, tensors, nbytes = load_model(root, args.layers)
         t0 = time.monotonic()
         engines = start_engines(model, root)
         print(f"{NUM_ENGINES} engines up in {time.monotonic() - t0:.0f}s", flush=True)
