@@ -1,16 +1,19 @@
 """Benchmark what reading the initial weights costs each trainer rank: whole reads (as before slice reads: every
 rank reads whole tensors, the reference model reads them again) against slice reads (each rank its TP / PP slice,
-the reference copying the policy), and a start from a torch_dist checkpoint (model.megatron_path).
+the reference copying the policy), and a start from a torch_dist checkpoint (model.megatron_path): converted at
+TP1 (`megatron`) and with `--tp 2` (`megatron_tp2`: its chunks cut at the TP2 slices).
 
     python bench/startup.py [--workdir /tmp] [--layers 8] [--layouts tp2 pp2]
 
 It writes a random Llama-shaped bf16 checkpoint (hidden 1024, 16 heads, 4 key-value groups, 32000-token vocabulary;
-about 40 MiB a layer plus 125 MiB of embedding and output layer) and its `slimish convert hf-to-megatron` output,
+about 40 MiB a layer plus 125 MiB of embedding and output layer) and its `slimish convert hf-to-megatron` outputs,
 then for each layout starts two gloo ranks (fresh interpreters) that build the policy and the reference model and
 fill them (`InitialWeights`) once per mode. Before each mode rank 0 drops the files from the page cache
 (posix_fadvise DONTNEED after an fsync), so /proc/self/io read_bytes shows what came from the disk (two ranks
 reading the same page concurrently count it once, on whichever faulted it in). Per rank it prints the bytes the HF
-reader requested, rchar, read_bytes and seconds (the policy's and the reference's loads together). The last line is
+reader requested, rchar, read_bytes and seconds (the policy's and the reference's loads together), then
+    megatron_tp2_vs_tp1_rchar_ratio=<the ranks' largest rchar from the --tp 2 conversion over the TP1 one's>
+and last
     slices_vs_whole_rchar_ratio=<x> slices_vs_whole_s_ratio=<y>
 the ranks' largest rchar (and seconds) with slice reads over the same with whole reads, over every layout.
 """
@@ -33,10 +36,11 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
           "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
           "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
-MODES = ("whole", "slices", "megatron")
+MODES = ("whole", "slices", "megatron", "megatron_tp2")
 
 
 def write_model(root: Path, layers: int) -> tuple[Path, Path]:
+    """The HF checkpoint and the root of its two conversions (`megatron`: at TP1; `megatron_tp2`: --tp 2)."""
     from slimish.megatron_bridge.convert import hf_to_megatron
     from slimish.megatron_bridge.hf_io import write_hf_shards
     from slimish.megatron_bridge.hf_shapes import expected_hf_shapes
@@ -51,9 +55,11 @@ def write_model(root: Path, layers: int) -> tuple[Path, Path]:
     tensors = ((name, (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16))
                for name, meta in specs)
     write_hf_shards(hf, specs, tensors, max_shard_bytes=256 << 20)
-    megatron = hf_to_megatron(hf_dir=hf, out_dir=root / "megatron", progress=False)
+    converted = root / "converted"
+    for name, tp in (("megatron", 1), ("megatron_tp2", 2)):
+        hf_to_megatron(hf_dir=hf, out_dir=converted / name, tensor_parallel=tp, progress=False)
     os.sync()
-    return hf, megatron
+    return hf, converted
 
 
 def evict(*dirs: Path) -> None:
@@ -99,7 +105,8 @@ def rank_main(args) -> None:
         if args.rank == 0:
             evict(Path(args.hf), Path(args.megatron))
         dist.barrier()
-        weights = InitialWeights(arch, hf_path=args.hf, megatron_path=args.megatron if mode == "megatron" else "")
+        start = str(Path(args.megatron) / mode) if mode.startswith("megatron") else ""
+        weights = InitialWeights(arch, hf_path=args.hf, megatron_path=start)
         for model in models:
             weights.load([model])
         reports[mode] = weights.report()
@@ -143,17 +150,18 @@ def main() -> None:
         hf, megatron = write_model(work, args.layers)
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
         print(f"checkpoint: {args.layers} layers, {size / mib:.0f} MiB of safetensors")
-        print(f"{'layout':<7}{'mode':<10}{'rank':>5}{'requested MiB':>15}{'rchar MiB':>11}{'read_bytes MiB':>16}"
+        print(f"{'layout':<7}{'mode':<14}{'rank':>5}{'requested MiB':>15}{'rchar MiB':>11}{'read_bytes MiB':>16}"
               f"{'seconds':>9}")
         worst = {mode: {"rchar": 0.0, "seconds": 0.0} for mode in MODES}
         for layout in args.layouts:
             for rank, reports in enumerate(run_layout(layout, hf, megatron, work)):
                 for mode, report in reports.items():
-                    print(f"{layout:<7}{mode:<10}{rank:>5}{report['requested'] / mib:>15.1f}"
+                    print(f"{layout:<7}{mode:<14}{rank:>5}{report['requested'] / mib:>15.1f}"
                           f"{report['rchar'] / mib:>11.1f}{report['read_bytes'] / mib:>16.1f}"
                           f"{report['seconds']:>9.2f}")
                     worst[mode]["rchar"] = max(worst[mode]["rchar"], report["rchar"])
                     worst[mode]["seconds"] = max(worst[mode]["seconds"], report["seconds"])
+    print(f"megatron_tp2_vs_tp1_rchar_ratio={worst['megatron_tp2']['rchar'] / worst['megatron']['rchar']:.3f}")
     print(f"slices_vs_whole_rchar_ratio={worst['slices']['rchar'] / worst['whole']['rchar']:.3f} "
           f"slices_vs_whole_s_ratio={worst['slices']['seconds'] / worst['whole']['seconds']:.3f}")
 

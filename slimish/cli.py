@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = directions.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core distributed checkpoint")
     d.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     d.add_argument("--out", required=True, help="output directory for the distributed checkpoint")
-    d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size")
+    d.add_argument("--tp", type=int, default=1, help="check the model splits over this tensor-parallel size, and "
+                   "cut the stored chunks at its slices: a job at this TP (or a divisor of it) reads only its slices")
     d.add_argument("--pp", type=int, default=1, help="check the model splits over this pipeline-parallel size")
     d.add_argument("--ep", type=int, default=1, help="check the experts split over this expert-parallel size")
     d.add_argument("--workers", type=int, help="threads reading, converting and writing in parallel, each to a file "

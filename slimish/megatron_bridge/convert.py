@@ -7,7 +7,10 @@
 Both walk the bridge's rule table (`dense.model_rules`), the one the trainer loads and weight sync exports with,
 and stream: one (fused) tensor is in memory at a time, so memory stays flat as the model grows. The distributed
 checkpoint holds full (unsharded) tensors keyed as Megatron-Core's GPTModel names them, so the trainer loads it at
-any TP/PP/EP layout; the parallel sizes given only check that the model splits evenly at that layout.
+any TP/PP/EP layout. The parallel sizes given check that the model splits evenly at that layout, and the
+tensor-parallel size also cuts each split tensor's chunks at that layout's slices (`tensor_parallel_dim`): torch's
+DCP reads every stored chunk a rank's slice overlaps whole, so a job at that TP (or a divisor of it) reads only its
+slices, where chunks cut at TP1 make each rank read the whole of every row-parallel tensor.
 Dtypes are kept as stored: HF -> Megatron -> HF is bit-exact (multi-token-prediction layers are not converted,
 see `dense.is_mtp_tensor`), except that a block-scaled FP8 checkpoint (DeepSeek-V3's release, see `fp8`) is
 dequantized to bf16 as it is read, and its config.json is written back without `quantization_config`.
@@ -15,6 +18,7 @@ dequantized to bf16 as it is read, and its config.json is written back without `
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from slimish.errors import UserError
-from slimish.megatron_bridge import dense, dist_ckpt_io, mla
+from slimish.megatron_bridge import dense, dist_ckpt_io, mla, slice_read
 from slimish.megatron_bridge.errors import CheckpointError, MappingError
 from slimish.megatron_bridge.hf_config import Architecture, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint, write_hf_shards
@@ -78,10 +82,76 @@ def _read_rows(rule: dense.Rule, ckpt: HFCheckpoint, *, shape: tuple[int, ...], 
     return out
 
 
-def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int, parts: int = 1) -> list[tuple[int, int]]:
+    """Row ranges of at most `chunk_bytes` each that never cross a boundary between `parts` equal parts of the rows
+    (`shape[0]` divisible by `parts`)."""
     row_bytes = max(1, itemsize * math.prod(shape[1:]))
     step = max(1, chunk_bytes // row_bytes)
-    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)] or [(0, 0)]
+    part = shape[0] // parts if shape[0] else 0
+    return [(start, min(start + step, base + part)) for base in range(0, shape[0], part or 1)
+            for start in range(base, base + part, step)] or [(0, 0)]
+
+
+# The converter has no Megatron model to read `partition_dim` from: these are the names Megatron's layer specs give
+# their tensor-parallel linears (tests/megatron_bridge/test_convert.py checks them against the built models'
+# attributes). Row-parallel linears split their columns; column-parallel ones, the embedding and the output layer
+# their rows (MLA's down projections too in the local spec; the TE spec keeps them whole, where the cut costs
+# nothing).
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                    "output_layer.weight", "linear_q_proj.weight", "linear_q_down_proj.weight",
+                    "linear_q_up_proj.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
+
+
+def tensor_parallel_dim(megatron_name: str) -> int | None:
+    """The dimension Megatron's tensor parallelism splits the parameter `megatron_name` along (None: whole on every
+    rank: norms, routers, biases of row-parallel linears)."""
+    if megatron_name.endswith(_ROW_PARALLEL):
+        return 1
+    if megatron_name.endswith(_COLUMN_PARALLEL):
+        return 0
+    return None
+
+
+def _chunks(rule: dense.Rule, full: tuple[int, ...], dtype: torch.dtype, ckpt: HFCheckpoint, arch: Architecture,
+            *, tensor_parallel: int, chunk_bytes: int, buffers: dist_ckpt_io.BufferPool):
+    """(offsets, sizes, read) of each chunk the rule's Megatron tensor of shape `full` is stored in: cut at the
+    tensor-parallel slices of `tensor_parallel` (`tensor_parallel_dim`; gate/up: each half's), and tensors that are
+    plain copies or gate/up stacks further into row blocks of at most `chunk_bytes`; `read()` reads one chunk's
+    data (only its bytes)."""
+    dim = tensor_parallel_dim(rule.megatron) if tensor_parallel > 1 and full else None
+    if dim is not None and not slice_read.splits_evenly(rule, dim, ckpt, arch, tensor_parallel):
+        dim = None
+    if dim == 1:  # row-parallel: column blocks, each in row blocks
+        width = full[1] // tensor_parallel
+        for part in range(tensor_parallel):
+            cols = (part * width, (part + 1) * width)
+            for rows in _row_blocks((full[0], width, *full[2:]), dtype.itemsize, chunk_bytes):
+                yield ((rows[0], cols[0]), (rows[1] - rows[0], width),
+                       functools.partial(_read_block, rule, ckpt, rows, cols, buffers))
+        return
+    if dense.stacks_in_order(rule) and full:
+        parts = tensor_parallel * len(rule.hf) if dim == 0 else 1
+        for rows in _row_blocks(full, dtype.itemsize, chunk_bytes, parts):
+            yield ((rows[0], *[0] * (len(full) - 1)), (rows[1] - rows[0], *full[1:]),
+                   functools.partial(_read_rows, rule, ckpt, shape=full, rows=rows, buffers=buffers))
+        return
+    if dim == 0:  # fused q/k/v, MLA's rotary rows: each tensor-parallel part assembled from its own rows
+        rows = full[0] // tensor_parallel
+        for part in range(tensor_parallel):
+            yield ((part * rows, *[0] * (len(full) - 1)), (rows, *full[1:]),
+                   functools.partial(slice_read.read_part, rule, 0, ckpt, arch, part, tensor_parallel))
+        return
+    yield ((0,) * len(full), tuple(full),
+           lambda: dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch))
+
+
+def _read_block(rule: dense.Rule, ckpt: HFCheckpoint, rows: tuple[int, int], cols: tuple[int, int],
+                buffers: dist_ckpt_io.BufferPool) -> torch.Tensor:
+    """Rows `rows` x columns `cols` of a plain copy's tensor, read into a buffer of `buffers`."""
+    (name,) = rule.hf
+    out = buffers.take((rows[1] - rows[0], cols[1] - cols[0]), ckpt.dtype(name))
+    return ckpt.get(name, rows=rows, cols=cols, out=out)
 
 
 def default_workers() -> int:
@@ -127,7 +197,9 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`.
 
     Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
-    does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole).
+    does not grow with the largest tensor either (fused q/k/v, interleaved per group, is converted whole, or one
+    tensor-parallel part at a time). Split tensors are cut at `tensor_parallel`'s slices (`_chunks`), so a job at
+    that tensor-parallel size reads only its slices.
     `workers` threads (default `default_workers()`) each read, convert and write their own share of the chunks to a
     file of their own: memory is at most two chunks per worker. A checkpoint whose shapes do not fit config.json is
     refused, and nothing that Megatron would load is left in `out_dir`."""
@@ -148,12 +220,9 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
     buffers = dist_ckpt_io.BufferPool(chunk_bytes)
 
-    def load(rule: dense.Rule, shape: tuple[int, ...], rows: tuple[int, int] | None, layered: bool):
+    def counted(read, layered: bool):
         def data() -> torch.Tensor:
-            if rows is None:
-                tensor = dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch)
-            else:
-                tensor = _read_rows(rule, ckpt, shape=shape, rows=rows, buffers=buffers)
+            tensor = read()
             bar.update(tensor.numel() * tensor.element_size())
             return tensor.unsqueeze(0) if layered else tensor
         return data
@@ -173,14 +242,11 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
         if shapes.setdefault(key, shape) != shape or dtypes.setdefault(key, dtype) != dtype:
             raise CheckpointError(f"{hf_dir}: layers disagree on the shape or dtype of {key} ({rule.hf[0]} is "
                                   f"{full} {dtype}); the weights do not fit config.json")
-        blocks = _row_blocks(full, dtype.itemsize, chunk_bytes) if dense.stacks_in_order(rule) and full else [None]
-        for rows in blocks:
-            start, stop = rows or (0, full[0] if full else 0)
-            offsets = (start, *[0] * (len(full) - 1)) if full else ()
-            sizes = (stop - start, *full[1:]) if full else ()
+        for offsets, sizes, read in _chunks(rule, full, dtype, ckpt, arch, tensor_parallel=tensor_parallel,
+                                            chunk_bytes=chunk_bytes, buffers=buffers):
             if layered:
                 offsets, sizes = (layer, *offsets), (1, *sizes)
-            chunks.setdefault(key, []).append((offsets, sizes, load(rule, full, rows, layered)))
+            chunks.setdefault(key, []).append((offsets, sizes, counted(read, layered)))
     # Megatron's ShardedObject naming: key/shard_{offset}_{shape}, holding the list of per-rank objects.
     objects = {name: [None] for name in dense.extra_state_objects(arch)}
     try:

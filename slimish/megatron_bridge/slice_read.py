@@ -51,14 +51,33 @@ def read_local(rule: Rule, param: torch.Tensor, ckpt: HFCheckpoint, arch: Archit
     """(this rank's slice of the rule's Megatron tensor for `param`, whether it was read whole: a fallback)."""
     if tp_size == 1 or not sharding.is_tp_sharded(param):
         return dense.to_megatron(rule, [ckpt.get(name) for name in rule.hf], arch), False
-    local = _read_slice(rule, param.partition_dim, ckpt, arch, tp_rank, tp_size)
+    local = read_part(rule, param.partition_dim, ckpt, arch, tp_rank, tp_size)
     if local is not None:
         return local, False
     return read_whole(rule, param, ckpt, arch, tp_rank=tp_rank, tp_size=tp_size), True
 
 
-def _read_slice(rule: Rule, dim: int, ckpt: HFCheckpoint, arch: Architecture, rank: int,
-                size: int) -> torch.Tensor | None:
+def splits_evenly(rule: Rule, dim: int, ckpt: HFCheckpoint, arch: Architecture, size: int) -> bool:
+    """Whether `read_part` reads part r of `size` of the rule's Megatron tensor split along `dim` (from the shapes
+    alone: no data read), rather than returning None."""
+    shape = ckpt.shape(rule.hf[0])
+    if dim == 1:
+        return rule.kind == "copy" and len(shape) == 2 and shape[1] % size == 0
+    if dim != 0:
+        return False
+    if rule.kind in ("copy", "gate_up"):
+        return all(ckpt.shape(name)[0] % size == 0 for name in rule.hf)
+    if rule.kind in ("qkv", "qkv_bias"):
+        return dense.qkv_widths(arch)[0] % size == 0
+    if rule.kind in mla.ROPE_KINDS:
+        return shape[0] % size == 0 and (shape[0] // size) % mla.rope_block(rule, arch)[0] == 0
+    return False
+
+
+def read_part(rule: Rule, dim: int, ckpt: HFCheckpoint, arch: Architecture, rank: int,
+              size: int) -> torch.Tensor | None:
+    """Part `rank` of `size` of the rule's Megatron tensor split along `dim` as Megatron's tensor parallelism splits
+    it (gate/up: that part of each half), reading only its bytes; None where this module cannot (`splits_evenly`)."""
     first = rule.hf[0]
     shape = ckpt.shape(first)
     if dim == 1:  # row-parallel: this rank's columns

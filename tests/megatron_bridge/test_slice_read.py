@@ -72,3 +72,45 @@ def test_column_and_row_reads(tmp_path):
     assert ckpt.bytes_read == tensor[:, 2:5].nbytes + tensor[1:4].nbytes + tensor[4:6, 5:8].nbytes
     with pytest.raises(ValueError, match="columns"):
         ckpt.get("t", cols=(4, 9))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_converter_cuts_its_chunks_at_megatrons_slices(family, model_paths, megatron_world, tmp_path):
+    """`slimish convert hf-to-megatron --tp 2` cuts every tensor-parallel parameter's stored chunks at Megatron's TP2
+    slices (its partition_dim, read from the built model's attributes; gate/up: each half's): no chunk straddles two
+    ranks' slices, so DCP (which reads every chunk a request overlaps whole) reads each rank only its own bytes. The
+    converter's name rule (`tensor_parallel_dim`) agrees with the attributes; `splits_evenly` says when
+    `read_part` reads a part. Back to HF: bit-exact."""
+    from slimish.megatron_bridge import dense, dist_ckpt_io
+    from slimish.megatron_bridge.convert import hf_to_megatron, megatron_to_hf, tensor_parallel_dim
+    from slimish.trainer.model import build_gpt_model
+    from tests.megatron_bridge.parity import assert_same_checkpoint
+
+    tp, path = 2, model_paths[family]
+    arch = architecture_from_hf(read_hf_config(path))
+    model = build_gpt_model(arch, tensor_parallel=1, pipeline_parallel=1)
+    out = hf_to_megatron(hf_dir=path, out_dir=tmp_path / "ckpt", tensor_parallel=tp, chunk_bytes=2000,
+                         workers=2, progress=False)
+    stored = dist_ckpt_io.DistCheckpoint(out)._tensors
+    rules, ckpt, cut = bridge._rules_for(model, arch), HFCheckpoint(path), 0
+    for _, canonical, param in bridge._named_params(model):
+        rule = rules[canonical]
+        dim = param.partition_dim if sharding.is_tp_sharded(param) else None
+        assert tensor_parallel_dim(rule.megatron) == dim, canonical
+        if dim is None:
+            continue
+        assert slice_read.splits_evenly(rule, dim, ckpt, arch, tp) == \
+            (slice_read.read_part(rule, dim, ckpt, arch, 0, tp) is not None), canonical
+        key, layer, _ = dense.checkpoint_key(rule.megatron, arch)
+        lead = 0 if layer is None else 1
+        length = stored[key].size[lead + dim]
+        pieces = tp * (2 if rule.kind == "gate_up" else 1)  # Megatron asks for each half's slice of gate/up
+        for chunk in stored[key].chunks:
+            if layer is not None and chunk.offsets[0] != layer:
+                continue
+            start, size = chunk.offsets[lead + dim], chunk.sizes[lead + dim]
+            assert start // (length // pieces) == (start + size - 1) // (length // pieces), (canonical, chunk)
+            cut += 1
+    assert cut
+    megatron_to_hf(megatron_dir=out, hf_config_dir=path, out_dir=tmp_path / "hf", progress=False)
+    assert_same_checkpoint(tmp_path / "hf", path)  # the chunks hold the same tensors, bit for bit
