@@ -360,9 +360,9 @@ class WeightSyncConfig:
     bucket_mb: float = doc(64.0, "Maximum bucket size in MiB per broadcast (the sharded sync: per engine rank).")
     sharded: Literal["auto", "on", "off"] = doc(
         "auto", "Send each engine tensor-parallel rank only the parameters it holds, in SGLang's layout (loaded by "
-                "name), instead of the whole model to every rank: 'auto' = where the engines have tensor_parallel > 1, "
-                "the transport is 'tensor' or 'disk' and the model's engine layout is known (not under DP "
-                "attention); 'on' = always, 'broadcast' included (per-rank groups; an error where it cannot); "
+                "name), instead of the whole model to every rank: 'auto' = where the engines have tensor_parallel > 1 "
+                "and the model's engine layout is known (not under DP attention), with every transport ('broadcast': "
+                "per-rank groups, on gloo and without stage senders); 'on' = always, an error where it cannot; "
                 "'off' = the whole model to every rank.")
     stage_senders: bool = doc(True, "With the 'broadcast' transport and parallel.pipeline_parallel > 1, every "
                                     "pipeline stage broadcasts its own layers over a group of its own (the stages take "

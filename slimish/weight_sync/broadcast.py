@@ -8,13 +8,15 @@ bucket is exported and flattened meanwhile, and the next `push` waits for the en
 at most two buckets are alive on the sender (the one being loaded has already left it), flattened into two reused
 buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited for before `push` returns.
 
-Sharded (`weight_sync.sharded` on; not yet chosen under auto): engine rank r of every engine and the sender form a group
-of their own (group r: the sender at rank 0, engine e at rank 1 + e), joined by slimish's engine-side loader
-(`slimish.weight_sync.engine_loader.receive_shard`, registered by --custom-weight-loader) at the first bucket. Per
-bucket every engine is asked (`/update_weights_from_tensor`, that loader as load_format; rank r's payload describes
-its part) while the sender broadcasts rank r's part over group r, every group at once: each engine rank receives
-only its own parameters. Overlapped and given up like the full path; a group's engine side is dropped when that
-engine joins a later connection's."""
+Sharded (`weight_sync.sharded`; auto picks it on gloo without stage senders, see `shards_under_auto`): engine rank r
+of every engine and the sender form a group of their own (group r: the sender at rank 0, engine e at rank 1 + e),
+joined by slimish's engine-side loader (`slimish.weight_sync.engine_loader.receive_shard`, registered by
+--custom-weight-loader) at the first bucket. Per bucket every engine is asked (`/update_weights_from_tensor`, that
+loader as load_format; rank r's payload describes its part) while the sender broadcasts rank r's part over group r,
+every group at once: each engine rank receives only its own parameters. Overlapped and given up like the full path
+(a given-up bucket destroys the sender's side of every group); a group's engine side is dropped when that engine
+joins a later connection's (new names: a restarted engine joins new groups at the next sync). The job-level
+engine-crash test runs on it (tests/e2e/test_engine_crash.py)."""
 
 from __future__ import annotations
 
@@ -40,9 +42,13 @@ logger = logging.getLogger(__name__)
 class BroadcastTransport(Transport):
     shards = True
     shard_loader = SHARD_RECEIVER
-    # The per-rank groups pass the sync-fault tests (tests/e2e/test_sync_faults.py), not yet the job-level
-    # engine-crash test: 'auto' keeps the full path until they do.
-    shards_under_auto = False
+
+    @classmethod
+    def shards_under_auto(cls, backend: str) -> bool:
+        # A given-up bucket is let go by destroying the sender's side of every per-rank group, which ends the
+        # engines' gloo receives; over NCCL it is a kernel to abort on every rank (as `_abort_nccl` does for the
+        # full path's group), which the engine-side groups cannot be asked for yet: 'auto' keeps NCCL on the full path.
+        return backend == "gloo"
 
     def connect(self, clients: list[EngineClient]) -> None:
         super().connect(clients)

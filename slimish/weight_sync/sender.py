@@ -14,9 +14,9 @@ the trainer. Who sends:
   replica's GPUs, from its own GPU by CUDA IPC.
 Other ranks only take part in the export's gathers.
 
-What each engine rank receives (`sharded_layout`, weight_sync.sharded): with the tensor or disk transport and engines
-of several tensor-parallel ranks, only the parameters it holds, in SGLang's layout (`slimish.weight_sync.sharding`);
-otherwise, and as the fallback, the whole model.
+What each engine rank receives (`sharded_layout`, weight_sync.sharded): with engines of several tensor-parallel ranks,
+only the parameters it holds, in SGLang's layout (`slimish.weight_sync.sharding`), over every transport (broadcast:
+on gloo, without stage senders, under 'auto'); otherwise, and as the fallback, the whole model.
 
 `sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
 there: what tests and benchmarks that send tensors of their own (not a trainer's model) use.
@@ -196,16 +196,18 @@ class WeightSender:
 
     def sharded_layout(self, sharding, *, stages: bool = False):
         """The route (`weight_sync.sharded`): the engines' `EngineLayout` when each engine rank is sent only its own
-        parameters, None when every rank gets the whole model (engines of one rank under 'auto', and wherever the
-        sharded route cannot run: raised as a ConfigError under 'on')."""
+        parameters, None when every rank gets the whole model (under 'auto': engines of one rank, and broadcast where
+        `Transport.shards_under_auto` says no; wherever the sharded route cannot run: raised as a ConfigError under
+        'on')."""
         from slimish.config.engine_flags import SHARD_DIRECT
         from slimish.config.errors import ConfigError
         from slimish.weight_sync.sharding import EngineLayout, layout_supported
         from slimish.weight_sync.sync import TRANSPORTS
 
         ws = self.cfg.weight_sync
-        if ws.sharded == "off" or (ws.sharded == "auto" and (sharding.tp == 1
-                                                             or not TRANSPORTS[ws.transport].shards_under_auto)):
+        backend = resolve_backend(self.cfg.parallel.backend)
+        if ws.sharded == "off" or (ws.sharded == "auto" and (
+                sharding.tp == 1 or not TRANSPORTS[ws.transport].shards_under_auto(backend))):
             return None
         loader = TRANSPORTS[ws.transport].shard_loader
         why_not = (f"the '{ws.transport}' transport sends the whole model" if not TRANSPORTS[ws.transport].shards

@@ -241,12 +241,16 @@ class Transport(ABC):
     shards: bool = False
     #: ... through this engine-side loader, which the engines must list in --custom-weight-loader ("": none).
     shard_loader: str = ""
-    #: `weight_sync.sharded` auto picks the sharded route with this transport (else only 'on' does).
-    shards_under_auto: bool = True
     #: This sync sends shards (set by the sync, before `connect`) ...
     sharded: bool = False
     #: ... which SGLang's stock load_format="direct" loads (else the model post-processes loaded weights: MLA).
     direct_load: bool = True
+
+    @classmethod
+    def shards_under_auto(cls, backend: str) -> bool:
+        """`weight_sync.sharded` auto picks the sharded route with this transport when the trainer's collectives run
+        on `backend` (else only 'on' does)."""
+        return True
 
     def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
         """Move each rank's part of `bucket` into that tensor-parallel rank of every engine (engine parameters, in

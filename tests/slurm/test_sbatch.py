@@ -266,8 +266,9 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
     one CPU of the three each node offers Ray (ray.cpus_per_slot=1, what a CPU cluster would ask). Its two SGLang
     engines of two tensor-parallel ranks each span both nodes (rollout.engine.nodes_per_engine=2: rank 1 on the
     other node, SGLang's --nnodes/--node-rank, the ranks meeting at the store part 0's actor hosts), so every weight
-    sync crosses nodes: each is checked per rank against the trainer's prediction, and the engines' logprobs equal
-    the trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed between two buckets of a sync
+    sync crosses nodes (the sharded broadcast: rank r of each engine receives its own shard over group r, wherever
+    it runs): each is checked per rank against the trainer's prediction, and the engines' logprobs equal the
+    trainer's. Part 1 of engine 0 (the node part that serves no HTTP) is SIGKILLed between two buckets of a sync
     (the `weight_sync.after_bucket_hook` of tests/e2e/hooks.py, armed by the test): the sync starts over to engine 1
     within the step, engine 0 counts one death, is restarted whole (both parts) while the job goes on with engine
     1, and rejoins (the job paced meanwhile, as in tests/e2e/test_engine_crash.py, so that the restart gets the
@@ -326,6 +327,8 @@ def test_engines_spanning_both_nodes_train_restart_whole_and_scancel_leaves_noth
     assert sum(r["weight_sync_retries"] for r in records) == 1
     assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in records), [r["logprob_abs_diff_max"] for r in records]
     assert all(r["sync_checksums_predicted"] == 1 for r in records), "every sync checked per rank, across nodes"
+    # weight_sync.sharded auto: each engine rank (part 1's on the other node) got its own shard over its own group.
+    assert all(r["sync_sharded"] == 1 for r in records), "the sharded broadcast, across nodes"
 
 
 @pytest.mark.timeout(1200)

@@ -1,8 +1,8 @@
 """Which route the sender takes (`WeightSender.sharded_layout`, weight_sync.sharded): sharded where the engines have
-several tensor-parallel ranks, the transport sends shards and SGLang loads the layout by name; the full model
-otherwise; 'on' where the sharded route cannot run is a one-line ConfigError naming the key, at check-config where
-the config alone tells (DP attention), at connect where the engines tell (the model's MLA, an engine
-without slimish's loader, MLA over tensor without slimish's load_by_name)."""
+several tensor-parallel ranks, the transport sends shards (broadcast: on gloo, without stage senders) and SGLang
+loads the layout by name; the full model otherwise; 'on' where the sharded route cannot run is a one-line
+ConfigError naming the key, at check-config where the config alone tells (DP attention), at connect where the
+engines tell (the model's MLA, an engine without slimish's loader, MLA over tensor without slimish's load_by_name)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ WITH_LOADER = EngineSharding(tp=2, loaders=(SHARD_LOADER,))
 BOTH_LOADERS = EngineSharding(tp=2, loaders=(SHARD_LOADER, SHARD_RECEIVER))
 
 
-def sender(tmp_path, hf_config: dict, *overrides: str) -> WeightSender:
+def sender(tmp_path, hf_config: dict, *overrides: str, pipeline_parallel: int = 1) -> WeightSender:
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml", [f"model.hf_path={tmp_path}", *overrides],
                       files=False)
-    return WeightSender(cfg, architecture_from_hf(hf_config), rank=0)
+    return WeightSender(cfg, architecture_from_hf(hf_config), rank=0, pipeline_parallel=pipeline_parallel)
 
 
 @pytest.mark.parametrize(("overrides", "sharding", "sharded"), [
@@ -35,13 +35,14 @@ def sender(tmp_path, hf_config: dict, *overrides: str) -> WeightSender:
     (["weight_sync.transport=tensor"], EngineSharding(tp=1), False),  # one rank: nothing to shard under auto
     (["weight_sync.transport=tensor", "weight_sync.sharded=on"], EngineSharding(tp=1), True),
     (["weight_sync.transport=tensor", "weight_sync.sharded=off"], WITH_LOADER, False),
-    (["weight_sync.transport=broadcast"], WITH_LOADER, False),  # per-rank groups: only under 'on' for now
+    (["weight_sync.transport=broadcast"], BOTH_LOADERS, True),  # per-rank groups, joined by receive_shard
+    (["weight_sync.transport=broadcast"], WITH_LOADER, False),  # an engine without receive_shard
     (["weight_sync.transport=broadcast", "weight_sync.sharded=on"], BOTH_LOADERS, True),
     (["weight_sync.transport=broadcast", "weight_sync.sharded=on", "parallel.pipeline_parallel=2",
       "parallel.num_trainer_ranks=2"], BOTH_LOADERS, "stage senders"),
     (["weight_sync.transport=disk"], EngineSharding(tp=2), False),  # an engine without slimish's loader
-], ids=["tensor", "disk", "one-rank", "one-rank-on", "off", "broadcast", "broadcast-on", "broadcast-stages-on",
-        "disk-without-loader"])
+], ids=["tensor", "disk", "one-rank", "one-rank-on", "off", "broadcast", "broadcast-without-receiver",
+        "broadcast-on", "broadcast-stages-on", "disk-without-loader"])
 def test_the_route(tmp_path, overrides, sharding, sharded):
     weight_sender = sender(tmp_path, QWEN3_8B, *overrides)
     if isinstance(sharded, str):  # refused under 'on', naming why
@@ -52,6 +53,20 @@ def test_the_route(tmp_path, overrides, sharding, sharded):
     assert (layout is not None) == sharded
     if sharded:
         assert layout.sharding == sharding
+
+
+def test_auto_keeps_broadcast_on_the_full_path_with_stage_senders_or_over_nccl(tmp_path, monkeypatch):
+    """Stage senders send the whole model (each stage its own layers), and the per-rank groups' release is written
+    for gloo (a given-up NCCL broadcast is a kernel to abort on every rank): 'auto' takes the full path there, and
+    the other transports, which use no group, shard over NCCL too."""
+    stages = sender(tmp_path, QWEN3_8B, "weight_sync.transport=broadcast", "parallel.pipeline_parallel=2",
+                    "parallel.num_trainer_ranks=2", pipeline_parallel=2)
+    assert stages.stage_senders and stages.sharded_layout(BOTH_LOADERS, stages=True) is None
+    monkeypatch.setattr("slimish.weight_sync.sender.resolve_backend", lambda backend: "nccl")
+    assert sender(tmp_path, QWEN3_8B, "weight_sync.transport=broadcast").sharded_layout(BOTH_LOADERS) is None
+    assert sender(tmp_path, QWEN3_8B, "weight_sync.transport=tensor").sharded_layout(WITH_LOADER) is not None
+    on = sender(tmp_path, QWEN3_8B, "weight_sync.transport=broadcast", "weight_sync.sharded=on")
+    assert on.sharded_layout(BOTH_LOADERS) is not None
 
 
 def test_mla_over_tensor_needs_slimishs_loader(tmp_path):
