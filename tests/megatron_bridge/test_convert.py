@@ -172,9 +172,11 @@ def test_each_writer_thread_holds_two_chunks_at_most():
     assert sorted(len(v) for v in held.values()) == [4, 4, 4]
 
 
-def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(tiny_models, tmp_path, monkeypatch, capsys):
-    """With the shape check in a child Python during the conversion (as from 1 GiB on), weights of another shape than
-    config.json's are still refused in one line, and the output is not a checkpoint (no metadata.json, no data)."""
+@pytest.mark.parametrize("reference", ["config", "transformers"])
+def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(reference, tiny_models, tmp_path, monkeypatch, capsys):
+    """Weights of another shape than config.json's are refused in one line, and the output is not a checkpoint (no
+    metadata.json, no data): checked first from config.json alone, or, with --transformers-shape-check, against
+    transformers' model in a child Python during the conversion (as from 1 GiB on)."""
     from slimish.megatron_bridge import convert
 
     monkeypatch.setattr(convert, "BACKGROUND_SHAPE_CHECK_BYTES", 0)
@@ -184,8 +186,10 @@ def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(tiny_models, tmp
         (model / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+    flags = ["--transformers-shape-check"] if reference == "transformers" else []
     assert main(["convert", "hf-to-megatron", "--hf", str(model), "--out", str(tmp_path / "out"),
-                 "--workers", "2"]) == 2
+                 "--workers", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert "embed_tokens" in err and err.count("\n") == 1
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+    out = tmp_path / "out"  # the check from config.json alone refuses before anything is written
+    assert (sorted(p.name for p in out.iterdir()) == []) if reference == "transformers" else not out.exists()
