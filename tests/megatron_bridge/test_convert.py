@@ -193,3 +193,25 @@ def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(reference, tiny_
     assert "embed_tokens" in err and err.count("\n") == 1
     out = tmp_path / "out"  # the check from config.json alone refuses before anything is written
     assert (sorted(p.name for p in out.iterdir()) == []) if reference == "transformers" else not out.exists()
+
+
+@pytest.mark.parametrize("cores,args,workers", [("48", [], "32"), ("6", [], "6"), ("6", ["--workers", "3"], "3"),
+                                                ("6", ["--workers=2"], None)])
+def test_convert_sbatch_gives_a_writer_per_core(cores, args, workers, tmp_path):
+    """launch/convert.sbatch passes the node's cores (SLURM_CPUS_ON_NODE, at most 32) as --workers unless the
+    command line names it (either spelling); checked outside Slurm with `echo` as the command."""
+    import os
+    import subprocess
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "SLURM_CPUS_ON_NODE": cores, "SLIMISH_CONVERT_CMD": "echo hf-to-megatron",
+           "SLIMISH_ROOT": str(REPO), "SLIMISH_VENV": str(tmp_path / "none")}
+    out = subprocess.run(["bash", str(REPO / "launch" / "convert.sbatch"), "--hf", "in", "--out", "out", *args],
+                         env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    line = next(line for line in out.splitlines() if line.startswith("hf-to-megatron "))
+    given = line.split()[1:]
+    assert given[:4] == ["--hf", "in", "--out", "out"]
+    assert given.count("--workers") + sum(a.startswith("--workers=") for a in given) == 1
+    if workers is not None:
+        assert given[given.index("--workers") + 1] == workers
