@@ -64,11 +64,12 @@ def test_known_shapes_are_transformers_shapes(name):
 
 def test_conversion_of_a_known_family_does_not_import_transformers(tiny_models, tmp_path):
     """The shape check of a known family costs no transformers import (4-5 s of CPU in a fresh Python): nor does
-    anything else in the conversion."""
-    code = ("import sys; from slimish.megatron_bridge.convert import hf_to_megatron; "
+    anything else in a conversion, either way."""
+    code = ("import sys; from slimish.megatron_bridge.convert import hf_to_megatron, megatron_to_hf; "
             "hf_to_megatron(hf_dir=sys.argv[1], out_dir=sys.argv[2], progress=False, workers=2); "
+            "megatron_to_hf(megatron_dir=sys.argv[2], hf_config_dir=sys.argv[1], out_dir=sys.argv[3], progress=False); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'megatron', 'sglang')))")
-    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["qwen3"]), str(tmp_path / "out")], cwd=REPO,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["qwen3"]), str(tmp_path / "megatron"),
+                          str(tmp_path / "hf")], cwd=REPO, check=True, capture_output=True, text=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
-    assert (tmp_path / "out" / "metadata.json").exists()
+    assert (tmp_path / "megatron" / "metadata.json").exists() and (tmp_path / "hf" / "config.json").exists()
