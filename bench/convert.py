@@ -5,13 +5,13 @@
 For each size it writes a random Llama-shaped bf16 checkpoint (real tensor names and shapes; the layer count sets
 the size) as several safetensors shards and flushes it to disk, then times, in alternating rounds (--rounds), `cp` of
 the shards (+ fsync, as the conversion fsyncs its output) and the conversion (the function behind the CLI) in a
-child process, which reports its peak RSS (VmHWM; and, apart, that of the child Python that checks the shapes
-against transformers' while the conversion runs, from 1 GiB on). Every timing starts with no dirty pages (the
+child process, which reports its peak RSS (VmHWM) and, apart, its peak RSS after its imports and before converting
+(torch's own share). Every timing starts with no dirty pages (the
 previous output is deleted and the disk synced) and reads the shards from the page cache. Each side's best time
 over the rounds is used (as timeit does): a single timing on a shared virtual disk swings 3-4x with other guests'
 I/O, which only ever adds time. Conversion time is measured inside the child after its imports (a fixed start-up
-cost, printed too). Everything is deleted afterwards. A line per size gives seconds, the ratio to cp of that size
-and the peak RSS; the last line printed is
+cost, printed too). Everything is deleted afterwards. A line per size gives seconds, the ratio to cp of that size,
+the peak RSS and the load average (the machine may be shared); the last line printed is
     convert_vs_cp_ratio=<x> ratio_<s>g=<r> ... peak_rss_<s>g_mib=<m> ... largest_tensor_mib=<c> workers=<n>
 with convert_vs_cp_ratio = conversion throughput / cp throughput over all sizes from 8 GiB on (over all sizes when
 none is that large). Targets: ratio >= 0.5 from 8 GiB on; peak RSS flat as the size grows (bounded by two chunks
@@ -92,19 +92,21 @@ def time_cp(src: Path, dst: Path) -> float:
 
 # The conversion as `slimish convert hf-to-megatron` runs it, timed inside the child after its imports (torch and
 # torch.distributed.checkpoint take seconds to import on a busy 2-core machine, a fixed cost unrelated to size).
-_CHILD = """import resource, sys, time
+_CHILD = """import sys, time
 from slimish.megatron_bridge.convert import hf_to_megatron
+def hwm_kib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+imports_kib = hwm_kib()
 start = time.perf_counter()
 hf_to_megatron(hf_dir=sys.argv[1], out_dir=sys.argv[2], progress=False, workers=int(sys.argv[3]) or None)
 seconds = time.perf_counter() - start
-hwm_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(seconds, hwm_kib, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print(seconds, hwm_kib(), imports_kib)
 """
 
 
 def time_convert(src: Path, dst: Path, workers: int) -> tuple[float, float, float, float]:
-    """(conversion seconds, child wall seconds including imports, peak RSS MiB, peak RSS MiB of the shape-check
-    child) of a conversion in a child.
+    """(conversion seconds, child wall seconds including imports, peak RSS MiB, peak RSS MiB after the imports) of a
+    conversion in a child.
 
     Peak RSS is the child's own VmHWM: its ru_maxrss (wait4 / getrusage) would start at this process's RSS, because
     Linux carries the pre-exec memory of a vfork'ed child (this process's) into maxrss.
@@ -116,8 +118,8 @@ def time_convert(src: Path, dst: Path, workers: int) -> tuple[float, float, floa
     if proc.wait():
         raise RuntimeError(f"conversion of {src} failed with exit code {proc.returncode}")
     wall = time.perf_counter() - start
-    seconds, hwm_kib, shape_kib = output.strip().splitlines()[-1].split()
-    return float(seconds), wall, int(hwm_kib) / 1024, int(shape_kib) / 1024
+    seconds, hwm_kib, imports_kib = output.strip().splitlines()[-1].split()
+    return float(seconds), wall, int(hwm_kib) / 1024, int(imports_kib) / 1024
 
 
 def main() -> None:
@@ -128,7 +130,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="conversion threads (0: the converter's default)")
     args = parser.parse_args()
     free = shutil.disk_usage(args.workdir).free
-    need = 3.2 * max(args.sizes_gib) * (1 << 30)  # source + cp copy + conversion, one size at a time
+    # One size at a time: the source and either its cp copy or the conversion (each deleted before the next), 5% over.
+    need = 2.1 * max(args.sizes_gib) * (1 << 30)
     if free < need:
         sys.exit(f"need {need / (1 << 30):.1f} GiB free in {args.workdir}, have {free / (1 << 30):.1f}")
     from slimish.megatron_bridge.convert import default_workers
@@ -141,16 +144,17 @@ def main() -> None:
             config = config_for_size(int(size * (1 << 30)))
             size_bytes, largest_bytes = write_synthetic(root / "hf", config)
             os.sync()
-            cp_times, conv_times, walls, peaks, shape_peaks = [], [], [], [], []
+            cp_times, conv_times, walls, peaks, import_peaks, loads = [], [], [], [], [], []
             for _ in range(args.rounds):
                 cp_times.append(time_cp(root / "hf", root / "cp"))
                 shutil.rmtree(root / "cp")
                 os.sync()
-                conv, wall, peak, shape_peak = time_convert(root / "hf", root / "megatron", workers)
+                loads.append(os.getloadavg()[0])
+                conv, wall, peak, import_peak = time_convert(root / "hf", root / "megatron", workers)
                 conv_times.append(conv)
                 walls.append(wall)
                 peaks.append(peak)
-                shape_peaks.append(shape_peak)
+                import_peaks.append(import_peak)
                 shutil.rmtree(root / "megatron")
                 os.sync()
             cp_s, conv_s = min(cp_times), min(conv_times)
@@ -160,8 +164,9 @@ def main() -> None:
         print(f"{size:g} GiB target: {size_bytes / (1 << 30):.2f} GiB, {config['num_hidden_layers']} layers, "
               f"cp {size_bytes / cp_s / MiB:.0f} MiB/s ({cp_s:.1f} s), convert {size_bytes / conv_s / MiB:.0f} MiB/s "
               f"({conv_s:.1f} s; {wall_s:.1f} s with start-up), ratio {cp_s / conv_s:.2f}, {workers} workers, convert "
-              f"peak RSS {peak:.0f} MiB (shape-check child {max(shape_peaks):.0f} MiB); best of {args.rounds} rounds, "
-              f"cp {' '.join(f'{t:.1f}' for t in cp_times)} s, convert {' '.join(f'{t:.1f}' for t in conv_times)} s",
+              f"peak RSS {peak:.0f} MiB ({max(import_peaks):.0f} MiB after its imports); best of {args.rounds} rounds, "
+              f"cp {' '.join(f'{t:.1f}' for t in cp_times)} s, convert {' '.join(f'{t:.1f}' for t in conv_times)} s; "
+              f"1-minute load average {' '.join(f'{x:.1f}' for x in loads)}",
               flush=True)
         results[size] = (size_bytes, cp_s, conv_s, peak)
         largest = max(largest, largest_bytes)

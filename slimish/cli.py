@@ -9,6 +9,7 @@
   slimish make-tiny --out DIR [--family F] [--task T]   build the tiny CPU model, tokenizer and task data
   slimish convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N --workers N]
   slimish convert megatron-to-hf --megatron DIR --hf-config DIR --out DIR [--max-shard-mb MB]
+      (both: [--transformers-shape-check], transformers' model of config.json as the shapes' reference)
   slimish convert dequantize --hf DIR --out DIR [--max-shard-mb MB]   FP8 (DeepSeek-V3's release) -> bf16 HF
 
 Bad input (a config key, a missing or corrupt file, an unwritable directory, a checkpoint of another model) is
@@ -188,7 +189,8 @@ def cmd_convert(args) -> int:
         if args.workers is not None and args.workers < 1:
             raise UserError(f"--workers {args.workers}: give at least 1 (the writer threads)")
         out = convert.hf_to_megatron(hf_dir=args.hf, out_dir=args.out, tensor_parallel=args.tp,
-                                     pipeline_parallel=args.pp, expert_parallel=args.ep, workers=args.workers)
+                                     pipeline_parallel=args.pp, expert_parallel=args.ep, workers=args.workers,
+                                     transformers_shape_check=args.transformers_shape_check)
     elif args.direction == "dequantize":
         _input_dir(args.hf, "--hf", holds="config.json", what="a block-scaled FP8 Hugging Face model directory")
         _output_dir(args.out, "--out")
@@ -201,7 +203,8 @@ def cmd_convert(args) -> int:
                    "converted model (config.json + tokenizer files)")
         _output_dir(args.out, "--out")
         convert.megatron_to_hf(megatron_dir=args.megatron, hf_config_dir=args.hf_config, out_dir=args.out,
-                               max_shard_bytes=args.max_shard_mb << 20)
+                               max_shard_bytes=args.max_shard_mb << 20,
+                               transformers_shape_check=args.transformers_shape_check)
         out = args.out
     print(f"wrote {out}")
     return 0
@@ -258,11 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ep", type=int, default=1, help="check the experts split over this expert-parallel size")
     d.add_argument("--workers", type=int, help="threads reading, converting and writing in parallel, each to a file "
                    "of its own (default: the usable cores, at most 8)")
+    d.add_argument("--transformers-shape-check", action="store_true",
+                   help="check the weights' shapes against transformers' model of config.json (seconds: it imports "
+                   "transformers) instead of the shapes slimish works out from config.json for the families it knows")
     d = directions.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors")
     d.add_argument("--megatron", required=True, help="distributed checkpoint directory")
     d.add_argument("--hf-config", required=True, help="HF directory with config.json and tokenizer files")
     d.add_argument("--out", required=True, help="output HF directory")
     d.add_argument("--max-shard-mb", type=int, default=2048, help="largest safetensors shard (MiB)")
+    d.add_argument("--transformers-shape-check", action="store_true",
+                   help="check the weights' shapes against transformers' model of config.json (seconds: it imports "
+                   "transformers) instead of the shapes slimish works out from config.json for the families it knows")
     d = directions.add_parser("dequantize", help="block-scaled FP8 HF checkpoint (DeepSeek-V3's release) -> bf16 HF")
     d.add_argument("--hf", required=True, help="FP8 HF model directory (config.json + safetensors)")
     d.add_argument("--out", required=True, help="output HF directory (bf16)")

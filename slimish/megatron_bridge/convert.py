@@ -35,7 +35,7 @@ from slimish.megatron_bridge import dense, dist_ckpt_io, mla, slice_read
 from slimish.megatron_bridge.errors import CheckpointError, MappingError
 from slimish.megatron_bridge.hf_config import Architecture, architecture_from_hf, read_hf_config
 from slimish.megatron_bridge.hf_io import INDEX, HFCheckpoint, write_hf_shards
-from slimish.megatron_bridge.hf_shapes import check_shapes, expected_hf_shapes
+from slimish.megatron_bridge.hf_shapes import KNOWN_FAMILIES, check_shapes, expected_hf_shapes
 
 
 class LayoutError(UserError, ValueError):
@@ -161,21 +161,25 @@ def default_workers() -> int:
 
 
 # From this size on, transformers' shapes for the config (seconds: importing transformers, building the model on
-# the meta device) are worked out in a process of their own while the conversion runs, and checked before the
-# checkpoint is committed; below it, first (a spawned process costs more than it saves on a small model).
+# the meta device), when asked for or needed (a family `hf_shapes` does not know), are worked out in a process of
+# their own while the conversion runs, and checked before the checkpoint is committed; below it, first (a spawned
+# process costs more than it saves on a small model). The known families' shapes take microseconds: checked first.
 BACKGROUND_SHAPE_CHECK_BYTES = 1 << 30
 
 
-_SHAPES_CHILD = ("import json, sys; from slimish.megatron_bridge.hf_shapes import expected_hf_shapes; "
-                 "json.dump(expected_hf_shapes(json.loads(sys.argv[1])), sys.stdout)")
+_SHAPES_CHILD = ("import json, sys; from slimish.megatron_bridge.hf_shapes import transformers_hf_shapes; "
+                 "json.dump(transformers_hf_shapes(json.loads(sys.argv[1])), sys.stdout)")
 
 
-def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str, background: bool):
-    """A function that raises `CheckpointError` if `found` does not fit `config`: checked now, or in a child
-    Python started now (its own core) and waited for when the function is called."""
+def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str, transformers: bool,
+                 background: bool):
+    """A function that raises `CheckpointError` if `found` does not fit `config`: checked now (from config.json
+    alone for a known family, see `hf_shapes.expected_hf_shapes`), or, when transformers' model is the reference and
+    `background` is set, in a child Python started now (its own core) and waited for when the function is called."""
     where = f"{source}/config.json"
-    if not background:
-        check_shapes(found, expected_hf_shapes(config), source=source, config=where)
+    uses_transformers = transformers or config.get("model_type") not in KNOWN_FAMILIES
+    if not (background and uses_transformers):
+        check_shapes(found, expected_hf_shapes(config, transformers=transformers), source=source, config=where)
         return lambda: None
     child = subprocess.Popen([sys.executable, "-c", _SHAPES_CHILD, json.dumps(config)], stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -193,7 +197,7 @@ def _shape_check(config: dict, found: dict[str, tuple[int, ...]], *, source: str
 
 def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1,
                    pipeline_parallel: int = 1, expert_parallel: int = 1, chunk_bytes: int = 64 << 20,
-                   workers: int | None = None, progress: bool = True) -> Path:
+                   workers: int | None = None, progress: bool = True, transformers_shape_check: bool = False) -> Path:
     """Write the HF checkpoint in `hf_dir` as a Megatron-Core torch_dist checkpoint in `out_dir`.
 
     Tensors that are plain copies or gate/up stacks are written in row blocks of at most `chunk_bytes`, so memory
@@ -202,7 +206,8 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
     that tensor-parallel size reads only its slices.
     `workers` threads (default `default_workers()`) each read, convert and write their own share of the chunks to a
     file of their own: memory is at most two chunks per worker. A checkpoint whose shapes do not fit config.json is
-    refused, and nothing that Megatron would load is left in `out_dir`."""
+    refused, and nothing that Megatron would load is left in `out_dir`; the shapes config.json implies are worked
+    out from it alone for the known families, or by transformers with `transformers_shape_check`."""
     config = read_hf_config(hf_dir)
     arch = architecture_from_hf(config)
     check_layout(arch, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
@@ -216,7 +221,8 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
         raise MappingError(f"{hf_dir}: {len(unmapped)} tensors have no Megatron mapping under its config.json and "
                            f"would be dropped, e.g. {unmapped[:3]}; is config.json the one these weights belong to?")
     finish_check = _shape_check(config, {name: ckpt.shape(name) for rule in rules for name in rule.hf},
-                                source=str(hf_dir), background=workers > 1 and total >= BACKGROUND_SHAPE_CHECK_BYTES)
+                                source=str(hf_dir), transformers=transformers_shape_check,
+                                background=workers > 1 and total >= BACKGROUND_SHAPE_CHECK_BYTES)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
     buffers = dist_ckpt_io.BufferPool(chunk_bytes)
 
@@ -261,7 +267,8 @@ def hf_to_megatron(*, hf_dir: str | Path, out_dir: str | Path, tensor_parallel: 
 
 
 def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_dir: str | Path,
-                   max_shard_bytes: int = 2 << 30, progress: bool = True) -> list[Path]:
+                   max_shard_bytes: int = 2 << 30, progress: bool = True,
+                   transformers_shape_check: bool = False) -> list[Path]:
     """Write the torch_dist checkpoint in `megatron_dir` as HF safetensors shards in `out_dir`, with config.json
     and the tokenizer files copied from `hf_config_dir`. Returns the shard files."""
     config = read_hf_config(hf_config_dir)
@@ -285,7 +292,8 @@ def megatron_to_hf(*, megatron_dir: str | Path, hf_config_dir: str | Path, out_d
             meta = meta[0]
         plan.append((rule, key, layer, meta))
         specs += zip(rule.hf, dense.to_hf(rule, meta, arch))
-    check_shapes({name: tuple(meta.shape) for name, meta in specs}, expected_hf_shapes(config),
+    check_shapes({name: tuple(meta.shape) for name, meta in specs},
+                 expected_hf_shapes(config, transformers=transformers_shape_check),
                  source=str(megatron_dir), config=f"{hf_config_dir}/config.json")
 
     def tensors():

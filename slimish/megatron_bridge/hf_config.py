@@ -24,6 +24,9 @@ MOE_FAMILIES = {"qwen3_moe": moe_config.qwen3_moe, "glm4_moe": moe_config.deepse
                 "deepseek_v3": moe_config.deepseek_style}
 MLA_FAMILIES = {"deepseek_v3"}  # multi-latent attention
 QK_NORM_FAMILIES = {"qwen3", "qwen3_moe"}
+# head_dim where config.json omits it: transformers' Qwen3Config defaults it to 128 (so do the engines, which read
+# config.json through transformers); the other families' configs to hidden_size // num_attention_heads.
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +171,8 @@ def _architecture(cfg: dict) -> Architecture:
     add_qkv_bias, qk_layernorm = _attention_bias_and_qk_norm(cfg, family)
     rope = _rope(cfg)
     return Architecture(**common, num_query_groups=cfg.get("num_key_value_heads") or heads,
-                        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads, rotary_base=rope.base,
+                        kv_channels=cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(family, cfg["hidden_size"] // heads),
+                        rotary_base=rope.base,
                         rotary_percent=rope.percent, rope_llama3_factor=rope.llama3_factor,
                         qk_layernorm=qk_layernorm, add_qkv_bias=add_qkv_bias)
 

@@ -1,7 +1,8 @@
 """Parameter counts of a model from its config.json, whole and per trainer rank of a parallel layout.
 
-The tensors are those transformers builds for the config (`hf_shapes.expected_hf_shapes`, on the meta device: no
-memory, no weights), so the count is the checkpoint's. Per rank, as Megatron-Core lays the model out:
+The tensors are the checkpoint's for the config (`hf_shapes.expected_hf_shapes`: worked out from config.json for the
+supported families, equal to the tensors transformers builds; transformers' model on the meta device otherwise), so
+the count is the checkpoint's. Per rank, as Megatron-Core lays the model out:
   - the layers split over the pipeline stages evenly or as parallel.first_stage_layers / last_stage_layers say;
     the embedding sits on the first stage and the output layer on the last (vocab split over tensor parallelism);
   - matrices split over tensor parallelism, and so are the q/k/v biases (column-parallel); norms and the router

@@ -64,23 +64,32 @@ def train_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = 300):
     return reloaded
 
 
+def tiny_config(family: str = "qwen3", *, vocab_size: int, eos_id: int = 0, init_std: float = 0.02,
+                **shape_overrides):
+    """The transformers config `build_tiny_model` writes: `TINY_SHAPES`, then the family's `FAMILY_SHAPES`, then
+    `shape_overrides` (any config field, e.g. tie_word_embeddings)."""
+    from transformers import AutoConfig
+
+    fields = dict(vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, initializer_range=init_std,
+                  torch_dtype="float32", **TINY_SHAPES)
+    config = AutoConfig.for_model(family, **{**fields, **FAMILY_SHAPES.get(family, {}), **shape_overrides})
+    if family == "qwen2":
+        config.use_sliding_window = False
+    return config
+
+
 def build_tiny_model(out_dir: str | Path, *, corpus: list[str], family: str = "qwen3", seed: int = 0,
                      init_std: float = 0.02, **shape_overrides) -> Path:
     """Write config.json, model.safetensors, generation_config.json and tokenizer files to `out_dir`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus, out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 so it splits evenly over TP ranks
-    shapes = {**TINY_SHAPES, **FAMILY_SHAPES.get(family, {}), **shape_overrides}
-    config = AutoConfig.for_model(family, vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0,
-                                  tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
-                                  pad_token_id=eos_id, initializer_range=init_std, torch_dtype="float32",
-                                  **shapes)
-    if family == "qwen2":
-        config.use_sliding_window = False
+    config = tiny_config(family, vocab_size=vocab_size, eos_id=eos_id, init_std=init_std, **shape_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -172,9 +172,11 @@ def test_each_writer_thread_holds_two_chunks_at_most():
     assert sorted(len(v) for v in held.values()) == [4, 4, 4]
 
 
-def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(tiny_models, tmp_path, monkeypatch, capsys):
-    """With the shape check in a child Python during the conversion (as from 1 GiB on), weights of another shape than
-    config.json's are still refused in one line, and the output is not a checkpoint (no metadata.json, no data)."""
+@pytest.mark.parametrize("reference", ["config", "transformers"])
+def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(reference, tiny_models, tmp_path, monkeypatch, capsys):
+    """Weights of another shape than config.json's are refused in one line, and the output is not a checkpoint (no
+    metadata.json, no data): checked first from config.json alone, or, with --transformers-shape-check, against
+    transformers' model in a child Python during the conversion (as from 1 GiB on)."""
     from slimish.megatron_bridge import convert
 
     monkeypatch.setattr(convert, "BACKGROUND_SHAPE_CHECK_BYTES", 0)
@@ -184,8 +186,32 @@ def test_weights_that_do_not_fit_the_config_leave_no_checkpoint(tiny_models, tmp
         (model / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+    flags = ["--transformers-shape-check"] if reference == "transformers" else []
     assert main(["convert", "hf-to-megatron", "--hf", str(model), "--out", str(tmp_path / "out"),
-                 "--workers", "2"]) == 2
+                 "--workers", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert "embed_tokens" in err and err.count("\n") == 1
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+    out = tmp_path / "out"  # the check from config.json alone refuses before anything is written
+    assert (sorted(p.name for p in out.iterdir()) == []) if reference == "transformers" else not out.exists()
+
+
+@pytest.mark.parametrize("cores,args,workers", [("48", [], "32"), ("6", [], "6"), ("6", ["--workers", "3"], "3"),
+                                                ("6", ["--workers=2"], None)])
+def test_convert_sbatch_gives_a_writer_per_core(cores, args, workers, tmp_path):
+    """launch/convert.sbatch passes the node's cores (SLURM_CPUS_ON_NODE, at most 32) as --workers unless the
+    command line names it (either spelling); checked outside Slurm with `echo` as the command."""
+    import os
+    import subprocess
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "SLURM_CPUS_ON_NODE": cores, "SLIMISH_CONVERT_CMD": "echo hf-to-megatron",
+           "SLIMISH_ROOT": str(REPO), "SLIMISH_VENV": str(tmp_path / "none")}
+    out = subprocess.run(["bash", str(REPO / "launch" / "convert.sbatch"), "--hf", "in", "--out", "out", *args],
+                         env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    line = next(line for line in out.splitlines() if line.startswith("hf-to-megatron "))
+    given = line.split()[1:]
+    assert given[:4] == ["--hf", "in", "--out", "out"]
+    assert given.count("--workers") + sum(a.startswith("--workers=") for a in given) == 1
+    if workers is not None:
+        assert given[given.index("--workers") + 1] == workers

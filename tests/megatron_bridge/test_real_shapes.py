@@ -11,7 +11,7 @@ import torch
 
 from slimish.megatron_bridge import dense
 from slimish.megatron_bridge.hf_config import architecture_from_hf
-from slimish.megatron_bridge.hf_shapes import expected_hf_shapes
+from slimish.megatron_bridge.hf_shapes import transformers_hf_shapes
 from tests.megatron_bridge.real_configs import REAL_CONFIGS, trimmed
 
 # Parameters of the whole model (untrimmed), as its model card states them, to the stated precision.
@@ -32,7 +32,7 @@ def megatron_meta_shapes(arch) -> dict[str, tuple[int, ...]]:
 def test_real_config_maps_every_tensor_at_its_shape(name, megatron_world):
     cfg = trimmed(name)
     arch = architecture_from_hf(cfg)
-    hf = expected_hf_shapes(cfg)
+    hf = transformers_hf_shapes(cfg)
     megatron = megatron_meta_shapes(arch)
     rules = dense.model_rules(arch)
     assert {r.megatron for r in rules} == set(megatron), "one rule per Megatron weight"
