@@ -214,7 +214,7 @@ class WeightSender:
                         f"with it; add it to attached ones)" if loader and loader not in sharding.loaders
                    else f"the engine layout of {self.arch.family} on {sharding} is not known"
                    if not layout_supported(self.arch, sharding) else "")
-        layout = None if why_not else EngineLayout(self.arch, sharding)
+        layout = None if why_not else EngineLayout(self.arch, sharding, expert_slots=self.expert_slots(sharding))
         if layout is not None and not layout.direct_loadable and ws.transport == "tensor" \
                 and SHARD_DIRECT not in sharding.loaders:
             why_not, layout = (f"{self.arch.family}'s MLA weights are post-processed after loading, which needs "
@@ -222,6 +222,16 @@ class WeightSender:
         if why_not and ws.sharded == "on":
             raise ConfigError("weight_sync.sharded", f"'on' cannot run here: {why_not}; use 'auto' or 'off'")
         return layout
+
+    def expert_slots(self, sharding) -> bool:
+        """Whether the sharded route sends experts one at a time into their slots (`EngineShards`): where the
+        engines list slimish's loader of this transport (the tensor transport's is `SHARD_DIRECT`; the others'
+        are required by the sharded route anyway). Else a rank's stacked expert parameters travel whole."""
+        from slimish.config.engine_flags import SHARD_DIRECT
+        from slimish.weight_sync.sync import TRANSPORTS
+
+        transport = self.cfg.weight_sync.transport
+        return (SHARD_DIRECT if transport == "tensor" else TRANSPORTS[transport].shard_loader) in sharding.loaders
 
     # ------------------------------------------------------------------------------------------------- send
     def send(self, module, version: int) -> dict:
