@@ -34,7 +34,12 @@ import torch
 from slimish.collectives import resolve_backend
 from slimish.config.schema import JobConfig
 from slimish.engines.client import EngineClient
-from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
+from slimish.megatron_bridge.full_export import (
+    export_full_hf_tensors,
+    export_owned_hf_tensors,
+    export_stage_hf_tensors,
+    in_source_replica,
+)
 from slimish.network import free_port, node_ip
 from slimish.weight_sync.sync import WeightSync
 from slimish.weight_sync.transport import TransportContext
@@ -52,7 +57,8 @@ class WeightSender:
         self.new_client = new_client
         self._sync: WeightSync | None = None  # rank 0 (or a replica's source): the engine protocol
         self._stage_sender = None             # a later pipeline stage's leader, with stage senders
-        self._stage_links: list = []
+        self._stage_links: list = []          # rank 0: the stage senders' or the expert owners' links
+        self._owners = False                  # this connection sends experts from their owners (every rank knows)
         self._groups_made = 0
         self._api_key: str | None = None
         self._stalled_s = 0.0   # failed sends since the last whole one: how long each had made no progress
@@ -105,6 +111,8 @@ class WeightSender:
             if self.rank != replica[0] or not own:
                 return {}
             return self._connect_rank0(own, engine_tp, node_ip(), stages=[])
+        if self.owners_possible:
+            return self._connect_owners(engine_urls, engine_tp, master_addr)
         if not self.stage_senders:
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
         return self._connect_stages(engine_urls, engine_tp, master_addr)
@@ -137,6 +145,49 @@ class WeightSender:
             dist.barrier()
         return metrics
 
+    # ------------------------------------------------------------------- experts from their owners (owners.py)
+    @property
+    def owners_possible(self) -> bool:
+        """Whether the experts may go to the engines from the trainer ranks that own them (decided at connect,
+        `_connect_owners`): expert parallelism, no pipeline parallelism, the tensor or disk transport, rank 0
+        sending to every engine."""
+        from slimish.weight_sync.owners import TRANSPORTS as OWNER_TRANSPORTS
+
+        return (self.expert_parallel > 1 and self.pipeline_parallel == 1 and not self.replica_senders
+                and self.cfg.weight_sync.transport in OWNER_TRANSPORTS)
+
+    def _connect_owners(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
+        """Every rank: rank 0 reads the engines' layout and says whether the owners' route fits it (`owners_fit`);
+        then rank 0 connects with a link to each owner, and each owner (ETP rank 0 of another EP rank of the source
+        replica: rank 0's EP group) makes its `OwnerSender`. Where it does not fit, rank 0 sends everything."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from slimish.weight_sync.owners import OwnerLink, OwnerSender, owners_fit
+
+        decision = [None]
+        if self.rank == 0:
+            sharding = self._engine_sharding(engine_urls, engine_tp)
+            fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel)
+            decision = [(fits, sharding)]
+        dist.broadcast_object_list(decision, src=0)
+        self._owners, sharding = decision[0]
+        if not self._owners:
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
+        group = ps.get_expert_model_parallel_group()
+        members = dist.get_process_group_ranks(group)
+        if 0 not in members or not in_source_replica():
+            return {}
+        if self.rank == 0:
+            links = [OwnerLink(stage=0, rank=rank, group=group, group_name="") for rank in members if rank != 0]
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
+        ws = self.cfg.weight_sync
+        self._stage_sender = OwnerSender(
+            rank=self.rank, transport=ws.transport, layout=self.sharded_layout(sharding), engines=len(engine_urls),
+            bucket_bytes=int(ws.bucket_mb * 2**20), coordinator=0, group=group, disk_dir=self.disk_dir(),
+            expected_checksums=self._expected_checksums(sharding))
+        return {}
+
     def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
         from slimish.hooks import load_function
 
@@ -144,11 +195,13 @@ class WeightSender:
         port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
         self._stage_links = stages
         sharding = self._engine_sharding(engine_urls, engine_tp)
+        # Owners' links are not stages: the route's rules (sharded_layout) apply as without them.
+        stage_links = [link for link in stages if not link.after_own]
         self._sync = WeightSync(transport=ws.transport, context=self._context(engine_tp, master_addr, port,
                                                                                self._group_name()),
                                 engine_urls=engine_urls, bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
                                 expected_checksums=self._expected_checksums(sharding),
-                                layout=self.sharded_layout(sharding, stages=bool(stages)),
+                                layout=self.sharded_layout(sharding, stages=bool(stage_links)),
                                 after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
                                 in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None,
                                 new_client=self.new_client)
@@ -244,6 +297,8 @@ class WeightSender:
             return {}
         if self.stage_senders:
             tensors = export_stage_hf_tensors(module, self.arch)
+        elif self._owners:
+            tensors = export_owned_hf_tensors(module, self.arch)
         else:
             tensors = export_full_hf_tensors(module, self.arch)
         try:

@@ -1,0 +1,141 @@
+"""One rank of tests/weight_sync/test_owners.py: an expert-parallel trainer (Megatron on gloo) syncs a tiny MoE to a
+stand-in engine of two tensor-parallel ranks (TP2 EP2, CPU, slimish's loaders listed), once through rank 0 (the
+funnel: `WeightSender` with the owners' route turned off) and once from the experts' owners, with each transport
+given. The stand-in, on rank 0, does with each request what an engine rank does with its own entry: unpickles it
+(mapping the sender's shared segment by name, the owners' included) or reads its files, and keeps each (engine
+parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
+stacked from their slots, which the sync verifies against the trainer's prediction.
+
+  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T --model HF_DIR --out OUT \
+      --transport tensor|disk
+Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import pickle
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER
+
+
+class Engine:
+    """A stand-in engine of `tp` ranks at `url`: see the module docstring."""
+
+    def __init__(self, url: str, tp: int, ep: int):
+        self.url, self.tp, self.ep = url, tp, ep
+        self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        self.version = "default"
+
+    def server_info(self) -> dict:
+        return {"tp_size": self.tp, "ep_size": self.ep, "device": "cpu",
+                "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT]}
+
+    def begin_weight_update(self):
+        return {}
+
+    end_weight_update = begin_weight_update
+
+    def update_weights_from_tensor(self, *, serialized, load_format, weight_version, flush_cache):
+        for rank, payload in enumerate(serialized):
+            pairs = pickle.loads(base64.b64decode(payload))
+            if load_format == SHARD_LOADER:
+                from safetensors.torch import load_file
+
+                pairs = [item for path, _ in pairs for item in load_file(path).items()]
+            for name, tensor in pairs:
+                self.held[rank][name] = tensor.clone()
+        if weight_version is not None:
+            self.version = weight_version
+        return {}
+
+    def weight_version(self) -> str:
+        return self.version
+
+    def weight_checksums(self) -> list[dict[str, str]]:
+        from slimish.weight_sync.checksums import tensor_checksum
+        from slimish.weight_sync.engine_loader import parse_slot
+
+        out = []
+        for held in self.held:
+            slots: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+            sums = {}
+            for name, tensor in held.items():
+                param, slot = parse_slot(name)
+                if slot is None:
+                    sums[name] = tensor_checksum(tensor)
+                else:
+                    slots[param][slot] = tensor
+            for param, by_slot in slots.items():
+                sums[param] = tensor_checksum(torch.stack([by_slot[k] for k in sorted(by_slot)]))
+            out.append(sums)
+        return out
+
+    def close(self):
+        pass
+
+
+def _funnel():
+    from slimish.weight_sync.sender import WeightSender
+
+    class Funnel(WeightSender):
+        """Today's route: every expert through rank 0."""
+        owners_possible = False
+    return Funnel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world-size", "--port", "--tp"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--transport", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from slimish.config import load_config
+    from slimish.megatron_bridge.bridge import load_hf_weights
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.trainer.model import build_gpt_model
+    from slimish.trainer.parallel import ParallelLayout, init_parallel, shutdown_parallel
+    from slimish.weight_sync.sender import WeightSender
+    from tests.conftest import REPO
+
+    Funnel = _funnel()  # noqa: N806 - a class
+
+    init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
+                                 pipeline_parallel=1, expert_parallel=2, expert_tensor_parallel=1),
+                  master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
+    arch = architecture_from_hf(read_hf_config(args.model))
+    model = build_gpt_model(arch, tensor_parallel=args.tp, pipeline_parallel=1, expert_parallel=2,
+                            expert_tensor_parallel=1).eval()
+    load_hf_weights(model, args.model, arch)
+    out = Path(args.out)
+    cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml",
+                      [f"model.hf_path={args.model}", f"weight_sync.transport={args.transport}",
+                       "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners"], files=False)
+    results = {}
+    for route in ("funnel", "owners"):
+        engine = Engine("http://127.0.0.1:1", tp=2, ep=2)
+        kind = WeightSender if route == "owners" else Funnel
+        sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
+        sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+        metrics = sender.send(model, version=1)
+        sender.close()
+        dist.barrier()
+        if args.rank == 0:
+            results[route] = {"held": engine.held, "metrics": metrics}
+    if args.rank == 0:
+        torch.save(results, out / "result.pt")
+    shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()

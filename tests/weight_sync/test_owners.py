@@ -1,0 +1,45 @@
+"""Experts straight from the trainer ranks that own them (`slimish.weight_sync.owners`): a tiny Qwen3-MoE trained at
+expert parallelism 2 (two gloo ranks; attention data-parallel, and tensor-parallel over both ranks, which then
+share rank 0's gathers) syncs to a stand-in TP2 EP2 engine (tests/weight_sync/owners_rank.py) through rank 0 (the
+funnel) and from the owners, over `tensor` (the owner's own shared segments, mapped by the stand-in in rank 0's
+process) and `disk` (the owner's own files). Both routes deliver the same tensors to each engine rank, verified
+against the trainer's per-rank checksums; from the owners, EP rank 1 stages exactly its own experts' bytes and rank
+0 none of them. ~25 s per case (two processes importing Megatron, four syncs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import run_world
+
+SCRIPT = Path(__file__).with_name("owners_rank.py")
+
+
+@pytest.mark.parametrize(("tp", "transport"), [(2, "tensor"), (1, "disk")], ids=["tp2-tensor", "dp2-disk"])
+def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transport):
+    run_world(SCRIPT, world_size=2, args=["--tp", str(tp), "--model", str(tiny_moe_models["qwen3_moe"]),
+                                          "--out", str(tmp_path), "--transport", transport])
+    result = torch.load(tmp_path / "result.pt")
+    funnel, owners = result["funnel"], result["owners"]
+    for rank in range(2):
+        assert funnel["held"][rank].keys() == owners["held"][rank].keys(), f"engine rank {rank}"
+        for name, tensor in funnel["held"][rank].items():
+            assert torch.equal(tensor, owners["held"][rank][name]), f"engine rank {rank}: {name}"
+    # Engine rank r holds expert block r whole (EP2), which trainer EP rank r owns: slots of it only.
+    slots = [[name for name in owners["held"][rank] if name.endswith("]")] for rank in range(2)]
+    assert slots[0] and slots[1]
+    expert_bytes = sum(t.numel() * t.element_size() for name, t in owners["held"][1].items() if name.endswith("]"))
+    f, o = funnel["metrics"], owners["metrics"]
+    for metrics in (f, o):
+        assert metrics["sync_checksums_predicted"] == 1 and metrics["sync_sharded"] == 1
+    assert "sync_sent_rank1_mib" not in f and f["sync_sent_rank0_mib"] == pytest.approx(f["sync_mib"])
+    assert o["sync_sent_rank1_mib"] == pytest.approx(expert_bytes / 2**20)  # the owner's experts, all of them
+    assert o["sync_sent_rank0_mib"] == pytest.approx(f["sync_sent_rank0_mib"] - expert_bytes / 2**20)
+    assert o["sync_mib"] == pytest.approx(f["sync_mib"])
+    assert o["sync_senders"] == 2 and f["sync_senders"] == 1
+    assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind (the owner's are rank 0's to remove)"
+    print(f"{transport}: funnel rank 0 {f['sync_sent_rank0_mib']:.4f} MiB; owners rank 0 "
+          f"{o['sync_sent_rank0_mib']:.4f} MiB, rank 1 {o['sync_sent_rank1_mib']:.4f} MiB")
