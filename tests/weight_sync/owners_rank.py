@@ -7,8 +7,10 @@ parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of eve
 stacked from their slots, which the sync verifies against the trainer's prediction.
 
   python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T --model HF_DIR --out OUT \
-      --transport tensor|disk
-Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's}}.
+      --transport tensor|disk [--faults first owner]
+Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
+the failed sync raised}}. With --faults, each fault is one more route from the owners: the engine fails that
+request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then delivers the model.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER
 class Engine:
     """A stand-in engine of `tp` ranks at `url`: see the module docstring."""
 
-    def __init__(self, url: str, tp: int, ep: int):
-        self.url, self.tp, self.ep = url, tp, ep
+    def __init__(self, url: str, tp: int, ep: int, fail: str = ""):
+        self.url, self.tp, self.ep, self.fail = url, tp, ep, fail
         self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         self.version = "default"
 
@@ -43,8 +45,13 @@ class Engine:
     end_weight_update = begin_weight_update
 
     def update_weights_from_tensor(self, *, serialized, load_format, weight_version, flush_cache):
-        for rank, payload in enumerate(serialized):
-            pairs = pickle.loads(base64.b64decode(payload))
+        loaded = [pickle.loads(base64.b64decode(payload)) for payload in serialized]
+        # "first": the first request fails (one of rank 0's own buckets); "owner": the first with expert slots for
+        # engine rank 1 (EP rank 1's, from its owner).
+        if self.fail == "first" or (self.fail == "owner" and any(name.endswith("]") for name, _ in loaded[1])):
+            self.fail = ""
+            raise RuntimeError("engine stand-in: this bucket fails")
+        for rank, pairs in enumerate(loaded):
             if load_format == SHARD_LOADER:
                 from safetensors.torch import load_file
 
@@ -97,6 +104,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--transport", required=True)
+    parser.add_argument("--faults", nargs="*", default=[], help="'first' and/or 'owner': a sync that fails there")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -122,16 +130,23 @@ def main() -> None:
                       [f"model.hf_path={args.model}", f"weight_sync.transport={args.transport}",
                        "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners"], files=False)
     results = {}
-    for route in ("funnel", "owners"):
-        engine = Engine("http://127.0.0.1:1", tp=2, ep=2)
-        kind = WeightSender if route == "owners" else Funnel
+    for route in ("funnel", "owners", *args.faults):
+        engine = Engine("http://127.0.0.1:1", tp=2, ep=2, fail=route if route in args.faults else "")
+        kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
         sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
-        metrics = sender.send(model, version=1)
+        failed = ""
+        try:
+            metrics = sender.send(model, version=1)
+        except RuntimeError as exc:  # rank 0 only: the owners are told to give up, and return
+            failed, metrics = str(exc), {}
+        if route in args.faults:  # then the sync again, whole, on a new connection (as the job does)
+            sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+            metrics = sender.send(model, version=2)
         sender.close()
         dist.barrier()
         if args.rank == 0:
-            results[route] = {"held": engine.held, "metrics": metrics}
+            results[route] = {"held": engine.held, "metrics": metrics, "failed": failed}
     if args.rank == 0:
         torch.save(results, out / "result.pt")
     shutdown_parallel()

@@ -18,11 +18,15 @@ from tests.multiproc import run_world
 SCRIPT = Path(__file__).with_name("owners_rank.py")
 
 
+def run(models, tmp_path, tp: int, transport: str, *faults: str) -> dict:
+    run_world(SCRIPT, world_size=2, args=["--tp", str(tp), "--model", str(models["qwen3_moe"]), "--out",
+                                          str(tmp_path), "--transport", transport, "--faults", *faults])
+    return torch.load(tmp_path / "result.pt")
+
+
 @pytest.mark.parametrize(("tp", "transport"), [(2, "tensor"), (1, "disk")], ids=["tp2-tensor", "dp2-disk"])
 def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transport):
-    run_world(SCRIPT, world_size=2, args=["--tp", str(tp), "--model", str(tiny_moe_models["qwen3_moe"]),
-                                          "--out", str(tmp_path), "--transport", transport])
-    result = torch.load(tmp_path / "result.pt")
+    result = run(tiny_moe_models, tmp_path, tp, transport)
     funnel, owners = result["funnel"], result["owners"]
     for rank in range(2):
         assert funnel["held"][rank].keys() == owners["held"][rank].keys(), f"engine rank {rank}"
@@ -43,3 +47,16 @@ def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transpo
     assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind (the owner's are rank 0's to remove)"
     print(f"{transport}: funnel rank 0 {f['sync_sent_rank0_mib']:.4f} MiB; owners rank 0 "
           f"{o['sync_sent_rank0_mib']:.4f} MiB, rank 1 {o['sync_sent_rank1_mib']:.4f} MiB")
+
+
+def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path):
+    """The engine fails one of rank 0's own buckets (rank 0 finishes its export, whose gathers the owner shares at
+    TP2, then tells the owner to give up at its first bucket), or one of the owner's (rank 0 answers it False): the
+    sync fails on rank 0 only, no rank hangs, and the next sync, on a new connection, delivers every tensor."""
+    result = run(tiny_moe_models, tmp_path, 2, "tensor", "first", "owner")
+    for fault in ("first", "owner"):
+        assert "this bucket fails" in result[fault]["failed"], fault
+        for rank in range(2):
+            held, funnel = result[fault]["held"][rank], result["funnel"]["held"][rank]
+            assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held), fault
+        assert result[fault]["metrics"]["sync_checksums_predicted"] == 1
