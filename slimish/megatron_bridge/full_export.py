@@ -10,6 +10,8 @@ expert-tensor-parallel (ETP) group, an expert travels from its expert-parallel r
 (send/recv), and each later stage's leader (tp = etp = ep = 0) sends its tensors to the source after one metadata
 message (names, shapes, dtypes). Other data-parallel and expert-data-parallel replicas hold copies and skip it.
 The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the parameters' device.
+`export_owned_hf_tensors` is the same collective with every expert left on the rank that holds it (the weight sync's
+owners' route).
 """
 
 from __future__ import annotations

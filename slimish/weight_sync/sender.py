@@ -9,6 +9,8 @@ the trainer. Who sends:
 - with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
   also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
   with rank 0's buckets;
+- with expert parallelism and the tensor or disk transport on the sharded route (`slimish.weight_sync.owners`), each
+  expert-parallel rank's ETP rank 0 stages its own experts for the engines, and rank 0 posts what names them;
 - colocated with the tensor transport (no expert parallelism, whose export spans replicas, and experts split as
   tensor_parallel splits the rest), the source rank of every data-parallel replica sends to the engines on its
   replica's GPUs, from its own GPU by CUDA IPC.
