@@ -159,25 +159,31 @@ class WeightSender:
                 and self.cfg.weight_sync.transport in OWNER_TRANSPORTS)
 
     def _connect_owners(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Every rank: rank 0 reads the engines' layout and says whether the owners' route fits it (`owners_fit`);
-        then rank 0 connects with a link to each owner, and each owner (ETP rank 0 of another EP rank of the source
-        replica: rank 0's EP group) makes its `OwnerSender`. Where it does not fit, rank 0 sends everything."""
+        """Every rank: rank 0 reads the engines' layout and says whether the owners' route fits it (`owners_fit`; over
+        tensor, every owner on rank 0's node); then rank 0 connects with a link to each owner, and each owner (ETP
+        rank 0 of another EP rank of the source replica: rank 0's EP group) makes its `OwnerSender`. Where it does
+        not fit, rank 0 sends everything."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         from slimish.weight_sync.owners import OwnerLink, OwnerSender, owners_fit
 
+        group = ps.get_expert_model_parallel_group()
+        members = dist.get_process_group_ranks(group)
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node_ip())
         decision = [None]
         if self.rank == 0:
             sharding = self._engine_sharding(engine_urls, engine_tp)
             fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel)
+            # Over tensor the engines map the owners' memory: every owner on rank 0's node, as the engines are.
+            if self.cfg.weight_sync.transport == "tensor" and 0 in members:
+                fits = fits and all(nodes[rank] == nodes[0] for rank in members)
             decision = [(fits, sharding)]
         dist.broadcast_object_list(decision, src=0)
         self._owners, sharding = decision[0]
         if not self._owners:
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
-        group = ps.get_expert_model_parallel_group()
-        members = dist.get_process_group_ranks(group)
         if 0 not in members or not in_source_replica():
             return {}
         if self.rank == 0:

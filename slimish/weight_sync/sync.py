@@ -212,7 +212,8 @@ class WeightSync:
         per_rank = {f"sync_engine_rank{rank}_mib": received / 2**20 for rank, received in enumerate(sent["ranks"])}
         per_rank |= {f"sync_sent_rank{rank}_mib": nbytes / 2**20 for rank, nbytes in sent["senders"].items()}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
-                "sync_sharded": int(self.layout is not None), **per_rank,
+                "sync_sharded": int(self.layout is not None),
+                "sync_expert_slots": int(self.layout is not None and self.layout.expert_slots), **per_rank,
                 "sync_checksums_predicted": int(expected is not None),
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}
