@@ -172,16 +172,23 @@ class WeightSender:
         members = dist.get_process_group_ranks(group)
         nodes = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_ip())
-        decision = [None]
+        decision, failure = [None], None
         if self.rank == 0:
-            sharding = self._engine_sharding(engine_urls, engine_tp)
-            fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel)
+            try:
+                sharding = self._engine_sharding(engine_urls, engine_tp)
+                fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are told (they return)
+                failure, sharding, fits = exc, None, False
             # Over tensor the engines map the owners' memory: every owner on rank 0's node, as the engines are.
-            if self.cfg.weight_sync.transport == "tensor" and 0 in members:
+            if self.cfg.weight_sync.transport == "tensor":
                 fits = fits and all(nodes[rank] == nodes[0] for rank in members)
-            decision = [(fits, sharding)]
+            decision = [(fits, sharding, failure is not None)]
         dist.broadcast_object_list(decision, src=0)
-        self._owners, sharding = decision[0]
+        self._owners, sharding, failed = decision[0]
+        if failure is not None:
+            raise failure
+        if failed:
+            return {}
         if not self._owners:
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
         if 0 not in members or not in_source_replica():

@@ -7,10 +7,12 @@ parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of eve
 stacked from their slots, which the sync verifies against the trainer's prediction.
 
   python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T --model HF_DIR --out OUT \
-      --transport tensor|disk [--faults first owner]
+      --transport tensor|disk [--faults first owner tp]
 Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
-the failed sync raised}}. With --faults, each fault is one more route from the owners: the engine fails that
-request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then delivers the model.
+the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
+engine fails that request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then
+delivers the model; with "tp" the engine reports another TP size: {"failed": what connect raised on rank 0}, and rank
+1 writes OUT/tp_rank1.pt, {"failed": what its connect returned}.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Engine:
         self.version = "default"
 
     def server_info(self) -> dict:
-        return {"tp_size": self.tp, "ep_size": self.ep, "device": "cpu",
+        return {"tp_size": self.tp * (2 if self.fail == "tp" else 1), "ep_size": self.ep, "device": "cpu",
                 "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT]}
 
     def begin_weight_update(self):
@@ -104,7 +106,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--transport", required=True)
-    parser.add_argument("--faults", nargs="*", default=[], help="'first' and/or 'owner': a sync that fails there")
+    parser.add_argument("--faults", nargs="*", default=[],
+                        help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -134,8 +137,16 @@ def main() -> None:
         engine = Engine("http://127.0.0.1:1", tp=2, ep=2, fail=route if route in args.faults else "")
         kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
-        sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
         failed = ""
+        if route == "tp":  # the engines run another TP size: rank 0 raises naming the key, the others return
+            try:
+                connected = sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+            except ValueError as exc:
+                connected = str(exc)
+            results[route] = {"failed": connected}
+            dist.barrier()
+            continue
+        sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
         try:
             metrics = sender.send(model, version=1)
         except RuntimeError as exc:  # rank 0 only: the owners are told to give up, and return
@@ -149,6 +160,8 @@ def main() -> None:
             results[route] = {"held": engine.held, "metrics": metrics, "failed": failed}
     if args.rank == 0:
         torch.save(results, out / "result.pt")
+    elif "tp" in results:
+        torch.save(results["tp"], out / "tp_rank1.pt")
     shutdown_parallel()
 
 

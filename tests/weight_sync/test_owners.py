@@ -52,8 +52,12 @@ def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transpo
 def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path):
     """The engine fails one of rank 0's own buckets (rank 0 finishes its export, whose gathers the owner shares at
     TP2, then tells the owner to give up at its first bucket), or one of the owner's (rank 0 answers it False): the
-    sync fails on rank 0 only, no rank hangs, and the next sync, on a new connection, delivers every tensor."""
-    result = run(tiny_moe_models, tmp_path, 2, "tensor", "first", "owner")
+    sync fails on rank 0 only, no rank hangs, and the next sync, on a new connection, delivers every tensor. A connect
+    failing on rank 0 (engines of another TP size) is raised there; the owner returns."""
+    result = run(tiny_moe_models, tmp_path, 2, "tensor", "first", "owner", "tp")
+    # Engines of another TP size: rank 0 raises naming the key at connect, the owner returns (no one hangs).
+    assert "rollout.engine.tensor_parallel" in result["tp"]["failed"]
+    assert torch.load(tmp_path / "tp_rank1.pt") == {"failed": {}}
     for fault in ("first", "owner"):
         assert "this bucket fails" in result[fault]["failed"], fault
         for rank in range(2):
