@@ -6,7 +6,7 @@ given. The stand-in, on rank 0, does with each request what an engine rank does 
 parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
 stacked from their slots, which the sync verifies against the trainer's prediction.
 
-  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T --model HF_DIR --out OUT \
+  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T [--etp E] --model HF_DIR --out OUT \
       --transport tensor|disk [--faults first owner tp]
 Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
 the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
@@ -103,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--rank", "--world-size", "--port", "--tp"):
         parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallelism")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--transport", required=True)
@@ -122,11 +123,11 @@ def main() -> None:
     Funnel = _funnel()  # noqa: N806 - a class
 
     init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
-                                 pipeline_parallel=1, expert_parallel=2, expert_tensor_parallel=1),
+                                 pipeline_parallel=1, expert_parallel=2, expert_tensor_parallel=args.etp),
                   master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
     arch = architecture_from_hf(read_hf_config(args.model))
     model = build_gpt_model(arch, tensor_parallel=args.tp, pipeline_parallel=1, expert_parallel=2,
-                            expert_tensor_parallel=1).eval()
+                            expert_tensor_parallel=args.etp).eval()
     load_hf_weights(model, args.model, arch)
     out = Path(args.out)
     cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml",

@@ -4,7 +4,7 @@ share rank 0's gathers) syncs to a stand-in TP2 EP2 engine (tests/weight_sync/ow
 funnel) and from the owners, over `tensor` (the owner's own shared segments, mapped by the stand-in in rank 0's
 process) and `disk` (the owner's own files). Both routes deliver the same tensors to each engine rank, verified
 against the trainer's per-rank checksums; from the owners, EP rank 1 stages exactly its own experts' bytes and rank
-0 none of them. ~25 s per case (two processes importing Megatron, four syncs)."""
+0 none of them. ~32 s for the file, most of it the first world's imports (run_world keeps its processes warm)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ from tests.multiproc import run_world
 SCRIPT = Path(__file__).with_name("owners_rank.py")
 
 
-def run(models, tmp_path, tp: int, transport: str, *faults: str) -> dict:
-    run_world(SCRIPT, world_size=2, args=["--tp", str(tp), "--model", str(models["qwen3_moe"]), "--out",
-                                          str(tmp_path), "--transport", transport, "--faults", *faults])
+def run(models, tmp_path, tp: int, transport: str, *faults: str, etp: int = 1) -> dict:
+    run_world(SCRIPT, world_size=max(2, tp, 2 * etp),
+              args=["--tp", str(tp), "--etp", str(etp), "--model", str(models["qwen3_moe"]), "--out", str(tmp_path),
+                    "--transport", transport, "--faults", *faults])
     return torch.load(tmp_path / "result.pt")
 
 
-@pytest.mark.parametrize(("tp", "transport"), [(2, "tensor"), (1, "disk")], ids=["tp2-tensor", "dp2-disk"])
-def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transport):
-    result = run(tiny_moe_models, tmp_path, tp, transport)
+@pytest.mark.parametrize(("tp", "etp", "transport"), [(2, 1, "tensor"), (1, 1, "disk"), (2, 2, "tensor")],
+                         ids=["tp2-tensor", "dp2-disk", "tp2-etp2-tensor"])
+def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, transport):
+    """tp2-etp2: four ranks, each expert split over two (ETP2): the owner of EP rank 1 (rank 2) gathers its experts
+    from its ETP peer between its buckets."""
+    result = run(tiny_moe_models, tmp_path, tp, transport, etp=etp)
     funnel, owners = result["funnel"], result["owners"]
     for rank in range(2):
         assert funnel["held"][rank].keys() == owners["held"][rank].keys(), f"engine rank {rank}"
@@ -39,14 +43,15 @@ def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, transpo
     f, o = funnel["metrics"], owners["metrics"]
     for metrics in (f, o):
         assert metrics["sync_checksums_predicted"] == 1 and metrics["sync_sharded"] == 1
-    assert "sync_sent_rank1_mib" not in f and f["sync_sent_rank0_mib"] == pytest.approx(f["sync_mib"])
-    assert o["sync_sent_rank1_mib"] == pytest.approx(expert_bytes / 2**20)  # the owner's experts, all of them
+    owner = etp  # EP rank 1's ETP rank 0 (Megatron numbers the experts' ranks ETP first)
+    assert f"sync_sent_rank{owner}_mib" not in f and f["sync_sent_rank0_mib"] == pytest.approx(f["sync_mib"])
+    assert o[f"sync_sent_rank{owner}_mib"] == pytest.approx(expert_bytes / 2**20)  # the owner's experts, all of them
     assert o["sync_sent_rank0_mib"] == pytest.approx(f["sync_sent_rank0_mib"] - expert_bytes / 2**20)
     assert o["sync_mib"] == pytest.approx(f["sync_mib"])
     assert o["sync_senders"] == 2 and f["sync_senders"] == 1
     assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind (the owner's are rank 0's to remove)"
     print(f"{transport}: funnel rank 0 {f['sync_sent_rank0_mib']:.4f} MiB; owners rank 0 "
-          f"{o['sync_sent_rank0_mib']:.4f} MiB, rank 1 {o['sync_sent_rank1_mib']:.4f} MiB")
+          f"{o['sync_sent_rank0_mib']:.4f} MiB, rank {owner} {o[f'sync_sent_rank{owner}_mib']:.4f} MiB")
 
 
 def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path):
