@@ -19,11 +19,12 @@ Messages over the EP group, between rank 0 and an owner (the stage senders' exch
   owner -> rank 0   {"done": per-rank checksums or None, "phases": {...}, "nbytes": bytes staged}
   owner -> rank 0   {"failed": "why"}
 
-Checksums: an owner predicts the engine parameters whose slots are all its own. So the route is taken only where
-every engine expert block lies within one owner's experts (`owners_fit`: the engines' expert-parallel size a
-multiple of the trainer's); elsewhere (an engine rank holding slices of every expert, as a TP engine without EP
-does) one engine parameter would need bytes from several owners hashed in order, and SHA-256 cannot be combined
-from parts hashed apart, so the experts go through rank 0 as before (still one slot at a time).
+Checksums: an owner predicts the engine parameters whose slots are all its own. So with checksums the route is taken
+only where every engine expert block lies within one owner's experts (`owners_fit`: the engines' expert-parallel
+size a multiple of the trainer's; without them, weight_sync.verify off, anywhere). Elsewhere (an engine rank holding
+slices of every expert, as a TP engine without EP does) one engine parameter would need bytes from several owners
+hashed in order, and SHA-256 cannot be combined from parts hashed apart, so the experts go through rank 0 as before
+(still one slot at a time).
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ from slimish.weight_sync.stages import StageLink, _recv, _send
 TRANSPORTS = ("tensor", "disk")
 
 
-def owners_fit(layout: EngineLayout | None, trainer_ep: int) -> bool:
-    """Whether the owners' route can send this sync: expert slots on the sharded route, and every engine expert
-    block within one trainer EP rank's experts (see the module docstring)."""
-    return (layout is not None and layout.expert_slots and trainer_ep > 1
-            and layout.sharding.ep % trainer_ep == 0 and layout.num_experts % layout.sharding.ep == 0)
+def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool = True) -> bool:
+    """Whether the owners' route can send this sync: expert slots on the sharded route, and, when the sync's
+    checksums are `predicted`, every engine expert block within one trainer EP rank's experts (see the module
+    docstring; without checksums, weight_sync.verify off, one engine parameter's slots may come from several
+    owners)."""
+    if layout is None or not layout.expert_slots or trainer_ep == 1 or layout.num_experts % trainer_ep:
+        return False
+    return not predicted or layout.sharding.ep % trainer_ep == 0
 
 
 class OwnerLink(StageLink):

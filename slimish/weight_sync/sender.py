@@ -176,7 +176,8 @@ class WeightSender:
         if self.rank == 0:
             try:
                 sharding = self._engine_sharding(engine_urls, engine_tp)
-                fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel)
+                fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel,
+                                  predicted=self._expected_checksums(sharding) is not None)
             except Exception as exc:  # noqa: BLE001 - raised below, once the others are told (they return)
                 failure, sharding, fits = exc, None, False
             # Over tensor the engines map the owners' memory: every owner on rank 0's node, as the engines are.

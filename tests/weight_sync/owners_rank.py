@@ -1,13 +1,13 @@
 """One rank of tests/weight_sync/test_owners.py: an expert-parallel trainer (Megatron on gloo) syncs a tiny MoE to a
-stand-in engine of two tensor-parallel ranks (TP2 EP2, CPU, slimish's loaders listed), once through rank 0 (the
+stand-in engine of two tensor-parallel ranks (TP2 EP2 or EP1, CPU, slimish's loaders listed), once through rank 0 (the
 funnel: `WeightSender` with the owners' route turned off) and once from the experts' owners, with each transport
 given. The stand-in, on rank 0, does with each request what an engine rank does with its own entry: unpickles it
 (mapping the sender's shared segment by name, the owners' included) or reads its files, and keeps each (engine
 parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
 stacked from their slots, which the sync verifies against the trainer's prediction.
 
-  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T [--etp E] --model HF_DIR --out OUT \
-      --transport tensor|disk [--faults first owner tp]
+  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T [--etp E] [--engine-ep 1] \
+      [--no-verify] --model HF_DIR --out OUT --transport tensor|disk [--faults first owner tp]
 Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
 the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
 engine fails that request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then
@@ -104,6 +104,8 @@ def main() -> None:
     for name in ("--rank", "--world-size", "--port", "--tp"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallelism")
+    parser.add_argument("--engine-ep", type=int, default=2, help="the stand-in engine's expert parallelism")
+    parser.add_argument("--no-verify", action="store_true", help="weight_sync.verify=false")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--transport", required=True)
@@ -132,10 +134,11 @@ def main() -> None:
     out = Path(args.out)
     cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml",
                       [f"model.hf_path={args.model}", f"weight_sync.transport={args.transport}",
-                       "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners"], files=False)
+                       "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners",
+                       f"weight_sync.verify={str(not args.no_verify).lower()}"], files=False)
     results = {}
     for route in ("funnel", "owners", *args.faults):
-        engine = Engine("http://127.0.0.1:1", tp=2, ep=2, fail=route if route in args.faults else "")
+        engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "")
         kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
         failed = ""
