@@ -220,7 +220,7 @@ class WeightSender:
                                 layout=self.sharded_layout(sharding, stages=bool(stage_links)),
                                 after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
                                 in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None,
-                                new_client=self.new_client)
+                                new_client=self.new_client, rank=self.rank)
         t0 = time.monotonic()
         self._sync.connect()
         return {"time_connect_s": time.monotonic() - t0}

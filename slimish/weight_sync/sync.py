@@ -45,13 +45,17 @@ class WeightSync:
     it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model).
     `new_client(url, api_key=...)` makes the client of each engine (`EngineClient`; a stand-in in unit tests).
     `layout`: the engines' `EngineLayout` for the sharded route (each engine rank is sent only the engine parameters
-    it holds, `EngineShards`; the transport must have `shards`); None: the full model to every rank."""
+    it holds, `EngineShards`; the transport must have `shards`); None: the full model to every rank. `rank`: the
+    sending trainer rank, whose staged bytes `sync_sent_rank<rank>_mib` reports (each stage's or expert owner's under
+    its own rank)."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
                  after_bucket: Callable[[str, int, list[str]], None] | None = None,
                  in_flight: Callable[[str, int, list[str]], None] | None = None,
-                 new_client: Callable[..., EngineClient] = EngineClient, layout: EngineLayout | None = None):
+                 new_client: Callable[..., EngineClient] = EngineClient, layout: EngineLayout | None = None,
+                 rank: int = 0):
+        self.rank = rank  # this sender's trainer rank (metrics: sync_sent_rank<rank>_mib)
         self.clients = [new_client(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         if layout is not None and not self.transport.shards:
@@ -132,9 +136,11 @@ class WeightSync:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.begin_weight_update(), "/begin_weight_update")
         tp = self.transport.context.engine_tp
-        sent = {"buckets": 0, "bytes": 0, "ranks": [0] * tp, "senders": {0: 0}}
+        sent = {"buckets": 0, "bytes": 0, "ranks": [0] * tp, "senders": {self.rank: 0}}
 
-        def count(nbytes: int, *, rank_bytes: list[int] | None = None, last: bool = False, sender: int = 0) -> None:
+        def count(nbytes: int, *, rank_bytes: list[int] | None = None, last: bool = False,
+                  sender: int | None = None) -> None:
+            sender = self.rank if sender is None else sender
             if self.after_bucket is not None and not last:
                 self.after_bucket(version, sent["buckets"], [c.url for c in self.clients])
             sent["buckets"] += 1
