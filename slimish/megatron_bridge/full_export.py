@@ -10,6 +10,8 @@ expert-tensor-parallel (ETP) group, an expert travels from its expert-parallel r
 (send/recv), and each later stage's leader (tp = etp = ep = 0) sends its tensors to the source after one metadata
 message (names, shapes, dtypes). Other data-parallel and expert-data-parallel replicas hold copies and skip it.
 The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the parameters' device.
+`export_owned_hf_tensors` is the same collective with every expert left on the rank that holds it (the weight sync's
+owners' route).
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def _hf_meta(rule: dense.Rule, param: torch.Tensor, expert: bool, arch: Architec
     return [(name, tuple(t.shape), t.dtype) for name, t in zip(rule.hf, dense.to_hf(rule, full, arch))]
 
 
-def _stage_order(entries: list, ep_size: int) -> list[tuple[int | None, int]]:
+def _stage_order(entries: list, ep_size: int, *, dense_first: bool = False) -> list[tuple[int | None, int]]:
     """Stream order of a stage as (source expert-parallel rank or None for a replicated parameter, entry index):
-    model order, each layer's expert block repeated per expert-parallel rank, so experts come in global order."""
+    model order, each layer's expert block repeated per expert-parallel rank, so experts come in global order;
+    `dense_first`: every parameter outside the experts first (their gathers done before any expert is yielded)."""
     order: list[tuple[int | None, int]] = []
 
     def block_key(item):
@@ -127,13 +130,16 @@ def _stage_order(entries: list, ep_size: int) -> list[tuple[int | None, int]]:
             order += [(None, index) for index in indices]
         else:
             order += [(src, index) for src in range(ep_size) for index in indices]
+    if dense_first:
+        order = [item for item in order if item[0] is None] + [item for item in order if item[0] is not None]
     return order
 
 
 def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ranks: _Ranks,
-                   arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+                   arch: Architecture, owners: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of this stage, yielded on the stage leader only; a collective over the stage's TP and EP
-    groups (every rank of the stage iterates it to the end)."""
+    groups (every rank of the stage iterates it to the end). `owners`: each expert is yielded by the rank that
+    holds it (ETP rank 0 of its EP rank), not sent to EP rank 0."""
     for src, index in order:
         rule, param, expert = entries[index]
         if src is None:  # outside the experts: gathered over the source's TP group, the other groups skip together
@@ -145,11 +151,11 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
             continue
         elif ranks.ep == src:  # gathered over its ETP group, whose rank 0 holds it whole
             full = gather_full(param, rule, expert=True)
-            if src == 0 and ranks.stage_leader:
+            if (src == 0 and ranks.stage_leader) or (owners and ranks.etp == 0):
                 yield from zip(rule.hf, dense.to_hf(rule, full, arch))
             elif src != 0 and ranks.etp == 0:
                 collectives.send(full.contiguous(), dst=ranks.ep_ranks[0], group=ranks.ep_group)
-        elif ranks.ep == 0 and ranks.etp == 0:
+        elif ranks.ep == 0 and ranks.etp == 0 and not owners:
             # Every expert-parallel rank holds the same local structure: only the names differ.
             full = torch.empty(_full_shape(param, expert=True), dtype=param.dtype, device=param.device)
             collectives.recv(full, src=ranks.ep_ranks[src], group=ranks.ep_group)
@@ -157,18 +163,19 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
             yield from zip(names, dense.to_hf(rule, full, arch))
 
 
-def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks):
+def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks, owners: bool = False):
     """(this stage's stream of HF tensors, on its leader only; the stage's plan: every (name, shape, dtype) in
-    stream order). Collective over the stage's EP group (the expert names) when expert-parallel."""
+    stream order). Collective over the stage's EP group (the expert names) when expert-parallel. `owners`: as
+    `export_owned_hf_tensors`."""
     entries = list(export_entries(model, arch))
     local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
     metas = [local_metas]
     if ranks.ep_size > 1 and ranks.experts:  # the leader needs the other ranks' expert names (one message per rank)
         metas = [None] * ranks.ep_size
         dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
-    order = _stage_order(entries, ranks.ep_size)
+    order = _stage_order(entries, ranks.ep_size, dense_first=owners)
     plan = [meta for src, index in order for meta in metas[src or 0][index]]
-    return _stage_tensors(entries, order, metas, ranks, arch), plan
+    return _stage_tensors(entries, order, metas, ranks, arch, owners), plan
 
 
 @torch.no_grad()
@@ -229,3 +236,21 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
             tensor = torch.empty(shape, dtype=dtype, device=device)
             collectives.recv(tensor, src=stage_rank, group=ranks.pp_group)
             yield name, tensor
+
+
+@torch.no_grad()
+def export_owned_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model, each HF tensor exactly once, spread over the ranks that own it (the weight sync's owners'
+    route, `slimish.weight_sync.owners`): the source rank yields every parameter outside the experts and its own
+    experts; ETP rank 0 of every other EP rank of the source replica yields its own experts, which no longer travel
+    to EP rank 0; other ranks yield nothing. Every parameter outside the experts comes first, so that once a rank
+    has yielded an expert, the rest of its iteration gathers only over its own ETP group: a rank waiting for the
+    engines between two of its items never holds up another's gather of the dense parameters. A collective like
+    `export_full_hf_tensors`, without pipeline parallelism (raises otherwise)."""
+    ranks = _Ranks.current()
+    if ranks is None:
+        yield from export_hf_tensors(model, arch)
+        return
+    if ranks.pp_size > 1:
+        raise ValueError("export_owned_hf_tensors: pipeline parallelism sends through the stages' leaders")
+    yield from _stage_stream(model, arch, ranks, owners=True)[0]

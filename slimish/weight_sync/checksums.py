@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimish.megatron_bridge.hf_config import Architecture
+from slimish.weight_sync.engine_loader import parse_slot
 
 # The sharding rule lives in slimish.weight_sync.sharding; its names stay importable from here.
 from slimish.weight_sync.sharding import (  # noqa: F401
@@ -114,8 +115,13 @@ class ExpectedChecksums:
             self._add_piece(rank, engine_name, part, num_parts, piece)
 
     def add_shard(self, rank: int, engine_name: str, tensor: torch.Tensor) -> None:
-        """Rank `rank`'s whole engine parameter `engine_name`, as the sharded sync sends it (`EngineShards`)."""
-        self._add_piece(rank, engine_name, 0, 1, tensor)
+        """Rank `rank`'s whole engine parameter `engine_name`, or one expert slot of it (`engine_loader.slot_name`,
+        hashed as a part of the stacked parameter, in slot order), as the sharded sync sends it (`EngineShards`)."""
+        param, slot = parse_slot(engine_name)
+        if slot is None:
+            self._add_piece(rank, engine_name, 0, 1, tensor)
+        else:
+            self._add_piece(rank, param, slot, self.layout.experts_per_rank(param), tensor)
 
     def _add_piece(self, rank: int, engine_name: str, part: int, num_parts: int, piece: torch.Tensor) -> None:
         done = self._done[rank]

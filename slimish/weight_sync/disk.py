@@ -59,10 +59,24 @@ class DiskTransport(Transport):
             self._remove_shards()  # loaded: this sync's shards are done with
         return bucket.nbytes
 
-    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+    def _sharded_dir(self, ranks: int) -> None:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
-            self._rank_files: list[list[Path]] = [[] for _ in bucket.ranks]
+            self._rank_files: list[list[Path]] = [[] for _ in range(ranks)]
+            self._owned_dirs: list[str] = []
+
+    def push_owned(self, shards: dict, *, rank_bytes: list[int], go) -> None:
+        """An expert owner wrote a bucket's per-rank files itself (`shards`: {"dir", "files": per engine rank
+        [(path, bytes)]}): they join the one load of the last bucket, and its directory is removed with this
+        sync's. `go` at once: the owner's files stay until then."""
+        self._sharded_dir(len(shards["files"]))
+        self._owned_dirs.append(shards["dir"])
+        for rank, files in enumerate(shards["files"]):
+            self._rank_files[rank] += [Path(path) for path, _ in files]
+        go()
+
+    def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
+        self._sharded_dir(len(bucket.ranks))
         self._shards += 1
         with self.phase("write"):
             for rank, part in enumerate(bucket.ranks):
@@ -86,7 +100,9 @@ class DiskTransport(Transport):
     def _remove_shards(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir, self._shards = None, 0
+            for owned in getattr(self, "_owned_dirs", ()):  # the expert owners' (slimish.weight_sync.owners)
+                shutil.rmtree(owned, ignore_errors=True)
+            self._dir, self._shards, self._owned_dirs = None, 0, []
 
     def abort(self) -> None:
         # The shards stay until `close`: an engine still loading them when the sync was given up (a slow one, or a

@@ -14,28 +14,63 @@ tensor)]: `receive_shard` joins, once per group name, a group of its own with th
 after it), receives its part as one flat buffer broadcast over that group, and copies each tensor into the parameter
 of its name. Groups of earlier connections (another name) are destroyed when a new one is joined.
 It runs in the engine: of slimish it imports only `slimish.collectives` (torch), lazily.
+
+Expert slots: every loader here also takes a tensor named `{stacked parameter}[{k}]`, e.g.
+`model.layers.3.mlp.experts.w13_weight[5]`, and copies it into expert k (the rank's local index, counted from the
+first expert of its expert-parallel block) of that stacked parameter: `param[k]`, shape checked. So one expert
+travels alone, without waiting for the rest of its layer, and the experts of one parameter may come from different
+senders (the trainer ranks that own them). `slot_name` / `parse_slot` are the encoding, on both ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+
+_SLOT = re.compile(r"(.+)\[(\d+)\]")
 
 # Group name -> this rank's group with the sender (`receive_shard`), kept from bucket to bucket.
 _GROUPS: dict = {}
+
+
+def slot_name(param: str, index: int) -> str:
+    """The name of expert `index`'s slot of stacked parameter `param` (see the module docstring)."""
+    return f"{param}[{index}]"
+
+
+def parse_slot(name: str) -> tuple[str, int | None]:
+    """(parameter, expert slot) of a loader's tensor name; slot None: the whole parameter."""
+    m = _SLOT.fullmatch(name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
+
+
+def load_one(params: dict, name: str, tensor, where: str = "") -> str:
+    """Copy `tensor` into the parameter (or expert slot, `parse_slot`) of `name` among `params`, shape checked;
+    returns the parameter's name. `where` names the payload in errors."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    param, slot = parse_slot(name)
+    if param not in params:
+        raise KeyError(f"{where}no parameter {param} on this engine rank")
+    if slot is None:
+        default_weight_loader(params[param], tensor)
+        return param
+    stacked = params[param].data
+    if slot >= stacked.shape[0] or stacked[slot].shape != tensor.shape:
+        raise ValueError(f"{where}expert slot {name}: got a tensor of shape {tuple(tensor.shape)}, the parameter is "
+                         f"{tuple(stacked.shape)}")
+    stacked[slot].copy_(tensor)
+    return param
 
 
 def load_by_name(model, named_tensors) -> None:
     """`load_format="direct"` plus the model's own post-processing: each tensor copied into the parameter of its name
     (SGLang's `default_weight_loader`, shape checked), then, for the parameters SGLang derives buffers from after
     loading (MLA's `w_kc` / `w_vc` from `kv_b_proj`), the model's `post_load_weights` for the layers loaded, as its
-    own `load_weights` does. The tensor transport's sharded load for such models."""
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
-
+    own `load_weights` does. The tensor transport's sharded load for such models, and for expert slots."""
     params = dict(model.named_parameters())
-    for name, tensor in named_tensors:
-        default_weight_loader(params[name], tensor)
-    post_load(model, [name for name, _ in named_tensors])
+    post_load(model, [load_one(params, name, tensor) for name, tensor in named_tensors])
 
 
 def post_load(model, names: list[str]) -> None:
@@ -50,7 +85,6 @@ def load_shard_files(model, named_tensors) -> None:
     """Load this rank's shard files named in `named_tensors` ([(path, its size in bytes as a tensor)]) into `model`
     by parameter name. A file of another size than the sender wrote (truncated, replaced) is refused."""
     from safetensors import safe_open
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
 
     params, loaded = dict(model.named_parameters()), []
     for path, size in named_tensors:
@@ -59,10 +93,7 @@ def load_shard_files(model, named_tensors) -> None:
             raise RuntimeError(f"weight shard {path}: {found} bytes, the sender wrote {int(size.item())}")
         with safe_open(path, framework="pt", device="cpu") as shard:
             for name in shard.keys():
-                if name not in params:
-                    raise KeyError(f"weight shard {path}: no parameter {name} on this engine rank")
-                default_weight_loader(params[name], shard.get_tensor(name))
-                loaded.append(name)
+                loaded.append(load_one(params, name, shard.get_tensor(name), where=f"weight shard {path}: "))
     post_load(model, loaded)
 
 
@@ -71,7 +102,6 @@ def receive_shard(model, named_tensors) -> None:
     [(JSON {"group", "address", "port", "world_size", "rank", "backend", "names", "dtypes", "shapes", "offsets",
     "nbytes"}, a marker tensor)]."""
     import torch
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
 
     ((spec, _),) = named_tensors
     spec = json.loads(spec)
@@ -88,10 +118,8 @@ def receive_shard(model, named_tensors) -> None:
         for size in shape:
             numel *= size
         tensor = flat[start:start + numel * dtype.itemsize].view(dtype).view(shape)
-        if name not in params:
-            raise KeyError(f"weight shard of group {spec['group']}: no parameter {name} on this engine rank")
-        default_weight_loader(params[name], tensor)
-    post_load(model, spec["names"])
+        load_one(params, name, tensor, where=f"weight shard of group {spec['group']}: ")
+    post_load(model, [parse_slot(name)[0] for name in spec["names"]])
 
 
 def _join(spec: dict):

@@ -9,6 +9,8 @@ the trainer. Who sends:
 - with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
   also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
   with rank 0's buckets;
+- with expert parallelism and the tensor or disk transport on the sharded route (`slimish.weight_sync.owners`), each
+  expert-parallel rank's ETP rank 0 stages its own experts for the engines, and rank 0 posts what names them;
 - colocated with the tensor transport (no expert parallelism, whose export spans replicas, and experts split as
   tensor_parallel splits the rest), the source rank of every data-parallel replica sends to the engines on its
   replica's GPUs, from its own GPU by CUDA IPC.
@@ -34,7 +36,12 @@ import torch
 from slimish.collectives import resolve_backend
 from slimish.config.schema import JobConfig
 from slimish.engines.client import EngineClient
-from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_stage_hf_tensors, in_source_replica
+from slimish.megatron_bridge.full_export import (
+    export_full_hf_tensors,
+    export_owned_hf_tensors,
+    export_stage_hf_tensors,
+    in_source_replica,
+)
 from slimish.network import free_port, node_ip
 from slimish.weight_sync.sync import WeightSync
 from slimish.weight_sync.transport import TransportContext
@@ -52,7 +59,8 @@ class WeightSender:
         self.new_client = new_client
         self._sync: WeightSync | None = None  # rank 0 (or a replica's source): the engine protocol
         self._stage_sender = None             # a later pipeline stage's leader, with stage senders
-        self._stage_links: list = []
+        self._stage_links: list = []          # rank 0: the stage senders' or the expert owners' links
+        self._owners = False                  # this connection sends experts from their owners (every rank knows)
         self._groups_made = 0
         self._api_key: str | None = None
         self._stalled_s = 0.0   # failed sends since the last whole one: how long each had made no progress
@@ -105,6 +113,8 @@ class WeightSender:
             if self.rank != replica[0] or not own:
                 return {}
             return self._connect_rank0(own, engine_tp, node_ip(), stages=[])
+        if self.owners_possible:
+            return self._connect_owners(engine_urls, engine_tp, master_addr)
         if not self.stage_senders:
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
         return self._connect_stages(engine_urls, engine_tp, master_addr)
@@ -137,6 +147,63 @@ class WeightSender:
             dist.barrier()
         return metrics
 
+    # ------------------------------------------------------------------- experts from their owners (owners.py)
+    @property
+    def owners_possible(self) -> bool:
+        """Whether the experts may go to the engines from the trainer ranks that own them (decided at connect,
+        `_connect_owners`): expert parallelism, no pipeline parallelism, the tensor or disk transport, rank 0
+        sending to every engine."""
+        from slimish.weight_sync.owners import TRANSPORTS as OWNER_TRANSPORTS
+
+        return (self.expert_parallel > 1 and self.pipeline_parallel == 1 and not self.replica_senders
+                and self.cfg.weight_sync.transport in OWNER_TRANSPORTS)
+
+    def _connect_owners(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
+        """Every rank: rank 0 reads the engines' layout and says whether the owners' route fits it (`owners_fit`; over
+        tensor, every owner on rank 0's node); then rank 0 connects with a link to each owner, and each owner (ETP
+        rank 0 of another EP rank of the source replica: rank 0's EP group) makes its `OwnerSender`. Where it does
+        not fit, rank 0 sends everything."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from slimish.weight_sync.owners import OwnerLink, OwnerSender, owners_fit
+
+        group = ps.get_expert_model_parallel_group()
+        members = dist.get_process_group_ranks(group)
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node_ip())
+        decision, failure = [None], None
+        if self.rank == 0:
+            try:
+                sharding = self._engine_sharding(engine_urls, engine_tp)
+                fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel,
+                                  predicted=self._expected_checksums(sharding) is not None)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are told (they return)
+                failure, sharding, fits = exc, None, False
+            # Over tensor the engines map the owners' memory: every owner on rank 0's node, as the engines are.
+            if self.cfg.weight_sync.transport == "tensor":
+                fits = fits and all(nodes[rank] == nodes[0] for rank in members)
+            decision = [(fits, sharding, failure is not None)]
+        dist.broadcast_object_list(decision, src=0)
+        self._owners, sharding, failed = decision[0]
+        if failure is not None:
+            raise failure
+        if failed:
+            return {}
+        if not self._owners:
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
+        if 0 not in members or not in_source_replica():
+            return {}
+        if self.rank == 0:
+            links = [OwnerLink(stage=0, rank=rank, group=group, group_name="") for rank in members if rank != 0]
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
+        ws = self.cfg.weight_sync
+        self._stage_sender = OwnerSender(
+            rank=self.rank, transport=ws.transport, layout=self.sharded_layout(sharding), engines=len(engine_urls),
+            bucket_bytes=int(ws.bucket_mb * 2**20), coordinator=0, group=group, disk_dir=self.disk_dir(),
+            expected_checksums=self._expected_checksums(sharding))
+        return {}
+
     def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
         from slimish.hooks import load_function
 
@@ -144,14 +211,16 @@ class WeightSender:
         port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
         self._stage_links = stages
         sharding = self._engine_sharding(engine_urls, engine_tp)
+        # Owners' links are not stages: the route's rules (sharded_layout) apply as without them.
+        stage_links = [link for link in stages if not link.after_own]
         self._sync = WeightSync(transport=ws.transport, context=self._context(engine_tp, master_addr, port,
                                                                                self._group_name()),
                                 engine_urls=engine_urls, bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
                                 expected_checksums=self._expected_checksums(sharding),
-                                layout=self.sharded_layout(sharding, stages=bool(stages)),
+                                layout=self.sharded_layout(sharding, stages=bool(stage_links)),
                                 after_bucket=load_function(ws.after_bucket_hook) if ws.after_bucket_hook else None,
                                 in_flight=load_function(ws.in_flight_hook) if ws.in_flight_hook else None,
-                                new_client=self.new_client)
+                                new_client=self.new_client, rank=self.rank)
         t0 = time.monotonic()
         self._sync.connect()
         return {"time_connect_s": time.monotonic() - t0}
@@ -216,7 +285,7 @@ class WeightSender:
                         f"with it; add it to attached ones)" if loader and loader not in sharding.loaders
                    else f"the engine layout of {self.arch.family} on {sharding} is not known"
                    if not layout_supported(self.arch, sharding) else "")
-        layout = None if why_not else EngineLayout(self.arch, sharding)
+        layout = None if why_not else EngineLayout(self.arch, sharding, expert_slots=self.expert_slots(sharding))
         if layout is not None and not layout.direct_loadable and ws.transport == "tensor" \
                 and SHARD_DIRECT not in sharding.loaders:
             why_not, layout = (f"{self.arch.family}'s MLA weights are post-processed after loading, which needs "
@@ -224,6 +293,16 @@ class WeightSender:
         if why_not and ws.sharded == "on":
             raise ConfigError("weight_sync.sharded", f"'on' cannot run here: {why_not}; use 'auto' or 'off'")
         return layout
+
+    def expert_slots(self, sharding) -> bool:
+        """Whether the sharded route sends experts one at a time into their slots (`EngineShards`): where the
+        engines list slimish's loader of this transport (the tensor transport's is `SHARD_DIRECT`; the others'
+        are required by the sharded route anyway). Else a rank's stacked expert parameters travel whole."""
+        from slimish.config.engine_flags import SHARD_DIRECT
+        from slimish.weight_sync.sync import TRANSPORTS
+
+        transport = self.cfg.weight_sync.transport
+        return (SHARD_DIRECT if transport == "tensor" else TRANSPORTS[transport].shard_loader) in sharding.loaders
 
     # ------------------------------------------------------------------------------------------------- send
     def send(self, module, version: int) -> dict:
@@ -236,6 +315,8 @@ class WeightSender:
             return {}
         if self.stage_senders:
             tensors = export_stage_hf_tensors(module, self.arch)
+        elif self._owners:
+            tensors = export_owned_hf_tensors(module, self.arch)
         else:
             tensors = export_full_hf_tensors(module, self.arch)
         try:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimish.megatron_bridge.hf_config import Architecture
+from slimish.weight_sync.engine_loader import slot_name
 
 VOCAB_PADDING = 64  # sglang.srt.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 CPU_INTERMEDIATE_PADDING = 32  # sglang.srt.configs.update_config.DEFAULT_MOE_PADDING_SIZE, times the TP size
@@ -163,11 +164,14 @@ class _Split:
 class EngineLayout:
     """The engine parameters of model `arch` on the ranks of an engine sharded as `sharding`."""
 
-    def __init__(self, arch: Architecture, sharding: EngineSharding = EngineSharding()):
+    def __init__(self, arch: Architecture, sharding: EngineSharding = EngineSharding(), *, expert_slots: bool = False):
         if not layout_supported(arch, sharding):
             raise ValueError(f"the engine parameters of this model on engines sharded as {sharding} are not known "
                              f"(layout_supported)")
         self.arch, self.sharding = arch, sharding
+        # Experts sent one at a time into their slot of the stacked parameters (`engine_loader.slot_name`; needs
+        # slimish's engine loaders), instead of a whole stacked parameter per rank.
+        self.expert_slots = expert_slots and arch.moe is not None
         self.fused_shared = fuses_shared_experts(arch, sharding)
         # With the fusion, the shared expert is the last expert of w13_weight / w2_weight.
         self.num_experts = (arch.moe.num_experts + self.fused_shared) if arch.moe else 0
@@ -177,8 +181,9 @@ class EngineLayout:
         """Whether SGLang's stock `load_format="direct"` (a copy by name) loads an engine rank's parameters: not with
         MLA, whose `w_kc` / `w_vc` SGLang computes from `kv_b_proj` in `load_weights` (and in `post_load_weights`,
         which `/end_weight_update` runs only when nothing was loaded), so a bare copy would leave them stale; slimish's
-        `engine_loader.load_by_name` copies and then post-processes."""
-        return self.arch.mla is None
+        `engine_loader.load_by_name` copies and then post-processes. Nor expert slots, which only slimish's loaders
+        know."""
+        return self.arch.mla is None and not self.expert_slots
 
     def pieces(self, hf_name: str, tensor: torch.Tensor) -> Iterator[tuple[int, str, int, int, torch.Tensor]]:
         """(rank, engine parameter, index of this slice among the parameter's parts on that rank, number of parts,
@@ -285,7 +290,12 @@ class EngineShards:
     returns the (rank, engine parameter, tensor in SGLang's layout) that tensor completed; `finish` raises if a
     parameter got only some of its parts. A parameter of one part is its slice (a view where no padding is added);
     a fused one is its parts concatenated in order (experts stacked: w13_weight [experts, 2 x rows, hidden],
-    w2_weight [experts, hidden, columns]). Parts wait here until their parameter is complete (a layer's experts)."""
+    w2_weight [experts, hidden, columns]). Parts wait here until their parameter is complete (a layer's experts).
+
+    With the layout's `expert_slots`, an expert parameter is not built whole: each expert is its own item as soon as
+    its parts have passed, named by its slot (`engine_loader.slot_name`: w13_weight[k] = its gate and up slices
+    [2 x rows, hidden], w2_weight[k] = its down slice [hidden, columns]), so only one expert's gate waits for its
+    up here, never a layer's experts."""
 
     def __init__(self, layout: EngineLayout):
         self.layout = layout
@@ -294,6 +304,8 @@ class EngineShards:
     def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[int, str, torch.Tensor]]:
         done = []
         for rank, name, part, num_parts, piece in self.layout.pieces(hf_name, tensor):
+            if self.layout.expert_slots and self.layout.experts_per_rank(name):
+                name, part, num_parts = expert_slot(name, part)
             if num_parts == 1:
                 done.append((rank, name, piece))
                 continue
@@ -320,6 +332,15 @@ class EngineShards:
         for hf_name, tensor in named_tensors:
             yield from self.add(hf_name, tensor)
         self.finish()
+
+
+def expert_slot(engine_name: str, part: int) -> tuple[str, int, int]:
+    """(the slot's name, this part's index in it, its number of parts) of part `part` of stacked expert parameter
+    `engine_name` (`EngineLayout.engine_slot`'s numbering: w13_weight's 2k and 2k + 1 are expert k's gate and up,
+    w2_weight's k its down)."""
+    if engine_name.endswith(".w13_weight"):
+        return slot_name(engine_name, part // 2), part % 2, 2
+    return slot_name(engine_name, part), 0, 1
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -49,6 +49,15 @@ class StageLink:
         self.stage, self.rank, self.group, self.group_name = stage, rank, group, group_name
         self.start()
 
+    #: Rank 0 takes this link's buckets only once its own export has ended (the expert owners', see
+    #: `slimish.weight_sync.owners`); a stage's take turns with rank 0's.
+    after_own = False
+
+    @property
+    def label(self) -> str:
+        """How the link's metrics are suffixed."""
+        return f"stage{self.stage}"
+
     def start(self) -> None:
         """Before each sync: nothing exchanged yet."""
         self.reply_owed = self.finished = False
@@ -56,7 +65,8 @@ class StageLink:
     def next(self) -> dict:
         """The leader's next message (blocks until it has one)."""
         message = _recv(source=self.rank, group=self.group)
-        self.reply_owed, self.finished = "bucket" in message, "bucket" not in message
+        bucket = "bucket" in message or "shards" in message
+        self.reply_owed, self.finished = bucket, not bucket
         return message
 
     def reply(self, go: bool) -> None:

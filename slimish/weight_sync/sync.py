@@ -45,13 +45,17 @@ class WeightSync:
     it is sent (the weight_sync.in_flight_hook; with the disk transport, index 0: the one load of the whole model).
     `new_client(url, api_key=...)` makes the client of each engine (`EngineClient`; a stand-in in unit tests).
     `layout`: the engines' `EngineLayout` for the sharded route (each engine rank is sent only the engine parameters
-    it holds, `EngineShards`; the transport must have `shards`); None: the full model to every rank."""
+    it holds, `EngineShards`; the transport must have `shards`); None: the full model to every rank. `rank`: the
+    sending trainer rank, whose staged bytes `sync_sent_rank<rank>_mib` reports (each stage's or expert owner's under
+    its own rank)."""
 
     def __init__(self, *, transport: str, context: TransportContext, engine_urls: list[str], bucket_bytes: int,
                  verify: bool = True, expected_checksums: Callable[[], ExpectedChecksums] | None = None,
                  after_bucket: Callable[[str, int, list[str]], None] | None = None,
                  in_flight: Callable[[str, int, list[str]], None] | None = None,
-                 new_client: Callable[..., EngineClient] = EngineClient, layout: EngineLayout | None = None):
+                 new_client: Callable[..., EngineClient] = EngineClient, layout: EngineLayout | None = None,
+                 rank: int = 0):
+        self.rank = rank  # this sender's trainer rank (metrics: sync_sent_rank<rank>_mib)
         self.clients = [new_client(url, api_key=context.api_key) for url in engine_urls]
         self.transport = TRANSPORTS[transport](context)
         if layout is not None and not self.transport.shards:
@@ -111,6 +115,11 @@ class WeightSync:
             self.broken = True
             self.transport.abort()
             self.hung += [url for url in self.transport.hung if url not in self.hung]
+            if any(link.after_own for link in stages):
+                # The owners send their first bucket only once this rank's export has ended (their gathers of the
+                # parameters outside the experts need it): finish it, so that each can be told to give up.
+                for _ in named_tensors:
+                    pass
             stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
                 self.transport.settle(self.transport.on_all(lambda c: c.end_weight_update()))
@@ -127,13 +136,16 @@ class WeightSync:
             with self.transport.phase("control"):
                 self._on_all(lambda c: c.begin_weight_update(), "/begin_weight_update")
         tp = self.transport.context.engine_tp
-        sent = {"buckets": 0, "bytes": 0, "ranks": [0] * tp}
+        sent = {"buckets": 0, "bytes": 0, "ranks": [0] * tp, "senders": {self.rank: 0}}
 
-        def count(nbytes: int, *, rank_bytes: list[int] | None = None, last: bool = False) -> None:
+        def count(nbytes: int, *, rank_bytes: list[int] | None = None, last: bool = False,
+                  sender: int | None = None) -> None:
+            sender = self.rank if sender is None else sender
             if self.after_bucket is not None and not last:
                 self.after_bucket(version, sent["buckets"], [c.url for c in self.clients])
             sent["buckets"] += 1
             sent["bytes"] += nbytes
+            sent["senders"][sender] = sent["senders"].get(sender, 0) + nbytes  # by trainer rank
             # What each engine rank receives: its own part of a sharded bucket, else the whole bucket.
             for rank, received in enumerate(rank_bytes or [nbytes] * tp):
                 sent["ranks"][rank] += received
@@ -169,15 +181,22 @@ class WeightSync:
                         push(pending, version=None)
                     pending = bucket
             for link in list(remote):
+                if link.after_own and own_left:  # an expert owner's: once this rank's export has ended
+                    continue
                 message = link.next()
                 if "bucket" in message:
                     self.transport.push_remote(message["bucket"], nbytes=message["nbytes"], group_name=link.group_name,
                                                go=lambda link=link: link.reply(True))
-                    count(message["nbytes"])
+                    count(message["nbytes"], sender=link.rank)
+                elif "shards" in message:
+                    self.transport.push_owned(message["shards"], rank_bytes=message["rank_bytes"],
+                                              go=lambda link=link: link.reply(True))
+                    count(message["nbytes"], rank_bytes=message["rank_bytes"], sender=link.rank)
                 elif "done" in message:
                     remote.remove(link)
-                    stage_checksums.append(message["done"])
-                    stage_phases.append((link.stage, message["phases"]))
+                    if message["done"] is not None:
+                        stage_checksums.append(message["done"])
+                    stage_phases.append((link.label, message["phases"]))
                 else:
                     raise RuntimeError(message["failed"])
         if pending is not None:
@@ -194,11 +213,13 @@ class WeightSync:
                     for rank, part in zip(checksums, stage):
                         rank.update(part)
             self.check_engines(version, checksums)
-        stage_metrics = {f"{key.removesuffix('_s')}_stage{stage}_s": seconds
-                         for stage, phases in stage_phases for key, seconds in phases.items()}
+        stage_metrics = {f"{key.removesuffix('_s')}_{label}_s": seconds
+                         for label, phases in stage_phases for key, seconds in phases.items()}
         per_rank = {f"sync_engine_rank{rank}_mib": received / 2**20 for rank, received in enumerate(sent["ranks"])}
+        per_rank |= {f"sync_sent_rank{rank}_mib": nbytes / 2**20 for rank, nbytes in sent["senders"].items()}
         return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
-                "sync_sharded": int(self.layout is not None), **per_rank,
+                "sync_sharded": int(self.layout is not None),
+                "sync_expert_slots": int(self.layout is not None and self.layout.expert_slots), **per_rank,
                 "sync_checksums_predicted": int(expected is not None),
                 "time_transfer_s": t1 - t0, "time_verify_s": time.monotonic() - t1, **self.transport.pop_phases(),
                 **stage_metrics}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import io
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
 from urllib.parse import urlparse
@@ -89,14 +90,11 @@ class TensorTransport(Transport):
         tensor copied into the parameter of its name, shape checked). One shared segment per rank per bucket."""
         with self.phase("flatten"):
             if self.rank_buffers is None:
-                device = next((b.tensors[0].device for b in bucket.ranks if b.tensors), torch.device("cpu"))
-                self.rank_buffers = [FlatBuffers(share=_share_by_name, reuse=device.type == "cpu")
-                                     for _ in bucket.ranks]
-            placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
-            named = [list(zip(part.names, views(_crossing(flat), part, offsets)))
-                     for part, (flat, offsets) in zip(bucket.ranks, placed)]
-            # One pickle per receiving rank, as in `push`.
-            payloads = {c.url: [_serialize(pairs) for pairs in named] for c in self.clients}
+                from slimish.weight_sync.owners import rank_buffers
+
+                self.rank_buffers = rank_buffers(bucket)
+            placed, staged = stage_shards(bucket, self.rank_buffers, len(self.clients))
+            payloads = {c.url: pickles for c, pickles in zip(self.clients, staged)}
         self.wait_loaded()
         # SGLang's stock copy by name, or slimish's (the same, then the model's post-processing: MLA).
         load_format = "direct" if self.direct_load else SHARD_DIRECT
@@ -108,8 +106,33 @@ class TensorTransport(Transport):
             self.wait_loaded()
         return bucket.nbytes
 
+    def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None]) -> None:
+        """Post a bucket an expert owner staged in its own shared segments (`shards[e][r]`: engine e's rank r's
+        pickle, `stage_shards`) and, once every engine has loaded it, call `go` (the owner may reuse its segments).
+        Loaded with slimish's `load_by_name` (expert slots)."""
+        self.wait_loaded()
+        payloads = {c.url: pickles for c, pickles in zip(self.clients, shards)}
+        calls = self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=SHARD_DIRECT, weight_version=None, flush_cache=False))
+        self.loading(calls, deadline=self.deadline(max(rank_bytes)))
+        self.wait_loaded()
+        go()
+
     def abort(self) -> None:
         self.let_go()
+
+
+def stage_shards(bucket: ShardedBucket, rank_buffers: list[FlatBuffers],
+                 engines: int) -> tuple[list, list[list[str]]]:
+    """Copy each engine rank's part of `bucket` into its buffer of `rank_buffers` (one shared segment per rank):
+    (what must stay alive until the engines have loaded it, per engine the per-rank pickles of (engine parameter,
+    view of rank r's buffer) lists: `serialized_named_tensors`, SGLang handing rank r entry r). One pickle per
+    receiving rank of every engine: under the file_system strategy each pickle takes a reference to the shared
+    segment and each unpickling drops one, so a pickle read twice would drop the sender's own reference too."""
+    placed = [buffers.place(part) for buffers, part in zip(rank_buffers, bucket.ranks)]
+    named = [list(zip(part.names, views(_crossing(flat), part, offsets)))
+             for part, (flat, offsets) in zip(bucket.ranks, placed)]
+    return placed, [[_serialize(pairs) for pairs in named] for _ in range(engines)]
 
 
 def _same_host(engine_host: str | None, sender_host: str) -> bool:

@@ -258,6 +258,11 @@ class Transport(ABC):
         for `push`."""
         raise NotImplementedError(f"{type(self).__name__} sends the full model only")
 
+    def push_owned(self, shards, *, rank_bytes: list[int], go: Callable[[], None]) -> None:
+        """Post a bucket of per-rank shards an expert owner staged itself (`slimish.weight_sync.owners`; what names
+        it, by transport), and call `go` once the owner may drop or reuse what it staged."""
+        raise NotImplementedError(f"{type(self).__name__} does not take experts from their owners")
+
     @abstractmethod
     def abort(self) -> None:
         """After a failed push (an engine died): release the engines still waiting for a bucket and drop what the

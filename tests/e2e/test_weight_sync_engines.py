@@ -104,10 +104,11 @@ def sharding(url: str):
 
 
 def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str, arch=None, in_transit=None,
-         sharded: bool = False) -> dict:
+         sharded: bool = False, slots: bool = False) -> dict:
     """Send `tensors` to the engine (or engines); with `arch`, verified against the checksums predicted from them,
     else each engine against the first. `in_transit` may alter each bucket after the sender hashed it. `sharded`
-    (with `arch`): each engine rank is sent only its own parameters (the sharded route)."""
+    (with `arch`): each engine rank is sent only its own parameters (the sharded route); `slots`: experts one at a
+    time into their slots (`EngineShards`, slimish's engine loaders)."""
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
@@ -118,9 +119,10 @@ def sync(url: str | list[str], tensors, *, transport: str, workdir, version: str
     layout = sharding(urls[0])
     # Small buckets: the model spans several, so the flip on the last one and the overlap are exercised.
     expected = functools.partial(ExpectedChecksums, arch, torch.float32, layout) if arch else None
+    engine_layout = EngineLayout(arch, layout, expert_slots=slots) if sharded or slots else None
     weight_sync = sync_to(urls, transport=transport, group_name=f"test_{transport}_{version}", bucket_bytes=64 << 10,
                           engine_tp=layout.tp, disk_dir=str(workdir / "disk"), api_key=KEYS.get(urls[0]),
-                          expected_checksums=expected, layout=EngineLayout(arch, layout) if sharded else None)
+                          expected_checksums=expected, layout=engine_layout)
     if in_transit is not None:
         push = weight_sync.transport.push
         weight_sync.transport.push = lambda bucket, version: push(in_transit(bucket), version=version)
@@ -147,26 +149,28 @@ def test_the_sender_predicts_every_engine_checksum(engine):
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "tensor", "disk", "tensor-sharded", "disk-sharded",
-                                       "broadcast-sharded"])
+                                       "broadcast-sharded", "tensor-slots", "disk-slots", "broadcast-slots"])
 def test_a_sync_writes_every_engine_parameter(engine, transport):
     """Every transport writes every parameter; the full path puts the whole model before every engine rank, the
     sharded one (each rank its own parameters, loaded by name: from shared memory with tensor-sharded, from files of
     its own through slimish's engine-side loader with disk-sharded, over a group of its own with the sender through
     the same loader module with broadcast-sharded) about 1 / tp of it on each of the MoE engine's
-    two ranks (plus what SGLang replicates: norms, the router, the CPU's padding)."""
+    two ranks (plus what SGLang replicates: norms, the router, the CPU's padding). `-slots`: sharded, each expert
+    sent alone into its slot of the stacked parameters (slimish's loaders on every transport)."""
     family, url, tensors, workdir, arch = engine
     loaded = checksums(url)
     weights_checker(url, "reset_tensors")
     assert len(differ(loaded, checksums(url))) == sum(map(len, loaded)), "reset_tensors changed every parameter"
     name, _, route = transport.partition("-")
     metrics = sync(url, tensors, transport=name, workdir=workdir, version=f"{transport}-1", arch=arch,
-                   sharded=route == "sharded")
+                   sharded=route == "sharded", slots=route == "slots")
     assert metrics["sync_buckets"] > 1 and metrics["time_verify_s"] > 0
     assert differ(loaded, checksums(url)) == [], f"{family}/{transport}: parameters the sync did not write"
     model_mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
     received = [metrics[f"sync_engine_rank{r}_mib"] for r in range(ENGINE_TP[family])]
     print(f"{family}/{transport}: model {model_mib:.3f} MiB, per engine rank {[round(r, 3) for r in received]} MiB")
-    if route != "sharded" or ENGINE_TP[family] == 1:
+    assert metrics["sync_expert_slots"] == int(route == "slots" and family == "glm4_moe")
+    if route == "" or ENGINE_TP[family] == 1:
         assert received == [pytest.approx(metrics["sync_mib"])] * ENGINE_TP[family]
     else:
         assert metrics["sync_sharded"] == 1
@@ -319,13 +323,16 @@ def test_stage_senders_write_every_engine_parameter_and_survive_a_failing_stage(
     assert differ(loaded, checksums(url)) == [], f"{family}: parameters the stage senders did not write"
 
 
-def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path):
+@pytest.mark.parametrize("route", ["rank0", "owners"])
+def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path, route):
     """RL with the tiny GLM-4.5 (sigmoid router with correction bias, shared expert, first dense layer, partial
     rotary) trained at expert parallelism 2 (two Megatron ranks, each holding half the experts), rolled out by
     `moe_engine` (two tensor-parallel ranks). After every weight sync the engine's logprobs equal the trainer's and
     each rank's checksums the trainer's prediction: the full export gathered every expert, the router bias and the
     shared expert under the names SGLang loads, and the sender cut them into each engine rank's shard (the sharded
-    route, weight_sync.sharded auto with a TP2 engine and the tensor transport)."""
+    route, weight_sync.sharded auto with a TP2 engine and the tensor transport). `owners`: without checksums
+    (weight_sync.verify off: the engine's ranks each hold a slice of every expert, outside what an owner can
+    predict), EP rank 1 stages its own experts for the engine, which maps them from its memory (~33 s more)."""
     import json
     import subprocess
 
@@ -335,20 +342,27 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     cmd = train_command({**task_assets, "model": moe_engine.model}, tmp_path, "sft.steps=2", "rl.num_steps=2",
                         "run.name=moe", "parallel.num_trainer_ranks=2", "parallel.expert_parallel=2",
                         *moe_engine.overrides(), "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1",
-                        "weight_sync.transport=tensor")  # the engine maps each bucket from the trainer's memory
+                        "weight_sync.transport=tensor",  # the engine maps each bucket from the trainer's memory
+                        *(["weight_sync.verify=false"] if route == "owners" else []))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    print("moe rl:", [{k: r[k] for k in ("step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib",
-                                         "sync_engine_rank0_mib", "sync_engine_rank1_mib", "time_sync_s")}
-                      for r in records])
+    print(f"moe rl ({route}):", [{k: r.get(k) for k in (
+        "step", "logprob_abs_diff_max", "ppo_kl", "reward_mean", "sync_mib", "sync_engine_rank0_mib",
+        "sync_engine_rank1_mib", "sync_sent_rank0_mib", "sync_sent_rank1_mib", "time_sync_s")} for r in records])
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_failed"] == 0
-        assert record["sync_checksums_predicted"] == 1, "each engine rank checked against the trainer"
+        if route == "owners":  # EP rank 1 sent its own experts, rank 0 the rest
+            assert record["sync_senders"] == 2 and 0 < record["sync_sent_rank1_mib"] < record["sync_mib"], record
+            assert record["sync_sent_rank0_mib"] + record["sync_sent_rank1_mib"] == pytest.approx(record["sync_mib"])
+        else:
+            assert record["sync_checksums_predicted"] == 1, "each engine rank checked against the trainer"
+            assert record["sync_senders"] == 1, record
         # weight_sync.sharded auto: each engine rank was sent only its own parameters (about half the model each).
         assert record["sync_sharded"] == 1, record
+        assert record["sync_expert_slots"] == 1, record  # each expert alone into its slot (load_by_name)
         halves = [record["sync_engine_rank0_mib"], record["sync_engine_rank1_mib"]]
         assert sum(halves) == pytest.approx(record["sync_mib"]) and max(halves) < 0.75 * record["sync_mib"], record
     assert records[0]["ppo_kl"] == 0.0

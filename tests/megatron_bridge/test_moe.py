@@ -17,6 +17,7 @@ from tests.megatron_bridge.layouts import (
     assert_export_is_checkpoint,
     assert_full_export_is_checkpoint,
     assert_logits_match_hf,
+    assert_owned_export_is_checkpoint,
     run_layout,
 )
 from tests.megatron_bridge.parity import (
@@ -182,6 +183,13 @@ def test_layout_export_gives_back_the_checkpoint(layout_run, moe_models, name, s
 @pytest.mark.parametrize("source", ["hf", "converted"])
 def test_layout_full_export_gives_rank0_the_checkpoint(layout_run, moe_models, name, source):
     assert_full_export_is_checkpoint(layout_run[0][name if source == "hf" else f"{name}_converted"], moe_models[name])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_layout_owned_export_spreads_the_checkpoint_over_its_owners(layout_run, request, moe_models, name):
+    if LAYOUTS[request.node.callspec.params["layout_run"]]["pp"] > 1:
+        pytest.skip("the owners' export is without pipeline parallelism")
+    assert_owned_export_is_checkpoint(layout_run[0][name], moe_models[name])
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -16,7 +16,7 @@ from slimish.megatron_bridge.hf_config import architecture_from_hf
 from slimish.weight_sync.sender import WeightSender
 from slimish.weight_sync.sharding import EngineSharding
 from tests.conftest import REPO
-from tests.megatron_bridge.real_configs import DEEPSEEK_V3, QWEN3_8B
+from tests.megatron_bridge.real_configs import DEEPSEEK_V3, QWEN3_8B, QWEN3_30B_A3B
 
 WITH_LOADER = EngineSharding(tp=2, loaders=(SHARD_LOADER,))
 BOTH_LOADERS = EngineSharding(tp=2, loaders=(SHARD_LOADER, SHARD_RECEIVER))
@@ -94,3 +94,16 @@ def test_on_without_its_loader_is_refused_naming_it(tmp_path):
 def test_on_where_the_config_alone_rules_it_out_fails_check_config(tmp_path, overrides, fragment):
     with pytest.raises(ConfigError, match=rf"weight_sync.sharded.*{fragment}"):
         sender(tmp_path, QWEN3_8B, "weight_sync.sharded=on", *overrides)
+
+
+@pytest.mark.parametrize(("transport", "loaders", "slots"), [
+    ("tensor", (SHARD_LOADER, SHARD_DIRECT), True), ("tensor", (SHARD_LOADER,), False),
+    ("disk", (SHARD_LOADER,), True)], ids=["tensor-by-name", "tensor-stock-direct", "disk"])
+def test_experts_travel_one_at_a_time_where_slimishs_loader_takes_them(tmp_path, transport, loaders, slots):
+    """An MoE model's experts go into their slots one by one (`EngineShards`, `engine_loader.slot_name`) where the
+    engines list slimish's loader of the transport; over tensor without `load_by_name`, SGLang's stock direct copy
+    takes only whole stacked parameters."""
+    layout = sender(tmp_path, QWEN3_30B_A3B, f"weight_sync.transport={transport}").sharded_layout(
+        EngineSharding(tp=2, loaders=loaders))
+    assert layout.expert_slots == slots
+    assert layout.direct_loadable == (not slots)

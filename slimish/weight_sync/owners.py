@@ -1,0 +1,185 @@
+"""Experts straight from the trainer ranks that own them (the owners' route: trainer expert parallelism > 1, a
+sharded sync with expert slots, the `tensor` or `disk` transport, no pipeline parallelism).
+
+Without it every expert travels from its expert-parallel (EP) rank to EP rank 0 and on, from rank 0, to the
+engines. With it, each owner (ETP rank 0 of an EP rank of the source replica, `export_owned_hf_tensors`) cuts its
+own experts into the engine ranks' slots (`EngineShards` with `expert_slots`), stages them itself and hashes them
+(`ExpectedChecksums.add_shard`); only what names the staged bytes travels to rank 0, over the EP group:
+- `tensor`: per engine and engine rank, a pickle of handles to the owner's own shared segments (`stage_shards`);
+- `disk`: the paths of the owner's own per-rank safetensors files.
+Rank 0 posts every request to the engines, for its own buckets and for the owners' (an SGLang engine serves
+weight-update requests one at a time, in arrival order: one poster keeps every engine in the same order, see
+`slimish.weight_sync.stages`). Rank 0 takes the owners' buckets once its own export has ended: the export gathers
+the parameters outside the experts first, over TP groups the owners may share with rank 0, and an owner waiting
+for rank 0's answer must not hold up one of those gathers.
+
+Messages over the EP group, between rank 0 and an owner (the stage senders' exchange, `StageLink`):
+  owner -> rank 0   {"shards": what names the bucket, "nbytes": n, "rank_bytes": [per engine rank]}
+  rank 0 -> owner   True | False     the engines have loaded it (its segments may be reused) | give up
+  owner -> rank 0   {"done": per-rank checksums or None, "phases": {...}, "nbytes": bytes staged}
+  owner -> rank 0   {"failed": "why"}
+
+Checksums: an owner predicts the engine parameters whose slots are all its own. So with checksums the route is taken
+only where every engine expert block lies within one owner's experts (`owners_fit`: the engines' expert-parallel
+size a multiple of the trainer's; without them, weight_sync.verify off, anywhere). Elsewhere (an engine rank holding
+slices of every expert, as a TP engine without EP does) one engine parameter would need bytes from several owners
+hashed in order, and SHA-256 cannot be combined from parts hashed apart, so the experts go through rank 0 as before
+(still one slot at a time).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from slimish import run_layout
+from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded_buckets
+from slimish.weight_sync.checksums import ExpectedChecksums
+from slimish.weight_sync.sharding import EngineLayout, EngineShards
+from slimish.weight_sync.stages import StageLink, _recv, _send
+
+TRANSPORTS = ("tensor", "disk")
+
+
+def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool = True) -> bool:
+    """Whether the owners' route can send this sync: expert slots on the sharded route, and, when the sync's
+    checksums are `predicted`, every engine expert block within one trainer EP rank's experts (see the module
+    docstring; without checksums, weight_sync.verify off, one engine parameter's slots may come from several
+    owners)."""
+    if layout is None or not layout.expert_slots or trainer_ep == 1 or layout.num_experts % trainer_ep:
+        return False
+    return not predicted or layout.sharding.ep % trainer_ep == 0
+
+
+class OwnerLink(StageLink):
+    """Rank 0's side of one owner: taken once rank 0's own export has ended (`after_own`)."""
+    after_own = True
+
+    @property
+    def label(self) -> str:
+        return f"owner{self.rank}"
+
+
+class OwnerSender:
+    """An owner's side (global rank `rank`, not rank 0): stages its experts' buckets with transport `transport`
+    ("tensor" or "disk") for `engines` engines sharded as `layout`, and hands them to rank 0 (`coordinator`) over
+    `group`, one at a time. `disk_dir`: where the disk transport writes (rank 0 removes the files once loaded)."""
+
+    def __init__(self, *, rank: int, transport: str, layout: EngineLayout, engines: int, bucket_bytes: int,
+                 coordinator: int, group, disk_dir: str = "",
+                 expected_checksums: Callable[[], ExpectedChecksums] | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"the owners' route sends over {TRANSPORTS}, not {transport}")
+        self.rank, self.transport, self.layout, self.engines = rank, transport, layout, engines
+        self.bucket_bytes, self.coordinator, self.group = bucket_bytes, coordinator, group
+        self.disk_dir, self.expected_checksums = disk_dir, expected_checksums
+        self.rank_buffers: list[FlatBuffers] | None = None  # tensor: the owner's own segments, reused (CPU)
+        self._phases: dict[str, float] = {}
+        self.sending = False
+
+    def release(self, reason: str) -> None:
+        """Nothing to give up here: an owner waits only for rank 0, which answers False once released."""
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send this owner's experts (`named_tensors`, its `export_owned_hf_tensors`, consumed lazily, may be left
+        part-consumed), bucket by bucket as rank 0 allows. A failure is reported to rank 0, not raised."""
+        reply_owed, staged_bytes = False, 0
+        self.sending, self._phases = True, {}
+        try:
+            expected = self.expected_checksums() if self.expected_checksums else None
+            shards = EngineShards(self.layout).stream(named_tensors)
+            if expected is not None:
+                shards = self._hashing(shards, expected)
+            staged = self._staged(plan_sharded_buckets(shards, self.layout.sharding.tp, self.bucket_bytes))
+            current = next(staged, None)
+            while current is not None:
+                bucket, message, _keep = current  # _keep: the staged segments, alive until the engines answer
+                _send({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes},
+                      to=self.coordinator, group=self.group)
+                reply_owed, staged_bytes = True, staged_bytes + bucket.nbytes
+                upcoming = next(staged, None)  # staged while the engines load this one (the other buffer)
+                go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                if not go:
+                    return  # rank 0 failed: it releases the engines
+                current = upcoming
+            checksums = expected.result() if expected is not None else None
+            _send({"done": checksums, "phases": self._phases, "nbytes": staged_bytes}, to=self.coordinator,
+                  group=self.group)
+        except Exception as exc:
+            if reply_owed:
+                _recv(source=self.coordinator, group=self.group)
+            _send({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
+                  group=self.group)
+        finally:
+            self.sending = False
+
+    @contextmanager
+    def _timed(self, phase: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"time_{phase}_s"
+            self._phases[key] = self._phases.get(key, 0.0) + time.monotonic() - t0
+
+    def _hashing(self, shards, expected: ExpectedChecksums):
+        for rank, name, tensor in shards:
+            with self._timed("hash"):
+                expected.add_shard(rank, name, tensor)
+            yield rank, name, tensor
+
+    def _staged(self, buckets: Iterable[ShardedBucket]):
+        """(bucket, what names its staged bytes for rank 0, what must stay alive until the engines answer) for
+        each bucket."""
+        for bucket in buckets:
+            if self.transport == "tensor":
+                from slimish.weight_sync.tensor import stage_shards
+
+                with self._timed("flatten"):
+                    if self.rank_buffers is None:
+                        self.rank_buffers = rank_buffers(bucket)
+                    placed, payloads = stage_shards(bucket, self.rank_buffers, self.engines)
+                yield bucket, payloads, placed
+            else:
+                with self._timed("write"):
+                    written = self._write(bucket)
+                yield bucket, written, None
+
+    def _write(self, bucket: ShardedBucket) -> dict:
+        """Each engine rank's part of `bucket` as a safetensors file of this owner's, in a directory of its own:
+        {"dir": it, "files": per engine rank [(path, bytes)]}."""
+        from slimish.weight_sync.disk import _owning
+
+        directory = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.disk_dir))
+        files: list[list[tuple[str, int]]] = []
+        for rank, part in enumerate(bucket.ranks):
+            files.append([])
+            if part.names:
+                path = directory / f"owner{self.rank:05d}-rank{rank:03d}.safetensors"
+                save_file(_owning(part), str(path))
+                files[rank].append((str(path), path.stat().st_size))
+        return {"dir": str(directory), "files": files}
+
+    def close(self) -> None:
+        self.rank_buffers = None
+
+
+def rank_buffers(bucket: ShardedBucket) -> list[FlatBuffers]:
+    """The tensor transport's per-engine-rank buffers for buckets like `bucket` (shared by name, reused on the CPU;
+    fresh per bucket on a GPU, see `slimish.weight_sync.tensor`)."""
+    from slimish.weight_sync.tensor import _share_by_name
+
+    device = next((b.tensors[0].device for b in bucket.ranks if b.tensors), torch.device("cpu"))
+    return [FlatBuffers(share=_share_by_name, reuse=device.type == "cpu") for _ in bucket.ranks]
+
+
+def remove_dirs(dirs: Iterable[str]) -> None:
+    for directory in dirs:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,173 @@
+"""One rank of tests/weight_sync/test_owners.py: an expert-parallel trainer (Megatron on gloo) syncs a tiny MoE to a
+stand-in engine of two tensor-parallel ranks (TP2 EP2 or EP1, CPU, slimish's loaders listed), once through rank 0 (the
+funnel: `WeightSender` with the owners' route turned off) and once from the experts' owners, with each transport
+given. The stand-in, on rank 0, does with each request what an engine rank does with its own entry: unpickles it
+(mapping the sender's shared segment by name, the owners' included) or reads its files, and keeps each (engine
+parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
+stacked from their slots, which the sync verifies against the trainer's prediction.
+
+  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T [--etp E] [--engine-ep 1] \
+      [--no-verify] --model HF_DIR --out OUT --transport tensor|disk [--faults first owner tp]
+Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
+the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
+engine fails that request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then
+delivers the model; with "tp" the engine reports another TP size: {"failed": what connect raised on rank 0}, and rank
+1 writes OUT/tp_rank1.pt, {"failed": what its connect returned}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import pickle
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER
+
+
+class Engine:
+    """A stand-in engine of `tp` ranks at `url`: see the module docstring."""
+
+    def __init__(self, url: str, tp: int, ep: int, fail: str = ""):
+        self.url, self.tp, self.ep, self.fail = url, tp, ep, fail
+        self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        self.version = "default"
+
+    def server_info(self) -> dict:
+        return {"tp_size": self.tp * (2 if self.fail == "tp" else 1), "ep_size": self.ep, "device": "cpu",
+                "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT]}
+
+    def begin_weight_update(self):
+        return {}
+
+    end_weight_update = begin_weight_update
+
+    def update_weights_from_tensor(self, *, serialized, load_format, weight_version, flush_cache):
+        loaded = [pickle.loads(base64.b64decode(payload)) for payload in serialized]
+        # "first": the first request fails (one of rank 0's own buckets); "owner": the first with expert slots for
+        # engine rank 1 (EP rank 1's, from its owner).
+        if self.fail == "first" or (self.fail == "owner" and any(name.endswith("]") for name, _ in loaded[1])):
+            self.fail = ""
+            raise RuntimeError("engine stand-in: this bucket fails")
+        for rank, pairs in enumerate(loaded):
+            if load_format == SHARD_LOADER:
+                from safetensors.torch import load_file
+
+                pairs = [item for path, _ in pairs for item in load_file(path).items()]
+            for name, tensor in pairs:
+                self.held[rank][name] = tensor.clone()
+        if weight_version is not None:
+            self.version = weight_version
+        return {}
+
+    def weight_version(self) -> str:
+        return self.version
+
+    def weight_checksums(self) -> list[dict[str, str]]:
+        from slimish.weight_sync.checksums import tensor_checksum
+        from slimish.weight_sync.engine_loader import parse_slot
+
+        out = []
+        for held in self.held:
+            slots: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+            sums = {}
+            for name, tensor in held.items():
+                param, slot = parse_slot(name)
+                if slot is None:
+                    sums[name] = tensor_checksum(tensor)
+                else:
+                    slots[param][slot] = tensor
+            for param, by_slot in slots.items():
+                sums[param] = tensor_checksum(torch.stack([by_slot[k] for k in sorted(by_slot)]))
+            out.append(sums)
+        return out
+
+    def close(self):
+        pass
+
+
+def _funnel():
+    from slimish.weight_sync.sender import WeightSender
+
+    class Funnel(WeightSender):
+        """Today's route: every expert through rank 0."""
+        owners_possible = False
+    return Funnel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world-size", "--port", "--tp"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallelism")
+    parser.add_argument("--engine-ep", type=int, default=2, help="the stand-in engine's expert parallelism")
+    parser.add_argument("--no-verify", action="store_true", help="weight_sync.verify=false")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--transport", required=True)
+    parser.add_argument("--faults", nargs="*", default=[],
+                        help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from slimish.config import load_config
+    from slimish.megatron_bridge.bridge import load_hf_weights
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.trainer.model import build_gpt_model
+    from slimish.trainer.parallel import ParallelLayout, init_parallel, shutdown_parallel
+    from slimish.weight_sync.sender import WeightSender
+    from tests.conftest import REPO
+
+    Funnel = _funnel()  # noqa: N806 - a class
+
+    init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
+                                 pipeline_parallel=1, expert_parallel=2, expert_tensor_parallel=args.etp),
+                  master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
+    arch = architecture_from_hf(read_hf_config(args.model))
+    model = build_gpt_model(arch, tensor_parallel=args.tp, pipeline_parallel=1, expert_parallel=2,
+                            expert_tensor_parallel=args.etp).eval()
+    load_hf_weights(model, args.model, arch)
+    out = Path(args.out)
+    cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml",
+                      [f"model.hf_path={args.model}", f"weight_sync.transport={args.transport}",
+                       "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners",
+                       f"weight_sync.verify={str(not args.no_verify).lower()}"], files=False)
+    results = {}
+    for route in ("funnel", "owners", *args.faults):
+        engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "")
+        kind = Funnel if route == "funnel" else WeightSender
+        sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
+        failed = ""
+        if route == "tp":  # the engines run another TP size: rank 0 raises naming the key, the others return
+            try:
+                connected = sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+            except ValueError as exc:
+                connected = str(exc)
+            results[route] = {"failed": connected}
+            dist.barrier()
+            continue
+        sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+        try:
+            metrics = sender.send(model, version=1)
+        except RuntimeError as exc:  # rank 0 only: the owners are told to give up, and return
+            failed, metrics = str(exc), {}
+        if route in args.faults:  # then the sync again, whole, on a new connection (as the job does)
+            sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
+            metrics = sender.send(model, version=2)
+        sender.close()
+        dist.barrier()
+        if args.rank == 0:
+            results[route] = {"held": engine.held, "metrics": metrics, "failed": failed}
+    if args.rank == 0:
+        torch.save(results, out / "result.pt")
+    elif "tp" in results:
+        torch.save(results["tp"], out / "tp_rank1.pt")
+    shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()

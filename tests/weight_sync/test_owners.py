@@ -1,0 +1,90 @@
+"""Experts straight from the trainer ranks that own them (`slimish.weight_sync.owners`): a tiny Qwen3-MoE trained at
+expert parallelism 2 (two gloo ranks; attention data-parallel, and tensor-parallel over both ranks, which then
+share rank 0's gathers) syncs to a stand-in TP2 EP2 engine (tests/weight_sync/owners_rank.py) through rank 0 (the
+funnel) and from the owners, over `tensor` (the owner's own shared segments, mapped by the stand-in in rank 0's
+process) and `disk` (the owner's own files). Both routes deliver the same tensors to each engine rank, verified
+against the trainer's per-rank checksums; from the owners, EP rank 1 stages exactly its own experts' bytes and rank
+0 none of them. ~32 s for the file, most of it the first world's imports (run_world keeps its processes warm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import run_world
+
+SCRIPT = Path(__file__).with_name("owners_rank.py")
+
+
+def run(models, tmp_path, tp: int, transport: str, *faults: str, etp: int = 1, engine_ep: int = 2,
+        verify: bool = True) -> dict:
+    run_world(SCRIPT, world_size=max(2, tp, 2 * etp),
+              args=["--tp", str(tp), "--etp", str(etp), "--model", str(models["qwen3_moe"]), "--out", str(tmp_path),
+                    "--transport", transport, "--engine-ep", str(engine_ep), *([] if verify else ["--no-verify"]),
+                    "--faults", *faults])
+    return torch.load(tmp_path / "result.pt")
+
+
+def owned_by_ep1(name: str, rank: int, slots_per_rank: int, engine_ep: int, num_experts: int) -> bool:
+    """Whether expert slot `name` of engine rank `rank` (of two) is one of trainer EP rank 1's experts (the upper
+    half): engine EP2 gives rank r expert block r, EP1 every expert to both ranks."""
+    index = int(name.rsplit("[", 1)[1].rstrip("]"))
+    block = rank if engine_ep == 2 else 0
+    return block * slots_per_rank + index >= num_experts // 2
+
+
+@pytest.mark.parametrize(("tp", "etp", "transport", "engine_ep", "verify"), [
+    (2, 1, "tensor", 2, True), (1, 1, "disk", 2, True), (2, 2, "tensor", 2, True), (2, 1, "tensor", 1, False),
+    (2, 1, "tensor", 1, True)], ids=["tp2-tensor", "dp2-disk", "tp2-etp2-tensor", "engine-ep1-unverified",
+                                     "engine-ep1-verified-funnel"])
+def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, transport, engine_ep, verify):
+    """tp2-etp2: four ranks, each expert split over two (ETP2): the owner of EP rank 1 (rank 2) gathers its experts
+    from its ETP peer between its buckets. engine-ep1: each engine rank holds a slice of every expert, so each of its
+    stacked parameters gets slots from both owners: taken without checksums (verify off), and with them left to the
+    funnel (an owner cannot hash another's slots)."""
+    result = run(tiny_moe_models, tmp_path, tp, transport, etp=etp, engine_ep=engine_ep, verify=verify)
+    funnel, owners = result["funnel"], result["owners"]
+    for rank in range(2):
+        assert funnel["held"][rank].keys() == owners["held"][rank].keys(), f"engine rank {rank}"
+        for name, tensor in funnel["held"][rank].items():
+            assert torch.equal(tensor, owners["held"][rank][name]), f"engine rank {rank}: {name}"
+    slots = [[name for name in owners["held"][rank] if name.endswith("]")] for rank in range(2)]
+    assert slots[0] and slots[1]
+    per_rank = len({name.rsplit("[", 1)[1] for name in slots[0]})
+    num_experts = per_rank * engine_ep
+    expert_bytes = sum(t.numel() * t.element_size() for rank in range(2) for name, t in owners["held"][rank].items()
+                       if name.endswith("]") and owned_by_ep1(name, rank, per_rank, engine_ep, num_experts))
+    f, o = funnel["metrics"], owners["metrics"]
+    for metrics in (f, o):
+        assert metrics["sync_checksums_predicted"] == int(verify) and metrics["sync_sharded"] == 1
+    owner = etp  # EP rank 1's ETP rank 0 (Megatron numbers the experts' ranks ETP first)
+    assert f"sync_sent_rank{owner}_mib" not in f and f["sync_sent_rank0_mib"] == pytest.approx(f["sync_mib"])
+    assert o["sync_mib"] == pytest.approx(f["sync_mib"])
+    if engine_ep == 1 and verify:  # outside owners_fit: through rank 0
+        assert f"sync_sent_rank{owner}_mib" not in o and o["sync_senders"] == 1
+        return
+    assert o[f"sync_sent_rank{owner}_mib"] == pytest.approx(expert_bytes / 2**20)  # the owner's experts, all of them
+    assert o["sync_sent_rank0_mib"] == pytest.approx(f["sync_sent_rank0_mib"] - expert_bytes / 2**20)
+    assert o["sync_senders"] == 2 and f["sync_senders"] == 1
+    assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind (the owner's are rank 0's to remove)"
+    print(f"{transport}: funnel rank 0 {f['sync_sent_rank0_mib']:.4f} MiB; owners rank 0 "
+          f"{o['sync_sent_rank0_mib']:.4f} MiB, rank {owner} {o[f'sync_sent_rank{owner}_mib']:.4f} MiB")
+
+
+def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path):
+    """The engine fails one of rank 0's own buckets (rank 0 finishes its export, whose gathers the owner shares at
+    TP2, then tells the owner to give up at its first bucket), or one of the owner's (rank 0 answers it False): the
+    sync fails on rank 0 only, no rank hangs, and the next sync, on a new connection, delivers every tensor. A connect
+    failing on rank 0 (engines of another TP size) is raised there; the owner returns."""
+    result = run(tiny_moe_models, tmp_path, 2, "tensor", "first", "owner", "tp")
+    # Engines of another TP size: rank 0 raises naming the key at connect, the owner returns (no one hangs).
+    assert "rollout.engine.tensor_parallel" in result["tp"]["failed"]
+    assert torch.load(tmp_path / "tp_rank1.pt") == {"failed": {}}
+    for fault in ("first", "owner"):
+        assert "this bucket fails" in result[fault]["failed"], fault
+        for rank in range(2):
+            held, funnel = result[fault]["held"][rank], result["funnel"]["held"][rank]
+            assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held), fault
+        assert result[fault]["metrics"]["sync_checksums_predicted"] == 1
