@@ -31,12 +31,15 @@ verified; it prints seconds and MiB per engine rank of each, and last:
 
     transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
 
-then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: this machine's rates measured in the same
-run (`measure_machine`: a copy, SGLang's CPU checksum, a raw gloo broadcast to the engine's ranks, a file write and
-read, an engine request's round trip), per transport and route the measured and estimated seconds and bytes per
-engine rank, and last:
+then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: the CPUs other jobs kept busy while the
+syncs ran (`OthersBusy`, from /proc: the cores left to the syncs), this machine's rates measured in the same run
+(`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and out of a fresh mapping,
+SGLang's CPU checksum, a file's copy out of its mapping; seconds of a file write, of a raw gloo broadcast to the
+engine's ranks with the CPUs it keeps busy, and of an engine request's round trip), per transport and route the
+measured and estimated seconds and bytes per engine rank, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
+    ... load_average_1min=<l> cores=<the CPUs left to the syncs>
 """
 
 from __future__ import annotations
@@ -345,14 +348,15 @@ class OthersBusy:
 
 def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None,
                     others_busy: float = 0.0):
-    """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`, one
-    thread alone: a copy into a reused buffer, into a fresh one, and out of a fresh mapping of a shared-memory segment
-    (/dev/shm, as the tensor transport's engines map its buckets); SGLang's CPU checksum; a raw gloo broadcast to
-    `receivers` processes (bytes put out per second, and the CPUs it keeps busy); writing a file in `directory`
-    (the disk transport's, so the page cache is as warm as the transport finds it) and copying it out of a fresh
-    mapping (as safetensors loads it); with `url`, an engine's request round trip (/begin_weight_update then
-    /end_weight_update through its scheduler and tensor-parallel workers, best of 10 pairs, halved); and the CPUs
-    this process may run on."""
+    """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`. As
+    CPU-seconds (`cpu_best_s`: the cost, whatever else runs meanwhile): a copy into a reused buffer, into a fresh one
+    (its pages faulted in, as an engine's receive buffer per bucket), and out of a fresh mapping of a shared-memory
+    segment (/dev/shm, as the tensor transport's engines map its buckets); SGLang's CPU checksum; copying a file in
+    `directory` (the disk transport's, so the page cache is as warm as the transport finds it) out of a fresh mapping
+    (as safetensors loads it). As seconds: writing that file (it waits on I/O too), a raw gloo broadcast to
+    `receivers` processes (bytes put out per second, and the CPUs it keeps busy), and with `url` an engine's request
+    round trip (/begin_weight_update then /end_weight_update through its scheduler and tensor-parallel workers, best
+    of 10 pairs, halved). `cores`: the CPUs this process may run on less `others_busy` (`OthersBusy`)."""
     from slimish.engines.client import EngineClient
     from slimish.weight_sync.checksums import tensor_checksum
     from slimish.weight_sync.estimate import GB, Machine
