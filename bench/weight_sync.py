@@ -346,18 +346,38 @@ class OthersBusy:
         return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def request_costs(url: str, smallest: tuple, *, engine_tp: int, rounds: int = 10) -> tuple[float, float]:
+    """(seconds, CPU-seconds of this process and the engine's) of one engine request of a sync that moves next to no
+    bytes, the mean of `rounds` syncs of the model's `smallest` (name, tensor) with its own value through the tensor
+    transport, unverified: /begin_weight_update, its one bucket, /end_weight_update. What every request of a sync
+    costs besides its bytes: pickling, HTTP, SGLang's tokenizer manager, scheduler and tensor-parallel workers."""
+    from slimish.weight_sync.sender import sync_to
+
+    sync = sync_to([url], transport="tensor", group_name="bench_requests", bucket_bytes=2**20, engine_tp=engine_tp,
+                   verify=False)
+    sync.connect()
+    try:
+        sync.send(iter([smallest]), version="requests-warm")
+        c0, t0 = _tree_cpu_s(os.getpid()), time.perf_counter()
+        for round_ in range(rounds):
+            sync.send(iter([smallest]), version=f"requests-{round_}")
+        seconds, cpu = time.perf_counter() - t0, _tree_cpu_s(os.getpid()) - c0
+    finally:
+        sync.close()
+    return seconds / rounds / 3, cpu / rounds / 3
+
+
 def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None,
-                    others_busy: float = 0.0):
+                    others_busy: float = 0.0, smallest: tuple | None = None):
     """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`. As
     CPU-seconds (`cpu_best_s`: the cost, whatever else runs meanwhile): a copy into a reused buffer, into a fresh one
     (its pages faulted in, as an engine's receive buffer per bucket), and out of a fresh mapping of a shared-memory
     segment (/dev/shm, as the tensor transport's engines map its buckets); SGLang's CPU checksum; copying a file in
     `directory` (the disk transport's, so the page cache is as warm as the transport finds it) out of a fresh mapping
     (as safetensors loads it). As seconds: writing that file (it waits on I/O too), a raw gloo broadcast to
-    `receivers` processes (bytes put out per second, and the CPUs it keeps busy), and with `url` an engine's request
-    round trip (/begin_weight_update then /end_weight_update through its scheduler and tensor-parallel workers, best
-    of 10 pairs, halved). `cores`: the CPUs this process may run on less `others_busy` (`OthersBusy`)."""
-    from slimish.engines.client import EngineClient
+    `receivers` processes (bytes put out per second, and the CPUs it keeps busy); with `url` and `smallest` (the
+    model's smallest (name, tensor)) an engine request's seconds and CPU-seconds (`request_costs`, the mean of 10).
+    `cores`: the CPUs this process may run on less `others_busy` (`OthersBusy`)."""
     from slimish.weight_sync.checksums import tensor_checksum
     from slimish.weight_sync.estimate import GB, Machine
 
@@ -387,16 +407,14 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
         mapped_s = cpu_best_s(lambda: mapped_copy(segment), rounds)
     finally:
         segment.unlink(missing_ok=True)
-    request_s = 0.0
-    if url is not None:
-        client = EngineClient(url)
+    request_s = request_cpu_s = 0.0
+    if url is not None and smallest is not None:
         try:
-            request_s = best_s(lambda: (client.begin_weight_update(), client.end_weight_update()), 10) / 2
+            request_s, request_cpu_s = request_costs(url, smallest, engine_tp=receivers)
         except Exception as err:  # noqa: BLE001 - the other rates still calibrate; say so
-            print(f"engine request round trip not measured ({err}); counted as 0", flush=True)
-        finally:
-            client.close()
-    return Machine(request_s=request_s, copy_gbyte_s=nbytes / copy_s / GB, hash_gbyte_s=nbytes / hash_s / GB,
+            print(f"engine request costs not measured ({err}); counted as 0", flush=True)
+    return Machine(request_s=request_s, request_cpu_s=request_cpu_s, copy_gbyte_s=nbytes / copy_s / GB,
+                   hash_gbyte_s=nbytes / hash_s / GB,
                    link_gbyte_s=nbytes * receivers / link_s / GB, fs_write_gbyte_s=nbytes / write_s / GB,
                    fs_read_gbyte_s=nbytes / read_s / GB, mapped_gbyte_s=nbytes / mapped_s / GB,
                    fresh_gbyte_s=nbytes / fresh_s / GB, link_busy_cores=link_busy,
@@ -478,7 +496,7 @@ def sharded_main(args) -> None:
                   f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
                   f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
         machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0],
-                                  others_busy=others_busy)
+                                  others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()))
         calibrate(results, tensors, tp=tp, machine=machine)
     finally:
         for proc, _ in engines:

@@ -102,8 +102,9 @@ class Machine:
     transport's bucket: every page is faulted in once), `fresh_gbyte_s` copying into a newly allocated buffer (an
     engine's receive buffer, allocated per bucket: every page is faulted in and zeroed once); 0: as `copy_gbyte_s`.
     `link_busy_cores`: CPUs a raw gloo broadcast keeps busy while it runs (sender and receivers, their CPU-seconds
-    over its seconds); `request_s` one engine request's round trip through its scheduler and tensor-parallel workers;
-    `cores` the CPUs the sync's threads and processes share."""
+    over its seconds); `request_s` one engine request's seconds besides its bytes (HTTP, pickling, SGLang's
+    tokenizer manager, scheduler and tensor-parallel workers) and `request_cpu_s` the CPU-seconds it costs all of
+    them; `cores` the CPUs the sync's threads and processes share."""
     copy_gbyte_s: float
     hash_gbyte_s: float
     link_gbyte_s: float
@@ -113,6 +114,7 @@ class Machine:
     fresh_gbyte_s: float = 0.0
     link_busy_cores: float = 1.0
     request_s: float = 0.0
+    request_cpu_s: float = 0.0
     cores: float = 1.0
 
 
@@ -195,7 +197,7 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
       thread waits for the writes: safetensors' `save_file` holds the GIL while it writes (a Python thread beside it
       got a quarter of its free rate, measured), so the hashes come after `stage`. Its CPU-seconds are the sender's
       steps (the disk's writes as a copy into the page cache: their seconds are I/O as much as CPU), the wire's
-      (`link_busy_cores` while it runs) and every engine rank's;
+      (`link_busy_cores` while it runs), every engine rank's, and every request's (`request_cpu_s`);
     - then the engines' checksums, which wait for the sender's (`check_engines` compares them): one rank's
       `verify`, or all ranks' CPU-seconds over the cores.
 
@@ -210,6 +212,7 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
     hashing = terms["hash"] + (terms["stage"] if transport == "disk" else 0.0)
     stage_cpu = load.sender_bytes / (machine.copy_gbyte_s * GB) if transport == "disk" else terms["stage"]
     work = terms["assemble"] + stage_cpu + terms["hash"] + terms.get("wire", 0.0) * machine.link_busy_cores
+    work += (buckets + SYNC_REQUESTS) * machine.request_cpu_s
     work += ranks * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")
     transfer = max(max(path, hashing) / one, work / cores)
     return transfer + max(terms["verify"] / one, ranks * terms["verify"] / cores)

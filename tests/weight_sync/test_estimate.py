@@ -125,6 +125,15 @@ def test_the_wire_keeps_sender_and_receivers_busy():
     assert cpu_sync_seconds(full, transport="broadcast", machine=machine) == 36.0 + 4.0
 
 
+def test_every_request_costs_cpu_seconds_besides_its_bytes():
+    """Six buckets and four more requests at 0.1 CPU-seconds each: 1 CPU-second more work over one core."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    one_core = with_cores(ONE, 1)
+    busy = Machine(**{**one_core.__dict__, "request_cpu_s": 0.1})
+    assert cpu_sync_seconds(full, transport="tensor", machine=busy, buckets=6) == \
+        pytest.approx(cpu_sync_seconds(full, transport="tensor", machine=one_core, buckets=6) + 1.0)
+
+
 def test_one_engine_request_per_bucket_and_four_per_sync_in_the_senders_path():
     machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
                       request_s=0.5, cores=8)
