@@ -157,10 +157,12 @@ def raw_broadcast_s(numel: int, rounds: int, receivers: int = NUM_ENGINES, busy:
 
 
 def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: float, rounds: int,
-                disk_dir: Path, arch, sharding=None, sharded: bool = False) -> dict:
+                disk_dir: Path, arch, sharding=None, sharded: bool = False, engine_pids: tuple[int, ...] = ()) -> dict:
     """The fastest of `rounds` whole-model syncs through `transport`, verified as a job verifies them (every engine
     parameter's checksum against the sender's), with its phase breakdown. `sharding`: the engines' (an
-    `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters."""
+    `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters. With
+    `engine_pids`, also its CPU-seconds: `cpu_sender_s` (this process, every thread) and `cpu_engines_s` (those
+    processes and their descendants: SGLang's tokenizer manager, schedulers, tensor-parallel ranks)."""
     import functools
 
     from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums
@@ -176,9 +178,13 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     best = None
     try:
         for round_ in range(rounds):
-            t0 = time.perf_counter()
+            engines_cpu = sum(_tree_cpu_s(pid) for pid in engine_pids)
+            t0, c0 = time.perf_counter(), time.process_time()
             metrics = sync.send(iter(tensors), version=f"{transport}-{round_}")
             metrics["sync_s"] = time.perf_counter() - t0
+            if engine_pids:
+                metrics["cpu_sender_s"] = time.process_time() - c0
+                metrics["cpu_engines_s"] = sum(_tree_cpu_s(pid) for pid in engine_pids) - engines_cpu
             if best is None or metrics["sync_s"] < best["sync_s"]:
                 best = metrics
     finally:
@@ -427,7 +433,7 @@ FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang f
 def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
     """The estimate (`slimish.weight_sync.estimate.cpu_sync_seconds`, fed `machine`) against each measured sync,
     and its bytes per engine rank against the sender's counters; the last line is the worst error."""
-    from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, payload
+    from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, cpu_sync_work, payload
 
     def nbytes(keep) -> float:
         return float(sum(t.numel() * t.element_size() for name, t in tensors if keep(name)))
@@ -442,10 +448,13 @@ def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
         estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
+        cpu_estimated = sum(cpu_sync_work(load, transport=transport, machine=machine, buckets=best["sync_buckets"]))
+        cpu_measured = best.get("cpu_sender_s", 0.0) + best.get("cpu_engines_s", 0.0)
         errors[transport, route] = estimated / best["sync_s"] - 1
         print(f"calibration transport={transport} route={route} measured_s={best['sync_s']:.2f} "
               f"estimated_s={estimated:.2f} estimated_vs_measured={estimated / best['sync_s']:.2f} "
-              f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} | "
+              f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} "
+              f"cpu_s_measured={cpu_measured:.2f} cpu_s_estimated={cpu_estimated:.2f} | "
               + " ".join(f"{k}={v:.2f}s" for k, v in terms.items()), flush=True)
     worst = max(errors, key=lambda case: abs(errors[case]))
     full, sharded = results["tensor", "full"], results["tensor", "sharded"]
@@ -480,11 +489,13 @@ def sharded_main(args) -> None:
         for transport in ("disk", "broadcast", "tensor"):  # tensor last: its ratio is the figure
             for route in ("full", "sharded"):
                 best = sync_rounds(transport, urls, tensors, bucket_mb=size, rounds=args.rounds,
-                                   disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded")
+                                   disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded",
+                                   engine_pids=tuple(proc.pid for proc, _ in engines))
                 results[transport, route] = best
                 ranks = [best[f"sync_engine_rank{r}_mib"] for r in range(tp)]
                 print(f"{transport} {route} bucket_mb={size:g}: {best['sync_s']:.2f}s, MiB per engine rank "
-                      f"{[round(m) for m in ranks]} | {phase_line(best)}", flush=True)
+                      f"{[round(m) for m in ranks]} | {phase_line(best)} | CPU-seconds: sender "
+                      f"{best['cpu_sender_s']:.2f} engine {best['cpu_engines_s']:.2f}", flush=True)
         others_busy = others.stop()
         print(f"other jobs kept {others_busy:.2f} of {len(os.sched_getaffinity(0))} CPUs busy during the syncs "
               f"(load average {os.getloadavg()[0]:.1f})", flush=True)

@@ -206,13 +206,21 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
     rank at once, more threads than a small node has cores, beside whatever else the node runs (`machine.cores`:
     what it leaves the sync)."""
     terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
-    ranks, cores = load.engine_tp, max(0.1, machine.cores)
+    cores = max(0.1, machine.cores)
     one = min(1.0, cores)  # the share of a CPU one thread can get
     path = sum(v for k, v in terms.items() if k not in ("hash", "verify"))
     hashing = terms["hash"] + (terms["stage"] if transport == "disk" else 0.0)
+    work, checks = cpu_sync_work(load, transport=transport, machine=machine, buckets=buckets)
+    transfer = max(max(path, hashing) / one, work / cores)
+    return transfer + max(terms["verify"] / one, checks / cores)
+
+
+def cpu_sync_work(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> tuple[float, float]:
+    """CPU-seconds of one sync of `load` on `machine`, of every thread and process (`cpu_sync_seconds`): (the
+    transfer's, the engines' checksums')."""
+    terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
     stage_cpu = load.sender_bytes / (machine.copy_gbyte_s * GB) if transport == "disk" else terms["stage"]
     work = terms["assemble"] + stage_cpu + terms["hash"] + terms.get("wire", 0.0) * machine.link_busy_cores
     work += (buckets + SYNC_REQUESTS) * machine.request_cpu_s
-    work += ranks * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")
-    transfer = max(max(path, hashing) / one, work / cores)
-    return transfer + max(terms["verify"] / one, ranks * terms["verify"] / cores)
+    work += load.engine_tp * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")
+    return work, load.engine_tp * terms["verify"]

@@ -2,7 +2,15 @@
 
 import pytest
 
-from slimish.weight_sync.estimate import Cluster, Machine, cpu_sync_seconds, cpu_sync_terms, payload, sync_seconds
+from slimish.weight_sync.estimate import (
+    Cluster,
+    Machine,
+    cpu_sync_seconds,
+    cpu_sync_terms,
+    cpu_sync_work,
+    payload,
+    sync_seconds,
+)
 
 LLAMA_405B_BF16 = 405.85e9 * 2
 
@@ -100,6 +108,7 @@ def test_on_few_cores_every_threads_cpu_seconds_count():
     """Stage 4 + hash 4 + two ranks' loads 2 x 2 = 12 CPU-seconds, then two ranks' checksums 2 x 2: over 2 cores
     6 + 2, over 1 core 12 + 4, and over half a core (other jobs take the rest) each chain at half speed too."""
     full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_work(full, transport="tensor", machine=ONE) == (12.0, 4.0)
     assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 2)) == 6.0 + 2.0
     assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 1)) == 12.0 + 4.0
     assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 0.5)) == 24.0 + 8.0
