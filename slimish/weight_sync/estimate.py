@@ -96,7 +96,8 @@ class Machine:
     """One node's measured rates, GB/s (1e9 bytes), each of one thread alone: `copy_gbyte_s` a tensor copy into a
     reused buffer (the sender's flatten, an engine's copy into its parameters), `hash_gbyte_s` SGLang's CPU checksum
     (SHA-256), `link_gbyte_s` bytes leaving a gloo broadcast's sender per second (a broadcast of n bytes to k
-    receivers puts out k x n), `fs_write_gbyte_s` writing a file in the disk transport's directory,
+    receivers puts out k x n), `fs_write_gbyte_s` writing a file in the disk transport's directory (seconds: it
+    waits on I/O too) and `fs_write_cpu_gbyte_s` the CPU-seconds of writing and removing it (0: as a copy),
     `fs_read_gbyte_s` copying a file there out of a fresh mapping of it (safetensors' loaders map the files),
     `mapped_gbyte_s` copying out of a fresh mapping of a shared-memory segment (an engine reading the tensor
     transport's bucket: every page is faulted in once), `fresh_gbyte_s` copying into a newly allocated buffer (an
@@ -110,6 +111,7 @@ class Machine:
     link_gbyte_s: float
     fs_write_gbyte_s: float
     fs_read_gbyte_s: float
+    fs_write_cpu_gbyte_s: float = 0.0
     mapped_gbyte_s: float = 0.0
     fresh_gbyte_s: float = 0.0
     link_busy_cores: float = 1.0
@@ -196,7 +198,7 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
       overlapping buckets saves little) or its hashing thread beside it, whichever is longer. On `disk` the hashing
       thread waits for the writes: safetensors' `save_file` holds the GIL while it writes (a Python thread beside it
       got a quarter of its free rate, measured), so the hashes come after `stage`. Its CPU-seconds are the sender's
-      steps (the disk's writes as a copy into the page cache: their seconds are I/O as much as CPU), the wire's
+      steps (the disk's writes at their CPU rate: their seconds are I/O as much as CPU), the wire's
       (`link_busy_cores` while it runs), every engine rank's, and every request's (`request_cpu_s`);
     - then the engines' checksums, which wait for the sender's (`check_engines` compares them): one rank's
       `verify`, or all ranks' CPU-seconds over the cores.
@@ -219,7 +221,9 @@ def cpu_sync_work(load: Payload, *, transport: str, machine: Machine, buckets: i
     """CPU-seconds of one sync of `load` on `machine`, of every thread and process (`cpu_sync_seconds`): (the
     transfer's, the engines' checksums')."""
     terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
-    stage_cpu = load.sender_bytes / (machine.copy_gbyte_s * GB) if transport == "disk" else terms["stage"]
+    stage_cpu = terms["stage"]
+    if transport == "disk":  # the writes' CPU-seconds, not their seconds
+        stage_cpu = load.sender_bytes / ((machine.fs_write_cpu_gbyte_s or machine.copy_gbyte_s) * GB)
     work = terms["assemble"] + stage_cpu + terms["hash"] + terms.get("wire", 0.0) * machine.link_busy_cores
     work += (buckets + SYNC_REQUESTS) * machine.request_cpu_s
     work += load.engine_tp * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")

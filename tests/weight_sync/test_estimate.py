@@ -122,6 +122,15 @@ def test_on_disk_the_senders_hashes_wait_for_its_writes():
     assert cpu_sync_seconds(full, transport="tensor", machine=machine) == 16.0 + 8.0
 
 
+def test_the_disks_writes_count_at_their_cpu_rate_in_the_work():
+    """The writes' seconds (write bandwidth 1) stand in the path; their CPU-seconds (4 GB/s) in the work."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
+                      fs_write_cpu_gbyte_s=4)
+    # write 1 + hash 4 + two ranks' (read 4 + load 2), then two ranks' checksums 2 x 2
+    assert cpu_sync_work(full, transport="disk", machine=machine) == (17.0, 4.0)
+
+
 def test_the_wire_keeps_sender_and_receivers_busy():
     """Broadcast: the raw broadcast's CPUs (`link_busy_cores`) for as long as the wire takes count as work; a fresh
     receive buffer costs each rank its pages beyond the copy."""
