@@ -1,5 +1,5 @@
 """Sync time on paper: what each transport would take for a model on a stated cluster, from the bytes each link
-carries and its bandwidth (for the planning tools and the README's scale table; nothing here has run on a GPU).
+carries and its bandwidth (for `slimish plan` and the scale tables of docs/weight-sync.md; none has run on a GPU).
 
 The model is the wire only: control calls, export gathers and the engines' copy into their parameters come on top
 (measured on CPU in bench/weight_sync.py, where they dominate; on GPU they overlap with the wire, see broadcast.py).
