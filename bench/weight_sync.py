@@ -31,17 +31,22 @@ verified; it prints seconds and MiB per engine rank of each, and last:
 
     transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
 
-then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: this machine's rates measured in the same
-run (`measure_machine`: a copy, SGLang's CPU checksum, a raw gloo broadcast to the engine's ranks, a file write and
-read, an engine request's round trip), per transport and route the measured and estimated seconds and bytes per
-engine rank, and last:
+then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: the CPUs other jobs kept busy while the
+syncs ran (`OthersBusy`, from /proc: the cores left to the syncs), this machine's rates measured in the same run
+(`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and out of a fresh mapping,
+SGLang's CPU checksum, a file's copy out of its mapping, a file's write and removal; seconds of that write and of a
+raw gloo broadcast to the engine's ranks with the CPUs it keeps busy; an engine request's seconds and CPU-seconds),
+per transport and route the
+measured and estimated seconds, bytes per engine rank and CPU-seconds, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
+    ... load_average_1min=<l> cores=<the CPUs left to the syncs>
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import sys
@@ -106,44 +111,59 @@ def start_engines(model: Path, log_dir: Path, count: int = NUM_ENGINES, tp: int 
     return engines
 
 
-def _receiver(rank: int, port: int, world_size: int, numel: int, rounds: int) -> None:
+def _receiver(rank: int, port: int, world_size: int, numel: int, rounds: int, cpu=None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     buffer = torch.empty(numel, dtype=torch.uint8)
+    spent = []
     for _ in range(rounds):
         dist.barrier()
+        c0 = time.process_time()
         dist.broadcast(buffer, src=0)
+        spent.append(time.process_time() - c0)
     dist.barrier()
     dist.destroy_process_group()
+    if cpu is not None:
+        cpu.put(spent)
 
 
-def raw_broadcast_s(numel: int, rounds: int, receivers: int = NUM_ENGINES) -> float:
-    """Best time of one gloo broadcast of `numel` bytes from this process to `receivers` receiving processes."""
+def raw_broadcast_s(numel: int, rounds: int, receivers: int = NUM_ENGINES, busy: bool = False):
+    """Best time of one gloo broadcast of `numel` bytes from this process to `receivers` receiving processes; with
+    `busy`, (that time, the CPUs the broadcast kept busy then: every process's CPU-seconds in that round over it)."""
     port, world_size = free_port(), 1 + receivers
     ctx = mp.get_context("spawn")
-    receivers = [ctx.Process(target=_receiver, args=(rank, port, world_size, numel, rounds))
+    cpu = ctx.Queue() if busy else None
+    receivers = [ctx.Process(target=_receiver, args=(rank, port, world_size, numel, rounds, cpu))
                  for rank in range(1, world_size)]
     for proc in receivers:
         proc.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size)
     payload = torch.ones(numel, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(rounds):
+    best, best_round, spent = float("inf"), 0, []
+    for round_ in range(rounds):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dist.broadcast(payload, src=0)
-        best = min(best, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        spent.append(time.process_time() - c0)
+        if elapsed < best:
+            best, best_round = elapsed, round_
     dist.barrier()  # the receivers hold the last bytes too
     dist.destroy_process_group()
+    theirs = [cpu.get(timeout=60) for _ in receivers] if busy else []
     for proc in receivers:
         proc.join(timeout=60)
-    return best
+    if not busy:
+        return best
+    return best, (spent[best_round] + sum(each[best_round] for each in theirs)) / best
 
 
 def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: float, rounds: int,
-                disk_dir: Path, arch, sharding=None, sharded: bool = False) -> dict:
+                disk_dir: Path, arch, sharding=None, sharded: bool = False, engine_pids: tuple[int, ...] = ()) -> dict:
     """The fastest of `rounds` whole-model syncs through `transport`, verified as a job verifies them (every engine
     parameter's checksum against the sender's), with its phase breakdown. `sharding`: the engines' (an
-    `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters."""
+    `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters. With
+    `engine_pids`, also its CPU-seconds: `cpu_sender_s` (this process, every thread) and `cpu_engines_s` (those
+    processes and their descendants: SGLang's tokenizer manager, schedulers, tensor-parallel ranks)."""
     import functools
 
     from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums
@@ -159,9 +179,13 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     best = None
     try:
         for round_ in range(rounds):
-            t0 = time.perf_counter()
+            engines_cpu = sum(_tree_cpu_s(pid) for pid in engine_pids)
+            t0, c0 = time.perf_counter(), time.process_time()
             metrics = sync.send(iter(tensors), version=f"{transport}-{round_}")
             metrics["sync_s"] = time.perf_counter() - t0
+            if engine_pids:
+                metrics["cpu_sender_s"] = time.process_time() - c0
+                metrics["cpu_engines_s"] = sum(_tree_cpu_s(pid) for pid in engine_pids) - engines_cpu
             if best is None or metrics["sync_s"] < best["sync_s"]:
                 best = metrics
     finally:
@@ -272,47 +296,141 @@ def best_s(fn, rounds: int) -> float:
     return best
 
 
-def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None):
-    """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`: a copy
-    into a reused buffer, SGLang's CPU checksum, a raw gloo broadcast to `receivers` processes (bytes put out per
-    second), and writing then reading a file in `directory` (the disk transport's, so the page cache is as warm as
-    the transport finds it); with `url`, an engine's request round trip (/begin_weight_update then
-    /end_weight_update through its scheduler and tensor-parallel workers, best of 10 pairs, halved)."""
-    from slimish.engines.client import EngineClient
+def cpu_best_s(fn, rounds: int) -> float:
+    """The fewest CPU-seconds of this process (user and system, all its threads: torch may split a copy) `fn` took in
+    `rounds` calls: its cost, whatever else the machine runs meanwhile (`OthersBusy` measures that)."""
+    best = float("inf")
+    for _ in range(rounds):
+        c0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - c0)
+    return best
+
+
+def _tree_cpu_s(root: int) -> float:
+    """CPU-seconds of process `root` and its descendants so far (their own and their reaped children's), from
+    /proc."""
+    tick, parents, cpu = os.sysconf("SC_CLK_TCK"), {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = sum(int(v) for v in fields[11:15]) / tick
+    mine = {root}
+    for pid in sorted(parents):  # walk up from each process: a descendant of root counts
+        chain, up = [], pid
+        while up in parents and up not in mine and up > 1:
+            chain.append(up)
+            up = parents[up]
+        if up in mine:
+            mine.update(chain)
+    return sum(cpu.get(pid, 0.0) for pid in mine)
+
+
+class OthersBusy:
+    """The CPUs other jobs kept busy between `start` and `stop` (/proc/stat's busy time less this process tree's),
+    in cores: what the machine did not leave the syncs."""
+
+    def start(self) -> None:
+        self._t, self._busy, self._own = time.monotonic(), self._machine_busy_s(), _tree_cpu_s(os.getpid())
+
+    def stop(self) -> float:
+        elapsed = time.monotonic() - self._t
+        busy = self._machine_busy_s() - self._busy
+        own = _tree_cpu_s(os.getpid()) - self._own
+        return max(0.0, (busy - own) / elapsed)
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle, iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def request_costs(url: str, smallest: tuple, *, engine_tp: int, rounds: int = 10) -> tuple[float, float]:
+    """(seconds, CPU-seconds of this process and the engine's) of one engine request of a sync that moves next to no
+    bytes, the mean of `rounds` syncs of the model's `smallest` (name, tensor) with its own value through the tensor
+    transport, unverified: /begin_weight_update, its one bucket, /end_weight_update. What every request of a sync
+    costs besides its bytes: pickling, HTTP, SGLang's tokenizer manager, scheduler and tensor-parallel workers."""
+    from slimish.weight_sync.sender import sync_to
+
+    sync = sync_to([url], transport="tensor", group_name="bench_requests", bucket_bytes=2**20, engine_tp=engine_tp,
+                   verify=False)
+    sync.connect()
+    try:
+        sync.send(iter([smallest]), version="requests-warm")
+        c0, t0 = _tree_cpu_s(os.getpid()), time.perf_counter()
+        for round_ in range(rounds):
+            sync.send(iter([smallest]), version=f"requests-{round_}")
+        seconds, cpu = time.perf_counter() - t0, _tree_cpu_s(os.getpid()) - c0
+    finally:
+        sync.close()
+    return seconds / rounds / 3, cpu / rounds / 3
+
+
+def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None,
+                    others_busy: float = 0.0, smallest: tuple | None = None):
+    """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`. As
+    CPU-seconds (`cpu_best_s`: the cost, whatever else runs meanwhile): a copy into a reused buffer, into a fresh one
+    (its pages faulted in, as an engine's receive buffer per bucket), and out of a fresh mapping of a shared-memory
+    segment (/dev/shm, as the tensor transport's engines map its buckets); SGLang's CPU checksum; copying a file in
+    `directory` (the disk transport's, so the page cache is as warm as the transport finds it) out of a fresh mapping
+    (as safetensors loads it); writing that file and removing it. As seconds: writing it (it waits on I/O too), a
+    raw gloo broadcast to `receivers` processes (bytes put out per second, and the CPUs it keeps busy); with `url`
+    and `smallest` (the model's smallest (name, tensor)) an engine request's seconds and CPU-seconds
+    (`request_costs`, the mean of 10).
+    `cores`: the CPUs this process may run on less `others_busy` (`OthersBusy`)."""
     from slimish.weight_sync.checksums import tensor_checksum
     from slimish.weight_sync.estimate import GB, Machine
 
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy_s = best_s(lambda: dst.copy_(src), rounds)
-    hash_s = best_s(lambda: tensor_checksum(src), rounds)
-    link_s = raw_broadcast_s(nbytes, rounds, receivers=receivers)
+    copy_s = cpu_best_s(lambda: dst.copy_(src), rounds)
+    fresh_s = cpu_best_s(lambda: torch.empty_like(src).copy_(src), rounds)
+    hash_s = cpu_best_s(lambda: tensor_checksum(src), rounds)
+    link_s, link_busy = raw_broadcast_s(nbytes, rounds, receivers=receivers, busy=True)
     directory.mkdir(parents=True, exist_ok=True)
-    path, view = directory / "machine.bin", memoryview(src.numpy()).cast("B")
+    view = memoryview(src.numpy()).cast("B")
 
-    def write():
+    def write(path: Path):
         with open(path, "wb") as f:
             f.write(view)
 
-    def read():
-        with open(path, "rb") as f:
-            f.readinto(memoryview(dst.numpy()).cast("B"))
+    def mapped_copy(path: Path):  # a fresh mapping each time: its pages are faulted in as the copy reads them
+        dst.copy_(torch.from_file(str(path), shared=True, size=src.numel(), dtype=src.dtype))
 
-    write_s = best_s(write, rounds)
-    read_s = best_s(read, rounds)
+    path = directory / "machine.bin"
+    write_s = best_s(lambda: write(path), rounds)  # seconds, not CPU-seconds: writing waits on I/O too
+    # Its CPU-seconds, with the removal: the transport writes fresh files every sync and removes them after it.
+    write_cpu_s = cpu_best_s(lambda: (write(path), path.unlink()), rounds)
+    write(path)
+    read_s = cpu_best_s(lambda: mapped_copy(path), rounds)
     path.unlink()
-    request_s = 0.0
-    if url is not None:
-        client = EngineClient(url)
+    segment = Path("/dev/shm") / f"slimish-bench-{os.getpid()}.bin"
+    try:
+        write(segment)
+        mapped_s = cpu_best_s(lambda: mapped_copy(segment), rounds)
+    finally:
+        segment.unlink(missing_ok=True)
+    request_s = request_cpu_s = 0.0
+    if url is not None and smallest is not None:
         try:
-            request_s = best_s(lambda: (client.begin_weight_update(), client.end_weight_update()), 10) / 2
+            request_s, request_cpu_s = request_costs(url, smallest, engine_tp=receivers)
         except Exception as err:  # noqa: BLE001 - the other rates still calibrate; say so
-            print(f"engine request round trip not measured ({err}); counted as 0", flush=True)
-        finally:
-            client.close()
-    return Machine(request_s=request_s, copy_gbyte_s=nbytes / copy_s / GB, hash_gbyte_s=nbytes / hash_s / GB,
+            print(f"engine request costs not measured ({err}); counted as 0", flush=True)
+    return Machine(request_s=request_s, request_cpu_s=request_cpu_s, copy_gbyte_s=nbytes / copy_s / GB,
+                   hash_gbyte_s=nbytes / hash_s / GB,
                    link_gbyte_s=nbytes * receivers / link_s / GB, fs_write_gbyte_s=nbytes / write_s / GB,
-                   fs_read_gbyte_s=nbytes / read_s / GB)
+                   fs_write_cpu_gbyte_s=nbytes / write_cpu_s / GB, fs_read_gbyte_s=nbytes / read_s / GB,
+                   mapped_gbyte_s=nbytes / mapped_s / GB,
+                   fresh_gbyte_s=nbytes / fresh_s / GB, link_busy_cores=link_busy,
+                   cores=max(0.1, len(os.sched_getaffinity(0)) - others_busy))
 
 
 FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang fuses them: qkv_proj, gate_up_proj
@@ -321,7 +439,7 @@ FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang f
 def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
     """The estimate (`slimish.weight_sync.estimate.cpu_sync_seconds`, fed `machine`) against each measured sync,
     and its bytes per engine rank against the sender's counters; the last line is the worst error."""
-    from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, payload
+    from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, cpu_sync_work, payload
 
     def nbytes(keep) -> float:
         return float(sum(t.numel() * t.element_size() for name, t in tensors if keep(name)))
@@ -336,16 +454,20 @@ def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
         estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
+        cpu_estimated = sum(cpu_sync_work(load, transport=transport, machine=machine, buckets=best["sync_buckets"]))
+        cpu_measured = best.get("cpu_sender_s", 0.0) + best.get("cpu_engines_s", 0.0)
         errors[transport, route] = estimated / best["sync_s"] - 1
         print(f"calibration transport={transport} route={route} measured_s={best['sync_s']:.2f} "
               f"estimated_s={estimated:.2f} estimated_vs_measured={estimated / best['sync_s']:.2f} "
-              f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} | "
+              f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} "
+              f"cpu_s_measured={cpu_measured:.2f} cpu_s_estimated={cpu_estimated:.2f} | "
               + " ".join(f"{k}={v:.2f}s" for k, v in terms.items()), flush=True)
     worst = max(errors, key=lambda case: abs(errors[case]))
     full, sharded = results["tensor", "full"], results["tensor", "sharded"]
     print(f"calibration_worst_abs_error={abs(errors[worst]):.2f} worst_case={worst[0]}-{worst[1]} "
           f"within_30pct={sum(abs(e) <= 0.3 for e in errors.values())}/{len(errors)} "
-          f"sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} (tensor) engine_tp={tp}", flush=True)
+          f"sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} (tensor) engine_tp={tp} "
+          f"load_average_1min={os.getloadavg()[0]:.1f} cores={machine.cores}", flush=True)
 
 
 def phase_line(metrics: dict) -> str:
@@ -368,15 +490,21 @@ def sharded_main(args) -> None:
         urls = [url for _, url in engines]
         sharding = sharding_of(urls[0], api_key=None)
         print(f"1 engine of {tp} tensor-parallel ranks up in {time.monotonic() - t0:.0f}s", flush=True)
-        results = {}
+        results, others = {}, OthersBusy()
+        others.start()
         for transport in ("disk", "broadcast", "tensor"):  # tensor last: its ratio is the figure
             for route in ("full", "sharded"):
                 best = sync_rounds(transport, urls, tensors, bucket_mb=size, rounds=args.rounds,
-                                   disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded")
+                                   disk_dir=root / "disk", arch=arch, sharding=sharding, sharded=route == "sharded",
+                                   engine_pids=tuple(proc.pid for proc, _ in engines))
                 results[transport, route] = best
                 ranks = [best[f"sync_engine_rank{r}_mib"] for r in range(tp)]
                 print(f"{transport} {route} bucket_mb={size:g}: {best['sync_s']:.2f}s, MiB per engine rank "
-                      f"{[round(m) for m in ranks]} | {phase_line(best)}", flush=True)
+                      f"{[round(m) for m in ranks]} | {phase_line(best)} | CPU-seconds: sender "
+                      f"{best['cpu_sender_s']:.2f} engine {best['cpu_engines_s']:.2f}", flush=True)
+        others_busy = others.stop()
+        print(f"other jobs kept {others_busy:.2f} of {len(os.sched_getaffinity(0))} CPUs busy during the syncs "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         for transport in ("disk", "broadcast", "tensor"):
             full, sharded = results[transport, "full"], results[transport, "sharded"]
             print(f"transport={transport} sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} "
@@ -384,7 +512,8 @@ def sharded_main(args) -> None:
                   f"rank_mib_full={full['sync_engine_rank0_mib']:.0f} "
                   f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
                   f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
-        machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0])
+        machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0],
+                                  others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()))
         calibrate(results, tensors, tp=tp, machine=machine)
     finally:
         for proc, _ in engines:

@@ -6,7 +6,8 @@
            (2 x layers x hidden x length^2 per forward per sample; one forward more with selective recompute of
            core_attn; its other modules are not counted); over every trainer GPU at plan.gpu_tflops x mfu.
   sync     the wire time of `slimish.weight_sync.estimate.sync_seconds` for the model's bytes (sharded where
-           weight_sync.sharded would shard: `sharded_engine_tp`).
+           weight_sync.sharded would shard: `sharded_engine_tp`), the routed experts' way to their stage's leader
+           under expert parallelism included.
   rollout  the step's generated tokens over the engines' decode throughput, and never less than the longest
            response at one request's pace (a step waits for its slowest group).
   reward   samples x seconds per sample over the reward calls that run at once.
@@ -87,9 +88,13 @@ def step_walls(cfg, arch, params: ParamCount) -> Walls:
     if ws.transport in ("broadcast", "disk"):
         cluster = Cluster(nic_gbit_s=plan.nic_gbit_s, fs_write_gbyte_s=plan.fs_write_gbyte_s,
                           fs_read_gbyte_s=plan.fs_read_gbyte_s)
-        sync = sync_seconds(params.total * DTYPE_BYTES[cfg.model.dtype], transport=ws.transport, cluster=cluster,
+        dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+        sync = sync_seconds(params.total * dtype_bytes, transport=ws.transport, cluster=cluster,
                             pipeline_parallel=cfg.parallel.pipeline_parallel, stage_senders=ws.stage_senders,
-                            engine_shards=sharded_engine_tp(cfg, arch))
+                            engine_shards=sharded_engine_tp(cfg, arch),
+                            expert_bytes=sum(params.experts_per_layer) * dtype_bytes,
+                            expert_parallel=cfg.parallel.expert_parallel,
+                            expert_tensor_parallel=cfg.parallel.expert_tensor_parallel or cfg.parallel.tensor_parallel)
     rollout = max(samples * response / (ro.engine.num_engines * plan.decode_tokens_per_s),
                   ro.max_new_tokens / plan.request_tokens_per_s)
     reward = samples * plan.reward_s_per_sample / plan.reward_workers

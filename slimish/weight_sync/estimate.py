@@ -1,30 +1,40 @@
 """Sync time on paper: what each transport would take for a model on a stated cluster, from the bytes each link
-carries and its bandwidth (for the planning tools and the README's scale table; nothing here has run on a GPU).
+carries and its bandwidth (for `slimish plan` and the scale tables of docs/weight-sync.md; none has run on a GPU).
 
 The model is the wire only: control calls, export gathers and the engines' copy into their parameters come on top
 (measured on CPU in bench/weight_sync.py, where they dominate; on GPU they overlap with the wire, see broadcast.py).
 
-  broadcast  every engine rank receives every byte (SGLang's /update_weights_from_distributed hands full tensors to
-             each tensor-parallel rank), one bucket at a time (an engine serves one update request at a time): an
-             NCCL broadcast pipelines a bucket to all receivers, so a sync takes model bytes / NIC bandwidth,
-             whatever the number of engines, and whatever the number of senders: stage senders
+  broadcast  full: every engine rank receives every byte (SGLang's /update_weights_from_distributed hands full
+             tensors to each tensor-parallel rank), one bucket at a time (an engine serves one update request at a
+             time): an NCCL broadcast pipelines a bucket to all receivers, so a sync takes model bytes / NIC
+             bandwidth, whatever the number of engines, and whatever the number of senders: stage senders
              (slimish.weight_sync.stages) take turns on the wire. Without them (`stage_senders=False`) trainer rank 0
              first takes in the later pipeline stages' share of the model, on the thread that sends (counted here as
              not overlapped).
+             Sharded (`engine_shards` = the engines' tensor-parallel size t, weight_sync.sharded): engine rank r of
+             every engine receives only its shard, over a group of its own (group r: the sender and rank r of each
+             engine), the t groups at once. Their sender is one trainer rank, so the assumption here is its one NIC:
+             the t groups share it, and the sync takes every rank's payload (the model, plus t - 1 more copies of what
+             SGLang replicates) / NIC bandwidth, no less than full. Groups whose senders are the t trainer ranks that
+             hold the shards, on t NICs, would take 1/t of that (not built).
   disk       the sender writes every byte to a shared filesystem, then every engine reads it all: bytes / write
-             bandwidth + bytes / (read bandwidth per engine), engines reading in parallel. Sharded
-             (`engine_shards` = the engines' tensor-parallel size, weight_sync.sharded): each engine rank reads only
-             its own files, 1 / t of the bytes, the ranks in parallel at the read bandwidth each (what SGLang
-             replicates, norms and routers, is counted when given as `replicated_bytes`; `plan` gives 0: under
-             0.1% of a large model).
-  broadcast is not sharded (`engine_shards` is ignored): every engine rank still receives every byte over the one
-             group. `tensor` (one node, memory handles) has no wire.
+             bandwidth + bytes / (read bandwidth per engine), engines reading in parallel. Sharded (`engine_shards`):
+             each engine rank reads only its own files, 1 / t of the bytes, the ranks in parallel at the read
+             bandwidth each; the writer writes every rank's payload.
+  experts    with expert parallelism E in the trainer (`expert_bytes`, `expert_parallel`), every expert reaches its
+             stage's leader before it is sent: the experts of expert-parallel ranks 1..E-1 travel to rank 0 one
+             tensor at a time on the thread that sends (`full_export._stage_tensors`); those from other nodes
+             (`expert_funnel_bytes`) cross the leader's NIC, counted as not overlapped, on both transports.
+
+What SGLang replicates on every engine rank (norms, routers) is counted when given as `replicated_bytes`; `plan`
+gives 0: under 0.1% of a large model. `tensor` (one node, memory handles) has no wire.
 
 `cpu_sync_seconds` models the other end: one CPU node, where a sync is copies, checksums, a loopback broadcast,
 page-cache files and engine requests (`Machine`, rates the bench measures in the same run), for the bytes a sync
 really moves (`payload`: per engine rank its shard plus what SGLang replicates when sharded, the whole model when
-not; the sender's total). bench/weight_sync.py --engine-tp 2 checks it against measured syncs (docs/weight-sync.md,
-"Calibration on the CPU").
+not; the sender's total), counted as CPU-seconds over the cores the sync gets as well as step by step.
+bench/weight_sync.py --engine-tp 2 checks it against measured syncs (docs/weight-sync.md, "Calibration on the
+CPU").
 """
 
 from __future__ import annotations
@@ -39,45 +49,75 @@ class Cluster:
     nic_gbit_s: float = 400.0        # per GPU (H100/H200 nodes: one 400 Gb/s NIC per GPU)
     fs_write_gbyte_s: float = 10.0   # one writer to a parallel filesystem
     fs_read_gbyte_s: float = 10.0    # one engine reading from it
+    gpus_per_node: int = 8           # NVLink within a node: expert hops there are not counted (an order faster)
 
 
 def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), pipeline_parallel: int = 1,
-                 stage_senders: bool = True, engine_shards: int = 1, replicated_bytes: float = 0.0) -> float:
+                 stage_senders: bool = True, engine_shards: int = 1, replicated_bytes: float = 0.0,
+                 expert_bytes: float = 0.0, expert_parallel: int = 1, expert_tensor_parallel: int = 1) -> float:
     """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring);
     `engine_shards` > 1: the sharded sync to engines of that many tensor-parallel ranks, of which every rank holds
-    `replicated_bytes` whole (`payload`: the writer writes them once per rank, each rank reads its shard and them;
-    0, as `slimish plan` passes it, is the 1/t split)."""
+    `replicated_bytes` whole (`payload`; 0, as `slimish plan` passes it, is the 1/t split); `expert_bytes` of the
+    model are routed experts, spread over `expert_parallel` trainer ranks (each expert split over
+    `expert_tensor_parallel`)."""
+    link = cluster.nic_gbit_s / 8 * GB
+    experts = expert_funnel_bytes(expert_bytes, expert_parallel=expert_parallel,
+                                  expert_tensor_parallel=expert_tensor_parallel, cluster=cluster) / link
+    load = payload(model_bytes, engine_tp=engine_shards, sharded=engine_shards > 1, replicated_bytes=replicated_bytes)
     if transport == "broadcast":
-        link = cluster.nic_gbit_s / 8 * GB
         funnel = 0.0 if stage_senders else model_bytes * (pipeline_parallel - 1) / pipeline_parallel / link
-        return model_bytes / link + funnel
+        return load.sender_bytes / link + funnel + experts
     if transport == "disk":
-        if engine_shards == 1:
-            return model_bytes / (cluster.fs_write_gbyte_s * GB) + model_bytes / (cluster.fs_read_gbyte_s * GB)
-        load = payload(model_bytes, engine_tp=engine_shards, sharded=True, replicated_bytes=replicated_bytes)
-        return load.sender_bytes / (cluster.fs_write_gbyte_s * GB) + load.rank_bytes / (cluster.fs_read_gbyte_s * GB)
+        return load.sender_bytes / (cluster.fs_write_gbyte_s * GB) + load.rank_bytes / (cluster.fs_read_gbyte_s * GB) \
+            + experts
     raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
+
+
+def expert_funnel_bytes(expert_bytes: float, *, expert_parallel: int, expert_tensor_parallel: int = 1,
+                        cluster: Cluster = Cluster()) -> float:
+    """Of `expert_bytes`, those that reach their stage's leader (expert-parallel rank 0) from another node before
+    they are sent: Megatron numbers an expert group's ranks expert-tensor-parallel first, so
+    gpus_per_node / expert_tensor_parallel expert-parallel ranks share rank 0's node (their hops, over NVLink, are
+    not counted) and the others' share crosses the leader's NIC."""
+    on_node = max(1, cluster.gpus_per_node // max(1, expert_tensor_parallel))
+    off_node = max(0, expert_parallel - on_node)
+    return expert_bytes * off_node / expert_parallel
 
 
 # ---------------------------------------------------------------------------------------------- the CPU, calibrated
 # On one CPU node (bench/weight_sync.py --engine-tp 2) there is no wire worth the name: a sync is memory copies,
-# SHA-256 checksums, a gloo broadcast over loopback and page-cache file I/O, all on the same few cores. The terms
-# below are measured by the bench in the same run, never fitted per case.
+# SHA-256 checksums, a gloo broadcast over loopback and page-cache file I/O, the sender's threads and the engine's
+# tensor-parallel ranks all on the same few cores. The terms below are measured by the bench in the same run, never
+# fitted per case.
 
 
 @dataclass(frozen=True, kw_only=True)
 class Machine:
-    """One node's measured rates, GB/s (1e9 bytes): `copy_gbyte_s` a tensor copy into a reused buffer (the sender's
-    flatten, an engine's copy into its parameters), `hash_gbyte_s` SGLang's CPU checksum (SHA-256), `link_gbyte_s`
-    bytes leaving a gloo broadcast's sender per second (a broadcast of n bytes to k receivers puts out k x n),
-    `fs_write_gbyte_s` / `fs_read_gbyte_s` writing and reading a file in the disk transport's directory;
-    `request_s` one engine request's round trip through its scheduler and tensor-parallel workers."""
+    """One node's measured rates, GB/s (1e9 bytes), each of one thread alone: `copy_gbyte_s` a tensor copy into a
+    reused buffer (the sender's flatten, an engine's copy into its parameters), `hash_gbyte_s` SGLang's CPU checksum
+    (SHA-256), `link_gbyte_s` bytes leaving a gloo broadcast's sender per second (a broadcast of n bytes to k
+    receivers puts out k x n), `fs_write_gbyte_s` writing a file in the disk transport's directory (seconds: it
+    waits on I/O too) and `fs_write_cpu_gbyte_s` the CPU-seconds of writing and removing it (0: as a copy),
+    `fs_read_gbyte_s` copying a file there out of a fresh mapping of it (safetensors' loaders map the files),
+    `mapped_gbyte_s` copying out of a fresh mapping of a shared-memory segment (an engine reading the tensor
+    transport's bucket: every page is faulted in once), `fresh_gbyte_s` copying into a newly allocated buffer (an
+    engine's receive buffer, allocated per bucket: every page is faulted in and zeroed once); 0: as `copy_gbyte_s`.
+    `link_busy_cores`: CPUs a raw gloo broadcast keeps busy while it runs (sender and receivers, their CPU-seconds
+    over its seconds); `request_s` one engine request's seconds besides its bytes (HTTP, pickling, SGLang's
+    tokenizer manager, scheduler and tensor-parallel workers) and `request_cpu_s` the CPU-seconds it costs all of
+    them; `cores` the CPUs the sync's threads and processes share."""
     copy_gbyte_s: float
     hash_gbyte_s: float
     link_gbyte_s: float
     fs_write_gbyte_s: float
     fs_read_gbyte_s: float
+    fs_write_cpu_gbyte_s: float = 0.0
+    mapped_gbyte_s: float = 0.0
+    fresh_gbyte_s: float = 0.0
+    link_busy_cores: float = 1.0
     request_s: float = 0.0
+    request_cpu_s: float = 0.0
+    cores: float = 1.0
 
 
 # Engine requests per sync besides one per bucket: /begin_weight_update, /end_weight_update, /weights_checker and
@@ -114,35 +154,77 @@ def payload(model_bytes: float, *, engine_tp: int, sharded: bool, replicated_byt
                    link_bytes=model_bytes * engine_tp, assembled_bytes=0.0)
 
 
+# The terms on the engine's side: seconds of one engine rank (its tensor-parallel peers do the same at once).
+ENGINE_TERMS = ("receive", "read", "load", "verify")
+
+
 def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> dict[str, float]:
-    """Seconds per step of one sync on `machine`; `cpu_sync_seconds` says how they add up. `assemble`, `stage`
-    (flatten, or write the files), `wire` / `read` and `load` (each engine rank's copy into its parameters, the
-    ranks in parallel) are the sender's path, counted one after another: on a node of a few cores the sender's
-    copies and the engine ranks' copies compete for the same CPUs, so overlapping buckets saves little (the bench's
-    phases show it). `hash`: the sender's checksums, on a thread of their own beside that path. `verify`: the engine
-    ranks' checksums of what they hold, after the last bucket. `requests`: one engine request per bucket
-    (`buckets`) and `SYNC_REQUESTS` more, one after another, in the sender's path."""
+    """Seconds of each step of one sync on `machine`, each as one thread alone would take it (`cpu_sync_seconds`
+    says how they add up). The sender's: `requests` (one engine request per bucket, `buckets`, and `SYNC_REQUESTS`
+    more), `assemble` (the fused parameters the sharded sender builds whole), `stage` (flatten, or write the files),
+    `wire` (broadcast: the bytes it puts out), `hash` (its checksums, on a thread of their own). Each engine rank's
+    (`ENGINE_TERMS`): `receive` (broadcast: its fresh receive buffer's pages, beyond the copy the wire makes),
+    `read` (disk: its files out of their mapping), `load` (the copy into its parameters: from the tensor
+    transport's freshly mapped segment, else from memory it already touched), `verify` (its checksums)."""
     copy, gb = machine.copy_gbyte_s * GB, GB
+    mapped = (machine.mapped_gbyte_s or machine.copy_gbyte_s) * GB
+    fresh = (machine.fresh_gbyte_s or machine.copy_gbyte_s) * GB
     terms = {"requests": (buckets + SYNC_REQUESTS) * machine.request_s, "assemble": load.assembled_bytes / copy}
     if transport == "tensor":
         terms["stage"] = load.sender_bytes / copy
+        terms["load"] = load.held_bytes / mapped
     elif transport == "broadcast":
         terms["stage"] = load.sender_bytes / copy
         terms["wire"] = load.link_bytes / (machine.link_gbyte_s * gb)
+        terms["receive"] = max(0.0, load.rank_bytes / fresh - load.rank_bytes / copy)
+        terms["load"] = load.held_bytes / copy
     elif transport == "disk":
         terms["stage"] = load.sender_bytes / (machine.fs_write_gbyte_s * gb)
         terms["read"] = load.rank_bytes / (machine.fs_read_gbyte_s * gb)
+        terms["load"] = load.held_bytes / copy
     else:
         raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk', 'tensor'")
-    terms["load"] = load.held_bytes / copy
     terms["hash"] = load.sender_bytes / (machine.hash_gbyte_s * gb)
     terms["verify"] = load.held_bytes / (machine.hash_gbyte_s * gb)
     return terms
 
 
 def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> float:
-    """Seconds of one verified sync of `load` on `machine`: the sender's path or its hashing thread, whichever ends
-    last, then the engines' checksums (`cpu_sync_terms`)."""
+    """Seconds of one verified sync of `load` on `machine` (`cpu_sync_terms`), in two spans, each as long as the
+    longer of its longest chain of steps and its CPU-seconds over `machine.cores`:
+
+    - the transfer: the sender's path (requests, assemble, stage, wire, then one engine rank's receive, read and
+      load: on a node of a few cores the sender's and the engine ranks' copies compete for the same CPUs, so
+      overlapping buckets saves little) or its hashing thread beside it, whichever is longer. On `disk` the hashing
+      thread waits for the writes: safetensors' `save_file` holds the GIL while it writes (a Python thread beside it
+      got a quarter of its free rate, measured), so the hashes come after `stage`. Its CPU-seconds are the sender's
+      steps (the disk's writes at their CPU rate: their seconds are I/O as much as CPU), the wire's
+      (`link_busy_cores` while it runs), every engine rank's, and every request's (`request_cpu_s`);
+    - then the engines' checksums, which wait for the sender's (`check_engines` compares them): one rank's
+      `verify`, or all ranks' CPU-seconds over the cores.
+
+    A chain runs on one thread, so never faster than the cores the sync gets when that is under one. The sum of
+    CPU-seconds is what a single-process rate misses: a sync runs the sender, its hashing thread and every engine
+    rank at once, more threads than a small node has cores, beside whatever else the node runs (`machine.cores`:
+    what it leaves the sync)."""
     terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
+    cores = max(0.1, machine.cores)
+    one = min(1.0, cores)  # the share of a CPU one thread can get
     path = sum(v for k, v in terms.items() if k not in ("hash", "verify"))
-    return max(path, terms["hash"]) + terms["verify"]
+    hashing = terms["hash"] + (terms["stage"] if transport == "disk" else 0.0)
+    work, checks = cpu_sync_work(load, transport=transport, machine=machine, buckets=buckets)
+    transfer = max(max(path, hashing) / one, work / cores)
+    return transfer + max(terms["verify"] / one, checks / cores)
+
+
+def cpu_sync_work(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> tuple[float, float]:
+    """CPU-seconds of one sync of `load` on `machine`, of every thread and process (`cpu_sync_seconds`): (the
+    transfer's, the engines' checksums')."""
+    terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
+    stage_cpu = terms["stage"]
+    if transport == "disk":  # the writes' CPU-seconds, not their seconds
+        stage_cpu = load.sender_bytes / ((machine.fs_write_cpu_gbyte_s or machine.copy_gbyte_s) * GB)
+    work = terms["assemble"] + stage_cpu + terms["hash"] + terms.get("wire", 0.0) * machine.link_busy_cores
+    work += (buckets + SYNC_REQUESTS) * machine.request_cpu_s
+    work += load.engine_tp * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")
+    return work, load.engine_tp * terms["verify"]

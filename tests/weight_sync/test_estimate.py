@@ -2,7 +2,15 @@
 
 import pytest
 
-from slimish.weight_sync.estimate import Cluster, Machine, cpu_sync_seconds, cpu_sync_terms, payload, sync_seconds
+from slimish.weight_sync.estimate import (
+    Cluster,
+    Machine,
+    cpu_sync_seconds,
+    cpu_sync_terms,
+    cpu_sync_work,
+    payload,
+    sync_seconds,
+)
 
 LLAMA_405B_BF16 = 405.85e9 * 2
 
@@ -32,7 +40,28 @@ def test_a_sharded_disk_sync_reads_a_tth_per_engine_rank():
     cluster = Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)
     assert sync_seconds(20e9, transport="disk", cluster=cluster, engine_shards=8) == pytest.approx(2.0 + 0.5)
     assert sync_seconds(LLAMA_405B_BF16, transport="broadcast", engine_shards=8) == \
-        sync_seconds(LLAMA_405B_BF16, transport="broadcast")
+        pytest.approx(sync_seconds(LLAMA_405B_BF16, transport="broadcast"))
+
+
+def test_a_sharded_broadcast_puts_every_ranks_payload_through_the_one_senders_nic():
+    """Per-rank groups from one sender: each engine rank receives 1/t, the sender's link carries all t payloads,
+    the replicated tensors t times."""
+    link = Cluster().nic_gbit_s / 8 * 1e9
+    assert sync_seconds(18e9, transport="broadcast", engine_shards=8, replicated_bytes=2e9) == \
+        pytest.approx((18e9 + 7 * 2e9) / link)
+
+
+def test_experts_from_other_nodes_reach_the_stage_leader_first():
+    """DeepSeek-V3's layout: EP4 with each expert over TP8, one expert-parallel rank per node: 3/4 of the experts
+    cross the leader's NIC. EP4 of ETP2 fits one node of 8 GPUs (NVLink: not counted); EP16 of ETP1 spans two."""
+    link = Cluster().nic_gbit_s / 8 * 1e9
+    plain = sync_seconds(100e9, transport="broadcast")
+    assert sync_seconds(100e9, transport="broadcast", expert_bytes=80e9, expert_parallel=4,
+                        expert_tensor_parallel=8) == pytest.approx(plain + 60e9 / link)
+    assert sync_seconds(100e9, transport="broadcast", expert_bytes=80e9, expert_parallel=4,
+                        expert_tensor_parallel=2) == plain
+    assert sync_seconds(100e9, transport="disk", expert_bytes=80e9, expert_parallel=16) == \
+        pytest.approx(sync_seconds(100e9, transport="disk") + 40e9 / link)
 
 
 # ------------------------------------------------------------------------------------ the CPU model's arithmetic
@@ -64,15 +93,68 @@ def test_the_cpu_terms_per_transport():
         cpu_sync_terms(full, transport="carrier_pigeon", machine=ONE)
 
 
-def test_the_senders_hash_overlaps_its_path_and_the_engines_checksums_come_last():
+def with_cores(machine: Machine, cores: float) -> Machine:
+    return Machine(**{**machine.__dict__, "cores": cores})
+
+
+def test_with_cores_to_spare_the_longest_chain_counts():
+    """The sender's path (stage 4 + one rank's load 2) beside its hashing thread (4), then one rank's checksums."""
     full = payload(4e9, engine_tp=2, sharded=False)
-    assert cpu_sync_seconds(full, transport="tensor", machine=ONE) == max(4.0 + 2.0, 4.0) + 2.0
-    assert cpu_sync_seconds(full, transport="tensor", machine=SLOW_HASH) == 16.0 + 8.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 8)) == max(4.0 + 2.0, 4.0) + 2.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(SLOW_HASH, 8)) == 16.0 + 8.0
+
+
+def test_on_few_cores_every_threads_cpu_seconds_count():
+    """Stage 4 + hash 4 + two ranks' loads 2 x 2 = 12 CPU-seconds, then two ranks' checksums 2 x 2: over 2 cores
+    6 + 2, over 1 core 12 + 4, and over half a core (other jobs take the rest) each chain at half speed too."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    assert cpu_sync_work(full, transport="tensor", machine=ONE) == (12.0, 4.0)
+    assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 2)) == 6.0 + 2.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 1)) == 12.0 + 4.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=with_cores(ONE, 0.5)) == 24.0 + 8.0
+
+
+def test_on_disk_the_senders_hashes_wait_for_its_writes():
+    """safetensors' writer holds the GIL: the hashing thread's chain is the writes, then the hashes."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    machine = with_cores(SLOW_HASH, 8)
+    assert cpu_sync_seconds(full, transport="disk", machine=machine) == (4.0 + 16.0) + 8.0
+    assert cpu_sync_seconds(full, transport="tensor", machine=machine) == 16.0 + 8.0
+
+
+def test_the_disks_writes_count_at_their_cpu_rate_in_the_work():
+    """The writes' seconds (write bandwidth 1) stand in the path; their CPU-seconds (4 GB/s) in the work."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
+                      fs_write_cpu_gbyte_s=4)
+    # write 1 + hash 4 + two ranks' (read 4 + load 2), then two ranks' checksums 2 x 2
+    assert cpu_sync_work(full, transport="disk", machine=machine) == (17.0, 4.0)
+
+
+def test_the_wire_keeps_sender_and_receivers_busy():
+    """Broadcast: the raw broadcast's CPUs (`link_busy_cores`) for as long as the wire takes count as work; a fresh
+    receive buffer costs each rank its pages beyond the copy."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
+                      fresh_gbyte_s=0.5, link_busy_cores=2, cores=1)
+    terms = cpu_sync_terms(full, transport="broadcast", machine=machine)
+    assert (terms["wire"], terms["receive"]) == (8.0, 4.0)
+    # stage 4 + hash 4 + wire 8 x 2 busy + two ranks' (receive 4 + load 2): 36 CPU-seconds on one core
+    assert cpu_sync_seconds(full, transport="broadcast", machine=machine) == 36.0 + 4.0
+
+
+def test_every_request_costs_cpu_seconds_besides_its_bytes():
+    """Six buckets and four more requests at 0.1 CPU-seconds each: 1 CPU-second more work over one core."""
+    full = payload(4e9, engine_tp=2, sharded=False)
+    one_core = with_cores(ONE, 1)
+    busy = Machine(**{**one_core.__dict__, "request_cpu_s": 0.1})
+    assert cpu_sync_seconds(full, transport="tensor", machine=busy, buckets=6) == \
+        pytest.approx(cpu_sync_seconds(full, transport="tensor", machine=one_core, buckets=6) + 1.0)
 
 
 def test_one_engine_request_per_bucket_and_four_per_sync_in_the_senders_path():
     machine = Machine(copy_gbyte_s=1, hash_gbyte_s=1, link_gbyte_s=1, fs_write_gbyte_s=1, fs_read_gbyte_s=1,
-                      request_s=0.5)
+                      request_s=0.5, cores=8)
     full = payload(4e9, engine_tp=2, sharded=False)
     assert cpu_sync_terms(full, transport="tensor", machine=machine, buckets=6)["requests"] == 5.0
     assert cpu_sync_seconds(full, transport="tensor", machine=machine, buckets=6) == 5.0 + 6.0 + 2.0
