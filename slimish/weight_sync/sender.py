@@ -27,6 +27,7 @@ there: what tests and benchmarks that send tensors of their own (not a trainer's
 from __future__ import annotations
 
 import functools
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -62,6 +63,7 @@ class WeightSender:
         self._stage_links: list = []          # rank 0: the stage senders' or the expert owners' links
         self._owners = False                  # this connection sends experts from their owners (every rank knows)
         self._groups_made = 0
+        self._nonce: str | None = None  # the job's, agreed at the first connect, in every group name (`_group_name`)
         self._api_key: str | None = None
         self._stalled_s = 0.0   # failed sends since the last whole one: how long each had made no progress
         self.hung: list[str] = []  # the last failed send: engines that had not answered by a bucket's deadline
@@ -105,6 +107,8 @@ class WeightSender:
         died, a restarted one joins): the old groups are torn down and new ones, under new names and on free ports,
         replace them."""
         self._groups_made += 1
+        if self._nonce is None:
+            self._nonce = _shared_nonce()
         self._api_key = api_key
         self.close()
         if self.replica_senders and engines_by_rank is not None:
@@ -226,8 +230,11 @@ class WeightSender:
         return {"time_connect_s": time.monotonic() - t0}
 
     def _group_name(self, stage: int = 0) -> str:
+        """A name no other connection uses, of this sender or of an earlier one: an engine that outlived its trainer
+        (attached, or a resumed job's) still holds the old connection's groups by name, and would take a request
+        naming one of them for that old group, whose sender is gone."""
         suffix = f"_stage{stage}" if stage else ""
-        return f"slimish_weight_sync_{self._groups_made}{suffix}"
+        return f"slimish_weight_sync_{self._nonce}_{self._groups_made}{suffix}"
 
     def _context(self, engine_tp: int, master_addr: str, master_port: int, group_name: str) -> TransportContext:
         ws = self.cfg.weight_sync
@@ -348,6 +355,17 @@ class WeightSender:
             if sender is not None:
                 sender.close()
         self._sync = self._stage_sender = None
+
+
+def _shared_nonce() -> str:
+    """A random token, the same on every trainer rank (rank 0's; a collective where torch.distributed runs): the
+    stage senders' group names, which rank 0 names in its requests, must be the leaders' own."""
+    import torch.distributed as dist
+
+    token = [secrets.token_hex(4)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def drain(tensors: Iterable) -> None:

@@ -107,3 +107,16 @@ def test_experts_travel_one_at_a_time_where_slimishs_loader_takes_them(tmp_path,
         EngineSharding(tp=2, loaders=loaders))
     assert layout.expert_slots == slots
     assert layout.direct_loadable == (not slots)
+
+
+def test_no_two_senders_name_a_group_alike(tmp_path):
+    """Group names carry a token of the job's sender (rank 0's, shared by every rank at the first connect), so a
+    restarted job's groups never take the name of a group an engine that outlived the old job still holds (the
+    engine would take a request naming it for the old group, whose sender is gone, and the join would wait)."""
+    from slimish.weight_sync.sender import _shared_nonce
+
+    first, second = (sender(tmp_path, QWEN3_8B) for _ in range(2))
+    for each in (first, second):
+        each._nonce, each._groups_made = _shared_nonce(), 1
+    assert first._group_name() != second._group_name()
+    assert first._group_name(1) != second._group_name(1) and first._group_name(1).endswith("_1_stage1")
