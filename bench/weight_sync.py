@@ -375,13 +375,14 @@ def request_costs(url: str, smallest: tuple, *, engine_tp: int, rounds: int = 10
 
 
 def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path, url: str | None = None,
-                    others_busy: float = 0.0, smallest: tuple | None = None):
+                    others_busy: float = 0.0, smallest: tuple | None = None, bucket_bytes: int = 64 << 20):
     """This node's rates for `slimish.weight_sync.estimate.Machine`, each the best of `rounds` on `nbytes`. As
     CPU-seconds (`cpu_best_s`: the cost, whatever else runs meanwhile): a copy into a reused buffer, into a fresh one
     (its pages faulted in, as an engine's receive buffer per bucket), and out of a fresh mapping of a shared-memory
     segment (/dev/shm, as the tensor transport's engines map its buckets); SGLang's CPU checksum; copying a file in
     `directory` (the disk transport's, so the page cache is as warm as the transport finds it) out of a fresh mapping
-    (as safetensors loads it); writing that file and removing it. As seconds: writing it (it waits on I/O too), a
+    (as safetensors loads it); writing it as the transport does (fresh files of `bucket_bytes`, all kept until the
+    last is written, then removed). As seconds: that write (it waits on I/O too), a
     raw gloo broadcast to `receivers` processes (bytes put out per second, and the CPUs it keeps busy); with `url`
     and `smallest` (the model's smallest (name, tensor)) an engine request's seconds and CPU-seconds
     (`request_costs`, the mean of 10).
@@ -405,10 +406,26 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
     def mapped_copy(path: Path):  # a fresh mapping each time: its pages are faulted in as the copy reads them
         dst.copy_(torch.from_file(str(path), shared=True, size=src.numel(), dtype=src.dtype))
 
-    path = directory / "machine.bin"
-    write_s = best_s(lambda: write(path), rounds)  # seconds, not CPU-seconds: writing waits on I/O too
+    def write_buckets():  # as the disk transport: a fresh file per bucket, every one kept until the sync is loaded
+        pieces = range(0, nbytes, bucket_bytes)
+        for start in pieces:
+            with open(directory / f"bucket-{start // bucket_bytes:05d}.bin", "wb") as f:
+                f.write(view[start:start + bucket_bytes])
+        return [directory / f"bucket-{start // bucket_bytes:05d}.bin" for start in pieces]
+
+    def remove(paths):
+        for each in paths:
+            each.unlink()
+
+    write_s = float("inf")  # seconds, not CPU-seconds: writing waits on I/O too; the removal comes after the load
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        written = write_buckets()
+        write_s = min(write_s, time.perf_counter() - t0)
+        remove(written)
     # Its CPU-seconds, with the removal: the transport writes fresh files every sync and removes them after it.
-    write_cpu_s = cpu_best_s(lambda: (write(path), path.unlink()), rounds)
+    write_cpu_s = cpu_best_s(lambda: remove(write_buckets()), rounds)
+    path = directory / "machine.bin"
     write(path)
     read_s = cpu_best_s(lambda: mapped_copy(path), rounds)
     path.unlink()
@@ -513,7 +530,8 @@ def sharded_main(args) -> None:
                   f"rank_mib_sharded={max(sharded[f'sync_engine_rank{r}_mib'] for r in range(tp)):.0f} "
                   f"model_mib={nbytes / 2**20:.0f} engine_tp={tp} bucket_mb={size:g}", flush=True)
         machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0],
-                                  others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()))
+                                  others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()),
+                                  bucket_bytes=int(size * 2**20))
         calibrate(results, tensors, tp=tp, machine=machine)
     finally:
         for proc, _ in engines:
