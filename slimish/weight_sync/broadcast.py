@@ -115,7 +115,14 @@ class BroadcastTransport(Transport):
             from datetime import timedelta
 
             left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-            self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left)
+            try:
+                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left)
+            except Exception:
+                # An engine rank that failed the request never joined: its error is the cause. The others answer
+                # once their groups are gone (within LET_GO_S).
+                self._loading_deadline = time.monotonic() + LET_GO_S
+                self.wait_loaded()
+                raise
         with self.phase("wire"):
             works = [collectives.broadcast(flat, src=0, group=group, async_op=True)
                      for (flat, _), group in zip(placed, self.rank_groups)]
@@ -249,9 +256,14 @@ def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: i
                  for r, port in enumerate(ports)]
         wait_futures(joins)
     failed = [join.exception() for join in joins if join.exception() is not None]
-    if failed:  # an engine rank never came (it failed first): the others' groups go, which ends their receives
-        for join in joins:
-            if join.exception() is None:
-                destroy_group(join.result())
-        raise failed[0]
-    return [join.result() for join in joins]
+    if not failed:
+        return [join.result() for join in joins]
+    # An engine rank never came (it failed first): the others' groups go, which ends their receives. A gloo group
+    # closes its connections when its last reference goes (destroying it is not enough): none is left here (not even
+    # in this frame, which the raised error's traceback keeps).
+    joined = [join.result() for join in joins if join.exception() is None]
+    del joins
+    for group in joined:
+        destroy_group(group)
+    del joined, group
+    raise failed[0]
