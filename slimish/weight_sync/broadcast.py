@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -103,26 +104,25 @@ class BroadcastTransport(Transport):
         self.wait_loaded()
         if self.rank_groups is None:
             self._ports = [free_port() for _ in bucket.ranks]
-
-        def spec(rank: int, engine: int) -> str:
-            part, (flat, offsets) = bucket.ranks[rank], placed[rank]
-            return json.dumps(dict(group=f"{ctx.group_name}_rank{rank}", address=ctx.master_addr,
-                                   port=self._ports[rank], world_size=1 + len(self.clients), rank=1 + engine,
-                                   backend=ctx.backend, names=part.names, offsets=offsets, nbytes=flat.numel(),
-                                   dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
-                                   shapes=[list(t.shape) for t in part.tensors]))
-
-        from slimish.weight_sync.tensor import _serialize
-
-        marker = torch.zeros(1, device="cpu")
-        payloads = {c.url: [_serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
-                    for engine, c in enumerate(self.clients)}
+        payloads = dict(zip((c.url for c in self.clients), shard_payloads(
+            bucket, placed, group=f"{ctx.group_name}_rank{{rank}}", connection=ctx.group_name,
+            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend)))
         deadline = self.deadline(max(flat.numel() for flat, _ in placed))
         self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=version,
             flush_cache=version is not None)), deadline=deadline)
         if self.rank_groups is None:
-            self.rank_groups = self._join_rank_groups(len(bucket.ranks))
+            from datetime import timedelta
+
+            left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            try:
+                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left)
+            except Exception:
+                # An engine rank that failed the request never joined: its error is the cause. The others answer
+                # once their groups are gone (within LET_GO_S).
+                self._loading_deadline = time.monotonic() + LET_GO_S
+                self.wait_loaded()
+                raise
         with self.phase("wire"):
             works = [collectives.broadcast(flat, src=0, group=group, async_op=True)
                      for (flat, _), group in zip(placed, self.rank_groups)]
@@ -132,14 +132,28 @@ class BroadcastTransport(Transport):
             self.wait_loaded()
         return bucket.nbytes
 
-    def _join_rank_groups(self, tp: int) -> list:
-        """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once."""
+    def _join_rank_groups(self, tp: int, timeout=None) -> list:
+        """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once; the
+        rendezvous bounded by `timeout` (an engine that failed the request never joins)."""
         ctx = self.context
-        with ThreadPoolExecutor(tp) as pool:
-            joins = [pool.submit(new_weight_update_group, backend=ctx.backend, master_address=ctx.master_addr,
-                                 master_port=self._ports[r], world_size=1 + len(self.clients), rank=0,
-                                 group_name=f"{ctx.group_name}_rank{r}") for r in range(tp)]
-            return [join.result() for join in joins]
+        return join_rank_groups(backend=ctx.backend, address=ctx.master_addr, ports=self._ports,
+                                engines=len(self.clients), group=f"{ctx.group_name}_rank{{rank}}", timeout=timeout)
+
+    def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None],
+                   wire: Callable[[], None] | None = None) -> None:
+        """Post a bucket an expert owner broadcasts itself over per-rank groups of its own (`shards[e][r]`: engine e's
+        rank r's `receive_shard` entry, naming the owner's group r, `shard_payloads`): once every engine has been
+        asked, `wire()` tells the owner to broadcast it; once every engine has loaded it, `go()` tells the owner its
+        broadcast is done with. A failed wait raises (the sync then tells the owner to give up: `OwnerLink`)."""
+        self.wait_loaded()
+        payloads = {c.url: entries for c, entries in zip(self.clients, shards)}
+        self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=None, flush_cache=False)),
+            deadline=self.deadline(max(rank_bytes)))
+        if wire is not None:
+            wire()
+        self.wait_loaded()
+        go()
 
     def push_remote(self, meta: dict, *, nbytes: int, group_name: str, go: Callable[[], None]) -> None:
         """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
@@ -207,3 +221,49 @@ class BroadcastTransport(Transport):
             destroy_group(group)
         self.rank_groups = None
         super().close()
+
+
+def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connection: str, address: str,
+                   ports: list[int], engines: int, backend: str) -> list[list[str]]:
+    """Per engine, per engine rank r, the `receive_shard` entry for rank r's part of `bucket` (`placed[r]`: its flat
+    buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous at
+    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`."""
+    from slimish.weight_sync.tensor import _serialize
+
+    def spec(rank: int, engine: int) -> str:
+        part, (flat, offsets) = bucket.ranks[rank], placed[rank]
+        return json.dumps(dict(group=group.format(rank=rank), connection=connection, address=address,
+                               port=ports[rank], world_size=1 + engines, rank=1 + engine, backend=backend,
+                               names=part.names, offsets=offsets, nbytes=flat.numel(),
+                               dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
+                               shapes=[list(t.shape) for t in part.tensors]))
+
+    marker = torch.zeros(1, device="cpu")
+    return [[_serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
+            for engine in range(engines)]
+
+
+def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: int, group: str,
+                     timeout=None) -> list:
+    """A sender's groups with each engine rank r (`group.format(rank=r)` at `ports[r]`, the sender at rank 0; the
+    engines join in `receive_shard`), all at once. `timeout`: of the rendezvous (default: the groups' own,
+    `WEIGHT_UPDATE_GROUP_TIMEOUT`). If a group cannot be joined (an engine rank failed the request and never came),
+    the others are destroyed and its error raised."""
+    options = {} if timeout is None else {"join_timeout": timeout}
+    with ThreadPoolExecutor(len(ports)) as pool:
+        joins = [pool.submit(new_weight_update_group, backend=backend, master_address=address, master_port=port,
+                             world_size=1 + engines, rank=0, group_name=group.format(rank=r), **options)
+                 for r, port in enumerate(ports)]
+        wait_futures(joins)
+    failed = [join.exception() for join in joins if join.exception() is not None]
+    if not failed:
+        return [join.result() for join in joins]
+    # An engine rank never came (it failed first): the others' groups go, which ends their receives. A gloo group
+    # closes its connections when its last reference goes (destroying it is not enough): none is left here (not even
+    # in this frame, which the raised error's traceback keeps).
+    joined = [join.result() for join in joins if join.exception() is None]
+    del joins
+    for group in joined:
+        destroy_group(group)
+    del joined, group
+    raise failed[0]

@@ -65,7 +65,7 @@ class DiskTransport(Transport):
             self._rank_files: list[list[Path]] = [[] for _ in range(ranks)]
             self._owned_dirs: list[str] = []
 
-    def push_owned(self, shards: dict, *, rank_bytes: list[int], go) -> None:
+    def push_owned(self, shards: dict, *, rank_bytes: list[int], go, wire=None) -> None:
         """An expert owner wrote a bucket's per-rank files itself (`shards`: {"dir", "files": per engine rank
         [(path, bytes)]}): they join the one load of the last bucket, and its directory is removed with this
         sync's. `go` at once: the owner's files stay until then."""

@@ -12,7 +12,11 @@ The sharded `broadcast` transport sends each rank [(a JSON description of its pa
 tensor)]: `receive_shard` joins, once per group name, a group of its own with the sender (SGLang's
 `init_custom_process_group`, as its /init_weights_update_group does: the sender at rank 0, rank r of every engine
 after it), receives its part as one flat buffer broadcast over that group, and copies each tensor into the parameter
-of its name. Groups of earlier connections (another name) are destroyed when a new one is joined.
+of its name. One connection (the spec's "connection") may have several senders, each with a group of its own per
+engine rank (trainer rank 0's, and each expert owner's, `slimish.weight_sync.owners`): a rank keeps every group of
+its connection, and destroys the groups of earlier connections when it first joins one of a new connection. A group's
+rendezvous needs every engine's rank: the engines join in the order the requests reach them, which one poster (trainer
+rank 0) keeps the same on every engine.
 It runs in the engine: of slimish it imports only `slimish.collectives` (torch), lazily.
 
 Expert slots: every loader here also takes a tensor named `{stacked parameter}[{k}]`, e.g.
@@ -30,7 +34,7 @@ import re
 
 _SLOT = re.compile(r"(.+)\[(\d+)\]")
 
-# Group name -> this rank's group with the sender (`receive_shard`), kept from bucket to bucket.
+# Group name -> (its connection, this rank's group with that sender) (`receive_shard`), kept from bucket to bucket.
 _GROUPS: dict = {}
 
 
@@ -99,8 +103,8 @@ def load_shard_files(model, named_tensors) -> None:
 
 def receive_shard(model, named_tensors) -> None:
     """Receive this rank's part of a bucket broadcast over its own group and load it by name. `named_tensors`:
-    [(JSON {"group", "address", "port", "world_size", "rank", "backend", "names", "dtypes", "shapes", "offsets",
-    "nbytes"}, a marker tensor)]."""
+    [(JSON {"group", "connection", "address", "port", "world_size", "rank", "backend", "names", "dtypes", "shapes",
+    "offsets", "nbytes"}, a marker tensor)] ("connection" absent: the group is a connection of its own)."""
     import torch
 
     ((spec, _),) = named_tensors
@@ -127,14 +131,16 @@ def _join(spec: dict):
     from sglang.srt.utils import init_custom_process_group
     from sglang.srt.utils.network import NetworkAddress
 
-    if spec["group"] in _GROUPS:
-        return _GROUPS[spec["group"]]
-    for name in list(_GROUPS):  # an earlier connection's: its sender is gone
-        try:
-            torch.distributed.destroy_process_group(_GROUPS.pop(name))
+    name, connection = spec["group"], spec.get("connection", spec["group"])
+    if name in _GROUPS:
+        return _GROUPS[name][1]
+    for other in [n for n, (c, _) in _GROUPS.items() if c != connection]:  # an earlier connection's: its senders
+        try:                                                                 # are gone
+            torch.distributed.destroy_process_group(_GROUPS.pop(other)[1])
         except Exception:  # noqa: BLE001 - a group whose peer died may fail to tear down; it is dropped anyway
             pass
-    _GROUPS[spec["group"]] = init_custom_process_group(
+    group = init_custom_process_group(
         backend=spec["backend"], init_method=NetworkAddress(spec["address"], spec["port"]).to_tcp(),
-        world_size=spec["world_size"], rank=spec["rank"], group_name=spec["group"])
-    return _GROUPS[spec["group"]]
+        world_size=spec["world_size"], rank=spec["rank"], group_name=name)
+    _GROUPS[name] = (connection, group)
+    return group

@@ -1,12 +1,15 @@
 """Experts straight from the trainer ranks that own them (the owners' route: trainer expert parallelism > 1, a
-sharded sync with expert slots, the `tensor` or `disk` transport, no pipeline parallelism).
+sharded sync with expert slots, any transport, no pipeline parallelism).
 
 Without it every expert travels from its expert-parallel (EP) rank to EP rank 0 and on, from rank 0, to the
 engines. With it, each owner (ETP rank 0 of an EP rank of the source replica, `export_owned_hf_tensors`) cuts its
 own experts into the engine ranks' slots (`EngineShards` with `expert_slots`), stages them itself and hashes them
 (`ExpectedChecksums.add_shard`); only what names the staged bytes travels to rank 0, over the EP group:
 - `tensor`: per engine and engine rank, a pickle of handles to the owner's own shared segments (`stage_shards`);
-- `disk`: the paths of the owner's own per-rank safetensors files.
+- `disk`: the paths of the owner's own per-rank safetensors files;
+- `broadcast`: per engine and engine rank r, the `receive_shard` entry naming the owner's own group r (the owner at
+  rank 0, rank r of every engine after it: `OwnerGroups`), which the owner broadcasts rank r's part over once rank 0
+  has posted the request; no expert byte passes rank 0.
 Rank 0 posts every request to the engines, for its own buckets and for the owners' (an SGLang engine serves
 weight-update requests one at a time, in arrival order: one poster keeps every engine in the same order, see
 `slimish.weight_sync.stages`). Rank 0 takes the owners' buckets once its own export has ended: the export gathers
@@ -16,6 +19,9 @@ for rank 0's answer must not hold up one of those gathers.
 Messages over the EP group, between rank 0 and an owner (the stage senders' exchange, `StageLink`):
   owner -> rank 0   {"shards": what names the bucket, "nbytes": n, "rank_bytes": [per engine rank]}
   rank 0 -> owner   True | False     the engines have loaded it (its segments may be reused) | give up
+                                     (broadcast: the engines have been asked for it, broadcast it now | give up;
+                                     then once more: the engines have loaded it | give up, and close the groups,
+                                     which ends the engines' receives, before rank 0 lets the engines go)
   owner -> rank 0   {"done": per-rank checksums or None, "phases": {...}, "nbytes": bytes staged}
   owner -> rank 0   {"failed": "why"}
 
@@ -39,13 +45,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from slimish import run_layout
+from slimish import collectives, run_layout
+from slimish.network import free_port
 from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink, _recv, _send
+from slimish.weight_sync.transport import TransportContext
 
-TRANSPORTS = ("tensor", "disk")
+TRANSPORTS = ("tensor", "disk", "broadcast")
 
 
 def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool = True) -> bool:
@@ -66,21 +74,44 @@ class OwnerLink(StageLink):
     def label(self) -> str:
         return f"owner{self.rank}"
 
+    def start(self) -> None:
+        super().start()
+        self.wiring = False  # broadcast: the owner was told to send the bucket and awaits the engines' verdict
+
+    def wire(self) -> None:
+        """Broadcast: the engines have been asked for the owner's bucket; it sends it now and awaits the verdict."""
+        _send(True, to=self.rank, group=self.group)
+        self.wiring = True  # the reply owed is now the verdict
+
+    def reply(self, go: bool) -> None:
+        super().reply(go)
+        self.wiring = False
+
+    def interrupt(self) -> None:
+        if self.wiring:  # it closes its groups, which ends the engines' receives, and sends nothing more
+            self.reply(False)
+            self.finished = True
+
 
 class OwnerSender:
     """An owner's side (global rank `rank`, not rank 0): stages its experts' buckets with transport `transport`
-    ("tensor" or "disk") for `engines` engines sharded as `layout`, and hands them to rank 0 (`coordinator`) over
-    `group`, one at a time. `disk_dir`: where the disk transport writes (rank 0 removes the files once loaded)."""
+    ("tensor", "disk" or "broadcast") for `engines` engines sharded as `layout`, and hands them to rank 0
+    (`coordinator`) over `group`, one at a time. `disk_dir`: where the disk transport writes (rank 0 removes the
+    files once loaded). `context` (broadcast): the connection's (rank 0's group name, the backend, the bucket
+    deadline) with this owner's own address, where the engines meet its groups."""
 
     def __init__(self, *, rank: int, transport: str, layout: EngineLayout, engines: int, bucket_bytes: int,
                  coordinator: int, group, disk_dir: str = "",
-                 expected_checksums: Callable[[], ExpectedChecksums] | None = None):
+                 expected_checksums: Callable[[], ExpectedChecksums] | None = None,
+                 context: TransportContext | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"the owners' route sends over {TRANSPORTS}, not {transport}")
         self.rank, self.transport, self.layout, self.engines = rank, transport, layout, engines
         self.bucket_bytes, self.coordinator, self.group = bucket_bytes, coordinator, group
         self.disk_dir, self.expected_checksums = disk_dir, expected_checksums
         self.rank_buffers: list[FlatBuffers] | None = None  # tensor: the owner's own segments, reused (CPU)
+        self.groups = OwnerGroups(context, rank=rank, engines=engines, bucket_bytes=bucket_bytes) \
+            if transport == "broadcast" else None
         self._phases: dict[str, float] = {}
         self.sending = False
 
@@ -106,15 +137,26 @@ class OwnerSender:
                 reply_owed, staged_bytes = True, staged_bytes + bucket.nbytes
                 upcoming = next(staged, None)  # staged while the engines load this one (the other buffer)
                 go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                if go and self.groups is not None:  # the engines wait in `receive_shard`: broadcast, await the verdict
+                    reply_owed = True
+                    with self._timed("wire"):
+                        self.groups.send(_keep)
+                        go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                        if go:
+                            self.groups.finish()
                 if not go:
+                    if self.groups is not None:
+                        self.groups.abort()  # ends the engines' receives from this owner
                     return  # rank 0 failed: it releases the engines
                 current = upcoming
             checksums = expected.result() if expected is not None else None
             _send({"done": checksums, "phases": self._phases, "nbytes": staged_bytes}, to=self.coordinator,
                   group=self.group)
         except Exception as exc:
-            if reply_owed:
-                _recv(source=self.coordinator, group=self.group)
+            if self.groups is not None:
+                self.groups.abort()
+            if reply_owed and not _recv(source=self.coordinator, group=self.group):
+                return  # rank 0 gave up: it expects nothing more
             _send({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
                   group=self.group)
         finally:
@@ -147,6 +189,12 @@ class OwnerSender:
                         self.rank_buffers = rank_buffers(bucket)
                     placed, payloads = stage_shards(bucket, self.rank_buffers, self.engines)
                 yield bucket, payloads, placed
+            elif self.transport == "broadcast":
+                with self._timed("flatten"):
+                    if self.rank_buffers is None:
+                        self.rank_buffers = [FlatBuffers() for _ in bucket.ranks]
+                    placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
+                yield bucket, self.groups.payloads(bucket, placed), placed
             else:
                 with self._timed("write"):
                     written = self._write(bucket)
@@ -169,6 +217,69 @@ class OwnerSender:
 
     def close(self) -> None:
         self.rank_buffers = None
+        if self.groups is not None:
+            self.groups.abort()
+
+
+class OwnerGroups:
+    """An owner's own groups with the engines (broadcast): group r with rank r of every engine, named after the
+    connection (`context.group_name`) and the owner's rank, the owner at rank 0 at `context.master_addr`, joined at
+    its first bucket (the engines join in `receive_shard`, in the order rank 0 posts the requests). The rendezvous
+    and every broadcast are bounded by a bucket's deadline (`bucket_timeout_s` plus `bucket_bytes` at
+    `min_bandwidth_mib_s`): an engine that never joins (it died before the request reached it) fails the join within
+    it, not after the default group timeout."""
+
+    def __init__(self, context: TransportContext, *, rank: int, engines: int, bucket_bytes: int):
+        from datetime import timedelta
+
+        self.context, self.engines = context, engines
+        self.name = f"{context.group_name}_owner{rank}_rank{{rank}}"
+        self.timeout = timedelta(
+            seconds=context.bucket_timeout_s + bucket_bytes / (context.min_bandwidth_mib_s * 2**20))
+        self.ports: list[int] | None = None
+        self.groups: list | None = None
+        self.pending: list = []  # the broadcasts of the bucket being sent
+
+    def payloads(self, bucket: ShardedBucket, placed: list) -> list[list[str]]:
+        """Per engine, per engine rank, the `receive_shard` entry of rank r's part of `bucket` (`placed[r]`)."""
+        from slimish.weight_sync.broadcast import shard_payloads
+
+        ctx = self.context
+        if self.ports is None:
+            self.ports = [free_port() for _ in bucket.ranks]
+        return shard_payloads(bucket, placed, group=self.name, connection=ctx.group_name, address=ctx.master_addr,
+                              ports=self.ports, engines=self.engines, backend=ctx.backend)
+
+    def send(self, placed: list) -> None:
+        """Start broadcasting each rank's part (`placed[r]`) over group r (joined first, at the first bucket)."""
+        from slimish.weight_sync.broadcast import join_rank_groups
+
+        if self.groups is None:
+            ctx = self.context
+            self.groups = join_rank_groups(backend=ctx.backend, address=ctx.master_addr, ports=self.ports,
+                                           engines=self.engines, group=self.name, timeout=self.timeout)
+        self.pending = [collectives.broadcast(flat, src=0, group=group, async_op=True)
+                        for (flat, _), group in zip(placed, self.groups)]
+
+    def finish(self) -> None:
+        """The engines have loaded the bucket: its broadcasts are over (each waited for, within the group's timeout)."""
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    def abort(self) -> None:
+        """Destroy the groups (a broadcast still pending fails on the engines' side; on gloo the destroy returns at
+        once); a later connection makes new ones under new names."""
+        from slimish.weight_sync.process_group import destroy_group
+        from slimish.weight_sync.transport import keep_until_done
+
+        pending = self.pending or [None] * len(self.groups or [])
+        for group, work in zip(self.groups or [], pending):
+            destroy_group(group)
+            if work is not None and not work.is_completed():  # the group must outlive the send it could not finish
+                keep_until_done(work, group)
+        # Not used again: the next sync is on a new connection (new names, new ports).
+        self.groups, self.pending, self.ports = None, [], None
 
 
 def rank_buffers(bucket: ShardedBucket) -> list[FlatBuffers]:

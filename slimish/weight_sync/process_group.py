@@ -17,7 +17,10 @@ WEIGHT_UPDATE_GROUP_TIMEOUT = timedelta(minutes=10)
 
 
 def new_weight_update_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                            group_name: str, timeout: timedelta = WEIGHT_UPDATE_GROUP_TIMEOUT):
+                            group_name: str, timeout: timedelta = WEIGHT_UPDATE_GROUP_TIMEOUT,
+                            join_timeout: timedelta | None = None):
+    """The group (see the module docstring); its collectives time out after `timeout`, its rendezvous after
+    `join_timeout` (default: `timeout`; gloo's rendezvous waits as long as the group's timeout, not the store's)."""
     from torch.distributed import distributed_c10d as c10d
 
     from slimish.network import hosted_store
@@ -30,8 +33,11 @@ def new_weight_update_group(*, backend: str, master_address: str, master_port: i
     options_key = "backend_options" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6) \
         else "pg_options"
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout, **{options_key: None})
+                                              group_name=group_name, timeout=join_timeout or timeout,
+                                              **{options_key: None})
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    if join_timeout is not None:
+        torch.distributed.set_timeout(timeout, group)
     return group
 
 

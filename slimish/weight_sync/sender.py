@@ -9,8 +9,9 @@ the trainer. Who sends:
 - with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
   also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
   with rank 0's buckets;
-- with expert parallelism and the tensor or disk transport on the sharded route (`slimish.weight_sync.owners`), each
-  expert-parallel rank's ETP rank 0 stages its own experts for the engines, and rank 0 posts what names them;
+- with expert parallelism on the sharded route (`slimish.weight_sync.owners`), each expert-parallel rank's ETP
+  rank 0 stages its own experts for the engines (broadcast: sends them over per-rank groups of its own), and rank 0
+  posts what names them;
 - colocated with the tensor transport (no expert parallelism, whose export spans replicas, and experts split as
   tensor_parallel splits the rest), the source rank of every data-parallel replica sends to the engines on its
   replica's GPUs, from its own GPU by CUDA IPC.
@@ -155,8 +156,8 @@ class WeightSender:
     @property
     def owners_possible(self) -> bool:
         """Whether the experts may go to the engines from the trainer ranks that own them (decided at connect,
-        `_connect_owners`): expert parallelism, no pipeline parallelism, the tensor or disk transport, rank 0
-        sending to every engine."""
+        `_connect_owners`): expert parallelism, no pipeline parallelism, rank 0 sending to every engine (any
+        transport; broadcast where its sharded route runs, `owners_fit`)."""
         from slimish.weight_sync.owners import TRANSPORTS as OWNER_TRANSPORTS
 
         return (self.expert_parallel > 1 and self.pipeline_parallel == 1 and not self.replica_senders
@@ -202,10 +203,13 @@ class WeightSender:
             links = [OwnerLink(stage=0, rank=rank, group=group, group_name="") for rank in members if rank != 0]
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
         ws = self.cfg.weight_sync
+        # broadcast: the engines meet the owner's own groups at its address (rank 0's where they share a node).
+        address = master_addr if nodes[self.rank] == nodes[0] else node_ip()
         self._stage_sender = OwnerSender(
             rank=self.rank, transport=ws.transport, layout=self.sharded_layout(sharding), engines=len(engine_urls),
             bucket_bytes=int(ws.bucket_mb * 2**20), coordinator=0, group=group, disk_dir=self.disk_dir(),
-            expected_checksums=self._expected_checksums(sharding))
+            expected_checksums=self._expected_checksums(sharding),
+            context=self._context(engine_tp, address, 0, self._group_name()))
         return {}
 
     def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:

@@ -73,6 +73,10 @@ class StageLink:
         _send(go, to=self.rank, group=self.group)
         self.reply_owed = False
 
+    def interrupt(self) -> None:
+        """After rank 0 failed mid-sync, before it lets the engines go: a sender still sending on its own groups
+        gives up now (`OwnerLink`); a stage's leader learns it in `release`."""
+
     def release(self) -> str | None:
         """After rank 0 failed mid-sync: tell the leader to give up (it then drains its export and sends nothing
         more), whatever point of the exchange it is at. Returns the leader's own failure if it reported one (then

@@ -113,6 +113,8 @@ class WeightSync:
             self.stalled_s = time.monotonic() - self.transport.progress_at
             self.hung = exc.unanswered if isinstance(exc, SyncReleased) and exc.by_deadline else []
             self.broken = True
+            for link in stages:  # an owner broadcasting holds engines inside its groups: it lets them go first
+                link.interrupt()
             self.transport.abort()
             self.hung += [url for url in self.transport.hung if url not in self.hung]
             if any(link.after_own for link in stages):
@@ -190,7 +192,7 @@ class WeightSync:
                     count(message["nbytes"], sender=link.rank)
                 elif "shards" in message:
                     self.transport.push_owned(message["shards"], rank_bytes=message["rank_bytes"],
-                                              go=lambda link=link: link.reply(True))
+                                              go=lambda link=link: link.reply(True), wire=link.wire)
                     count(message["nbytes"], rank_bytes=message["rank_bytes"], sender=link.rank)
                 elif "done" in message:
                     remote.remove(link)

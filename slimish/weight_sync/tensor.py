@@ -106,7 +106,8 @@ class TensorTransport(Transport):
             self.wait_loaded()
         return bucket.nbytes
 
-    def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None]) -> None:
+    def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None],
+                   wire: Callable[[], None] | None = None) -> None:
         """Post a bucket an expert owner staged in its own shared segments (`shards[e][r]`: engine e's rank r's
         pickle, `stage_shards`) and, once every engine has loaded it, call `go` (the owner may reuse its segments).
         Loaded with slimish's `load_by_name` (expert slots)."""

@@ -258,9 +258,11 @@ class Transport(ABC):
         for `push`."""
         raise NotImplementedError(f"{type(self).__name__} sends the full model only")
 
-    def push_owned(self, shards, *, rank_bytes: list[int], go: Callable[[], None]) -> None:
+    def push_owned(self, shards, *, rank_bytes: list[int], go: Callable[[], None],
+                   wire: Callable[[], None] | None = None) -> None:
         """Post a bucket of per-rank shards an expert owner staged itself (`slimish.weight_sync.owners`; what names
-        it, by transport), and call `go` once the owner may drop or reuse what it staged."""
+        it, by transport), and call `go` once the owner may drop or reuse what it staged. `wire`: called once the
+        engines have been asked for it, for a transport whose owner then sends it (broadcast)."""
         raise NotImplementedError(f"{type(self).__name__} does not take experts from their owners")
 
     @abstractmethod

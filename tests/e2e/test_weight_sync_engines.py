@@ -323,7 +323,7 @@ def test_stage_senders_write_every_engine_parameter_and_survive_a_failing_stage(
     assert differ(loaded, checksums(url)) == [], f"{family}: parameters the stage senders did not write"
 
 
-@pytest.mark.parametrize("route", ["rank0", "owners"])
+@pytest.mark.parametrize("route", ["rank0", "owners", "owners-broadcast"])
 def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path, route):
     """RL with the tiny GLM-4.5 (sigmoid router with correction bias, shared expert, first dense layer, partial
     rotary) trained at expert parallelism 2 (two Megatron ranks, each holding half the experts), rolled out by
@@ -332,7 +332,9 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     shared expert under the names SGLang loads, and the sender cut them into each engine rank's shard (the sharded
     route, weight_sync.sharded auto with a TP2 engine and the tensor transport). `owners`: without checksums
     (weight_sync.verify off: the engine's ranks each hold a slice of every expert, outside what an owner can
-    predict), EP rank 1 stages its own experts for the engine, which maps them from its memory (~33 s more)."""
+    predict), EP rank 1 stages its own experts for the engine, which maps them from its memory (~33 s more);
+    `owners-broadcast`: the same over the broadcast transport, EP rank 1 broadcasting its experts to each engine rank
+    over a group of its own, which the engine's `receive_shard` joins next to rank 0's."""
     import json
     import subprocess
 
@@ -342,8 +344,9 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     cmd = train_command({**task_assets, "model": moe_engine.model}, tmp_path, "sft.steps=2", "rl.num_steps=2",
                         "run.name=moe", "parallel.num_trainer_ranks=2", "parallel.expert_parallel=2",
                         *moe_engine.overrides(), "rollout.prompts_per_step=8", "weight_sync.bucket_mb=0.1",
-                        "weight_sync.transport=tensor",  # the engine maps each bucket from the trainer's memory
-                        *(["weight_sync.verify=false"] if route == "owners" else []))
+                        # tensor: the engine maps each bucket from the trainer's memory
+                        f"weight_sync.transport={'broadcast' if route == 'owners-broadcast' else 'tensor'}",
+                        *(["weight_sync.verify=false"] if route.startswith("owners") else []))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
@@ -354,7 +357,7 @@ def test_two_rl_steps_with_expert_parallel_moe(task_assets, moe_engine, tmp_path
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["samples_failed"] == 0
-        if route == "owners":  # EP rank 1 sent its own experts, rank 0 the rest
+        if route.startswith("owners"):  # EP rank 1 sent its own experts, rank 0 the rest
             assert record["sync_senders"] == 2 and 0 < record["sync_sent_rank1_mib"] < record["sync_mib"], record
             assert record["sync_sent_rank0_mib"] + record["sync_sent_rank1_mib"] == pytest.approx(record["sync_mib"])
         else:

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
+import json
+import multiprocessing
 import pickle
 from collections import defaultdict
 from pathlib import Path
@@ -26,27 +29,143 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER
+from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER, SHARD_RECEIVER
+
+
+class RankParams:
+    """What `receive_shard` loads into, in an engine rank process of the stand-in: a parameter (or a stacked
+    expert parameter, as many slots as the entry names) of each name and shape an entry `spec` names."""
+
+    def __init__(self, spec: dict):
+        from slimish.weight_sync.engine_loader import parse_slot
+
+        shapes: dict[str, tuple] = {}
+        for name, dtype, shape in zip(spec["names"], spec["dtypes"], spec["shapes"]):
+            param, slot = parse_slot(name)
+            if slot is None:
+                shapes[param] = (tuple(shape), dtype)
+            else:
+                slots = max(slot + 1, shapes.get(param, ((0,), dtype))[0][0])
+                shapes[param] = ((slots, *shape), dtype)
+        self.names = spec["names"]
+        self.params = {name: torch.nn.Parameter(torch.full(shape, float("nan"), dtype=getattr(torch, dtype),
+                                                           device="cpu"), requires_grad=False)
+                       for name, (shape, dtype) in shapes.items()}
+        # An engine rank always has parameters (receive_shard reads their device), though a part may name none.
+        self.params["stand_in.placeholder"] = torch.nn.Parameter(torch.zeros(1, device="cpu"), requires_grad=False)
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def parameters(self):
+        return iter(self.params.values())
+
+    def loaded(self) -> dict[str, torch.Tensor]:
+        from slimish.weight_sync.engine_loader import parse_slot
+
+        out = {}
+        for name in self.names:
+            param, slot = parse_slot(name)
+            out[name] = (self.params[param].data if slot is None else self.params[param].data[slot]).clone()
+        return out
+
+
+def serve_rank(conn) -> None:
+    """One engine rank of the stand-in (a process of its own, forked before any group exists: a process cannot hold
+    two groups of one name, and the sender's side of each group is in rank 0's process): runs slimish's engine-side
+    `receive_shard` on each entry it is sent, which joins the sender's group and receives its part, and sends back
+    what it loaded (torch.save bytes) or the error; ("reset",) drops its groups (a new engine)."""
+    from slimish.weight_sync import engine_loader
+
+    while (message := conn.recv()) is not None:
+        try:
+            if message[0] == "reset":
+                for _, group in engine_loader._GROUPS.values():
+                    dist.destroy_process_group(group)
+                engine_loader._GROUPS.clear()
+                conn.send(("ok", b""))
+                continue
+            named = pickle.loads(base64.b64decode(message[1]))
+            model = RankParams(json.loads(named[0][0]))
+            engine_loader.receive_shard(model, named)
+            buffer = io.BytesIO()
+            torch.save(model.loaded(), buffer)
+            conn.send(("ok", buffer.getvalue()))
+        except Exception as exc:  # noqa: BLE001 - reported to the stand-in engine, which fails the request
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def start_ranks(tp: int) -> list:
+    """The stand-in's engine rank processes (broadcast), forked now, before this process has any group or thread."""
+    import sglang.srt.model_loader.weight_utils  # noqa: F401 - what receive_shard imports, once, before forking
+    import sglang.srt.utils  # noqa: F401
+
+    fork = multiprocessing.get_context("fork")
+    conns = []
+    for _ in range(tp):
+        parent, child = fork.Pipe()
+        fork.Process(target=serve_rank, args=(child,), daemon=True).start()
+        conns.append(parent)
+    return conns
+
+
+class _Peek(pickle.Unpickler):
+    """Reads a `receive_shard` entry without rebuilding its marker tensor: each unpickling of a tensor shared by name
+    drops a reference to its segment, and the engine rank's own must find it."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch.multiprocessing"):
+            return lambda *args: None
+        return super().find_class(module, name)
 
 
 class Engine:
-    """A stand-in engine of `tp` ranks at `url`: see the module docstring."""
+    """A stand-in engine of `tp` ranks at `url`: see the module docstring. `ranks`: its rank processes
+    (`start_ranks`), which receive the broadcast transport's shards."""
 
-    def __init__(self, url: str, tp: int, ep: int, fail: str = ""):
-        self.url, self.tp, self.ep, self.fail = url, tp, ep, fail
+    def __init__(self, url: str, tp: int, ep: int, fail: str = "", ranks: list | None = None):
+        self.url, self.tp, self.ep, self.fail, self.ranks = url, tp, ep, fail, ranks or []
         self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         self.version = "default"
+        for conn in self.ranks:  # a fresh engine: no group of an earlier one
+            conn.send(("reset",))
+            assert conn.recv()[0] == "ok"
 
     def server_info(self) -> dict:
         return {"tp_size": self.tp * (2 if self.fail == "tp" else 1), "ep_size": self.ep, "device": "cpu",
-                "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT]}
+                "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT, SHARD_RECEIVER]}
 
     def begin_weight_update(self):
         return {}
 
     end_weight_update = begin_weight_update
 
+    def _receive(self, serialized, weight_version) -> dict:
+        """Broadcast: each rank process receives its own entry (`serve_rank`). A fault fails engine rank 1 before it
+        joins its group (as an engine rank that died would); rank 0 takes its part, or fails once the sender gives up
+        on the group it cannot complete."""
+        specs = [json.loads(_Peek(io.BytesIO(base64.b64decode(payload))).load()[0][0]) for payload in serialized]
+        failing = self.fail == "first" or (self.fail == "owner" and "_owner" in specs[1]["group"]
+                                           and any(name.endswith("]") for name in specs[1]["names"]))
+        if failing:
+            self.fail = ""
+        asked = [rank for rank in range(self.tp) if not (failing and rank == 1)]
+        for rank in asked:
+            self.ranks[rank].send(("load", serialized[rank]))
+        answers = {rank: self.ranks[rank].recv() for rank in asked}
+        if failing:
+            raise RuntimeError("engine stand-in: this bucket fails")
+        for rank, (status, data) in answers.items():
+            if status != "ok":
+                raise RuntimeError(f"engine stand-in rank {rank}: {data}")
+            self.held[rank].update(torch.load(io.BytesIO(data)))
+        if weight_version is not None:
+            self.version = weight_version
+        return {}
+
     def update_weights_from_tensor(self, *, serialized, load_format, weight_version, flush_cache):
+        if load_format == SHARD_RECEIVER:
+            return self._receive(serialized, weight_version)
         loaded = [pickle.loads(base64.b64decode(payload)) for payload in serialized]
         # "first": the first request fails (one of rank 0's own buckets); "owner": the first with expert slots for
         # engine rank 1 (EP rank 1's, from its owner).
@@ -113,6 +232,7 @@ def main() -> None:
                         help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    ranks = start_ranks(2) if args.rank == 0 and args.transport == "broadcast" else None
 
     from slimish.config import load_config
     from slimish.megatron_bridge.bridge import load_hf_weights
@@ -135,10 +255,13 @@ def main() -> None:
     cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml",
                       [f"model.hf_path={args.model}", f"weight_sync.transport={args.transport}",
                        "weight_sync.bucket_mb=0.02", f"run.output_dir={out}", "run.name=owners",
+                       # broadcast: an engine rank that never joins a group fails its join within 5 s
+                       *(["weight_sync.bucket_timeout_s=5"] if args.transport == "broadcast" else []),
                        f"weight_sync.verify={str(not args.no_verify).lower()}"], files=False)
     results = {}
     for route in ("funnel", "owners", *args.faults):
-        engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "")
+        engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "",
+                        ranks=ranks)
         kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
         failed = ""
@@ -166,6 +289,8 @@ def main() -> None:
         torch.save(results, out / "result.pt")
     elif "tp" in results:
         torch.save(results["tp"], out / "tp_rank1.pt")
+    for conn in ranks or []:
+        conn.send(None)
     shutdown_parallel()
 
 

@@ -37,8 +37,9 @@ def owned_by_ep1(name: str, rank: int, slots_per_rank: int, engine_ep: int, num_
 
 @pytest.mark.parametrize(("tp", "etp", "transport", "engine_ep", "verify"), [
     (2, 1, "tensor", 2, True), (1, 1, "disk", 2, True), (2, 2, "tensor", 2, True), (2, 1, "tensor", 1, False),
-    (2, 1, "tensor", 1, True)], ids=["tp2-tensor", "dp2-disk", "tp2-etp2-tensor", "engine-ep1-unverified",
-                                     "engine-ep1-verified-funnel"])
+    (2, 1, "tensor", 1, True), (2, 1, "broadcast", 2, True)],
+    ids=["tp2-tensor", "dp2-disk", "tp2-etp2-tensor", "engine-ep1-unverified", "engine-ep1-verified-funnel",
+         "tp2-broadcast"])
 def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, transport, engine_ep, verify):
     """tp2-etp2: four ranks, each expert split over two (ETP2): the owner of EP rank 1 (rank 2) gathers its experts
     from its ETP peer between its buckets. engine-ep1: each engine rank holds a slice of every expert, so each of its
@@ -73,17 +74,24 @@ def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, tr
           f"{o['sync_sent_rank0_mib']:.4f} MiB, rank {owner} {o[f'sync_sent_rank{owner}_mib']:.4f} MiB")
 
 
-def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path):
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_moe_models, tmp_path, transport):
     """The engine fails one of rank 0's own buckets (rank 0 finishes its export, whose gathers the owner shares at
     TP2, then tells the owner to give up at its first bucket), or one of the owner's (rank 0 answers it False): the
     sync fails on rank 0 only, no rank hangs, and the next sync, on a new connection, delivers every tensor. A connect
-    failing on rank 0 (engines of another TP size) is raised there; the owner returns."""
-    result = run(tiny_moe_models, tmp_path, 2, "tensor", "first", "owner", "tp")
+    failing on rank 0 (engines of another TP size) is raised there; the owner returns.
+    broadcast: the engine's rank 1 fails the request before it joins its group (as a rank that died would); its rank
+    0 joins and waits. The sender of the bucket (rank 0, or the owner on its own group) gives up the join within the
+    bucket's deadline (5 s here) and destroys the group rank 0 joined, which ends that rank's receive; rank 0 then
+    fails the sync and, for the owner's bucket, tells the owner to give up. Rank 0 raises the engine's error, or the
+    bucket's deadline if that passes first (for the owner's bucket the two are ~5 s apart: either may come first)."""
+    result = run(tiny_moe_models, tmp_path, 2, transport, "first", "owner", "tp")
     # Engines of another TP size: rank 0 raises naming the key at connect, the owner returns (no one hangs).
     assert "rollout.engine.tensor_parallel" in result["tp"]["failed"]
     assert torch.load(tmp_path / "tp_rank1.pt") == {"failed": {}}
     for fault in ("first", "owner"):
-        assert "this bucket fails" in result[fault]["failed"], fault
+        failed = result[fault]["failed"]
+        assert "this bucket fails" in failed or (transport == "broadcast" and "by its deadline" in failed), fault
         for rank in range(2):
             held, funnel = result[fault]["held"][rank], result["funnel"]["held"][rank]
             assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held), fault
