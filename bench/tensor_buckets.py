@@ -5,7 +5,7 @@ copied out there, as an SGLang engine does; measured in the same run.
     python bench/tensor_buckets.py [--device cpu|cuda] [--model-mib 512] [--bucket-mb 64] [--rounds 3]
 
 The sender flattens each bucket (`FlatBuffers`) and pickles a handle to it the transport's way
-(`slimish.weight_sync.tensor._serialize`: shared memory by name on the CPU, CUDA IPC with the device's UUID on a GPU);
+(`slimish.weight_sync.tensor.serialize`: shared memory by name on the CPU, CUDA IPC with the device's UUID on a GPU);
 the receiver, a spawned process (with SGLang's device-UUID reductions on CUDA, as an engine has them), rebuilds the
 tensor, copies it into its own buffer on its device, drops it, and answers. The sender waits for the answer before
 the next bucket, and drops a fresh buffer after it. On CUDA the receiver drops the tensor before it answers, so
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.flatten import model_tensors  # noqa: E402
 from slimish.weight_sync.buckets import FlatBuffers, plan_buckets  # noqa: E402
-from slimish.weight_sync.tensor import _crossing, _serialize, _share_by_name  # noqa: E402
+from slimish.weight_sync.tensor import _crossing, serialize, share_by_name  # noqa: E402
 
 
 def receive(conn, device: str, capacity: int) -> None:
@@ -58,7 +58,7 @@ def send_all(conn, buckets, buffers: FlatBuffers) -> float:
     t0 = time.perf_counter()
     for bucket in buckets:
         flat = buffers.flatten(bucket)
-        conn.send(_serialize({"flattened_tensor": _crossing(flat), "metadata": []}))
+        conn.send(serialize({"flattened_tensor": _crossing(flat), "metadata": []}))
         conn.recv()
         del flat
     if buckets[0].tensors[0].is_cuda:
@@ -84,7 +84,7 @@ def main() -> None:
     try:
         results = {}
         for name, reuse in (("fresh", False), ("reused", True)):
-            results[name] = min(send_all(here, buckets, FlatBuffers(share=_share_by_name, reuse=reuse))
+            results[name] = min(send_all(here, buckets, FlatBuffers(share=share_by_name, reuse=reuse))
                                 for _ in range(args.rounds))
             print(f"{name:>6} buffers: {results[name]:.3f}s ({model_mib / 1024 / results[name]:.2f} GiB/s)",
                   flush=True)

@@ -228,7 +228,7 @@ def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connectio
     """Per engine, per engine rank r, the `receive_shard` entry for rank r's part of `bucket` (`placed[r]`: its flat
     buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous at
     `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`."""
-    from slimish.weight_sync.tensor import _serialize
+    from slimish.weight_sync.tensor import serialize
 
     def spec(rank: int, engine: int) -> str:
         part, (flat, offsets) = bucket.ranks[rank], placed[rank]
@@ -239,7 +239,7 @@ def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connectio
                                shapes=[list(t.shape) for t in part.tensors]))
 
     marker = torch.zeros(1, device="cpu")
-    return [[_serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
+    return [[serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
             for engine in range(engines)]
 
 

@@ -23,7 +23,7 @@ from slimish import run_layout
 from slimish.config.engine_flags import SHARD_LOADER
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, ShardedBucket
-from slimish.weight_sync.tensor import _serialize
+from slimish.weight_sync.tensor import serialize
 from slimish.weight_sync.transport import Transport
 
 
@@ -48,7 +48,7 @@ class DiskTransport(Transport):
             self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
         self._shards += 1
         with self.phase("write"):
-            save_file(_owning(bucket), str(self._dir / f"model-{self._shards:05d}.safetensors"))
+            save_file(owning_tensors(bucket), str(self._dir / f"model-{self._shards:05d}.safetensors"))
         if version is not None:
             path = str(self._dir)
             # In flight: every engine reads every shard, the whole model, within one call.
@@ -82,12 +82,12 @@ class DiskTransport(Transport):
             for rank, part in enumerate(bucket.ranks):
                 if part.names:
                     path = self._dir / f"rank{rank:03d}-{self._shards:05d}.safetensors"
-                    save_file(_owning(part), str(path))
+                    save_file(owning_tensors(part), str(path))
                     self._rank_files[rank].append(path)
         if version is not None:
             # One load of the whole model, as on the full path: rank r reads only its own files. One pickle per
             # receiving rank (each takes a reference to the shared size tensors, as in the tensor transport).
-            payloads = {c.url: [_serialize([(str(f), torch.tensor([f.stat().st_size], device="cpu")) for f in files])
+            payloads = {c.url: [serialize([(str(f), torch.tensor([f.stat().st_size], device="cpu")) for f in files])
                                 for files in self._rank_files] for c in self.clients}
             calls = self.on_all(lambda c: c.update_weights_from_tensor(
                 serialized=payloads[c.url], load_format=SHARD_LOADER, weight_version=version, flush_cache=True))
@@ -115,7 +115,7 @@ class DiskTransport(Transport):
         super().close()
 
 
-def _owning(bucket: Bucket) -> dict[str, torch.Tensor]:
+def owning_tensors(bucket: Bucket) -> dict[str, torch.Tensor]:
     """The bucket's tensors as safetensors wants them, each contiguous and owning its storage: a view into a larger
     tensor (an HF tensor's slice, a shard's column block) is copied, a tensor that already is so (a fused engine
     parameter, built fresh) is not."""

@@ -50,7 +50,7 @@ from slimish.network import free_port
 from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded_buckets
 from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
-from slimish.weight_sync.stages import StageLink, _recv, _send
+from slimish.weight_sync.stages import StageLink, recv_message, send_message
 from slimish.weight_sync.transport import TransportContext
 
 TRANSPORTS = ("tensor", "disk", "broadcast")
@@ -80,7 +80,7 @@ class OwnerLink(StageLink):
 
     def wire(self) -> None:
         """Broadcast: the engines have been asked for the owner's bucket; it sends it now and awaits the verdict."""
-        _send(True, to=self.rank, group=self.group)
+        send_message(True, to=self.rank, group=self.group)
         self.wiring = True  # the reply owed is now the verdict
 
     def reply(self, go: bool) -> None:
@@ -132,16 +132,16 @@ class OwnerSender:
             current = next(staged, None)
             while current is not None:
                 bucket, message, _keep = current  # _keep: the staged segments, alive until the engines answer
-                _send({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes},
+                send_message({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes},
                       to=self.coordinator, group=self.group)
                 reply_owed, staged_bytes = True, staged_bytes + bucket.nbytes
                 upcoming = next(staged, None)  # staged while the engines load this one (the other buffer)
-                go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                go, reply_owed = recv_message(source=self.coordinator, group=self.group), False
                 if go and self.groups is not None:  # the engines wait in `receive_shard`: broadcast, await the verdict
                     reply_owed = True
                     with self._timed("wire"):
                         self.groups.send(_keep)
-                        go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                        go, reply_owed = recv_message(source=self.coordinator, group=self.group), False
                         if go:
                             self.groups.finish()
                 if not go:
@@ -150,14 +150,14 @@ class OwnerSender:
                     return  # rank 0 failed: it releases the engines
                 current = upcoming
             checksums = expected.result() if expected is not None else None
-            _send({"done": checksums, "phases": self._phases, "nbytes": staged_bytes}, to=self.coordinator,
+            send_message({"done": checksums, "phases": self._phases, "nbytes": staged_bytes}, to=self.coordinator,
                   group=self.group)
         except Exception as exc:
             if self.groups is not None:
                 self.groups.abort()
-            if reply_owed and not _recv(source=self.coordinator, group=self.group):
+            if reply_owed and not recv_message(source=self.coordinator, group=self.group):
                 return  # rank 0 gave up: it expects nothing more
-            _send({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
+            send_message({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
                   group=self.group)
         finally:
             self.sending = False
@@ -203,7 +203,7 @@ class OwnerSender:
     def _write(self, bucket: ShardedBucket) -> dict:
         """Each engine rank's part of `bucket` as a safetensors file of this owner's, in a directory of its own:
         {"dir": it, "files": per engine rank [(path, bytes)]}."""
-        from slimish.weight_sync.disk import _owning
+        from slimish.weight_sync.disk import owning_tensors
 
         directory = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.disk_dir))
         files: list[list[tuple[str, int]]] = []
@@ -211,7 +211,7 @@ class OwnerSender:
             files.append([])
             if part.names:
                 path = directory / f"owner{self.rank:05d}-rank{rank:03d}.safetensors"
-                save_file(_owning(part), str(path))
+                save_file(owning_tensors(part), str(path))
                 files[rank].append((str(path), path.stat().st_size))
         return {"dir": str(directory), "files": files}
 
@@ -285,10 +285,10 @@ class OwnerGroups:
 def rank_buffers(bucket: ShardedBucket) -> list[FlatBuffers]:
     """The tensor transport's per-engine-rank buffers for buckets like `bucket` (shared by name, reused on the CPU;
     fresh per bucket on a GPU, see `slimish.weight_sync.tensor`)."""
-    from slimish.weight_sync.tensor import _share_by_name
+    from slimish.weight_sync.tensor import share_by_name
 
     device = next((b.tensors[0].device for b in bucket.ranks if b.tensors), torch.device("cpu"))
-    return [FlatBuffers(share=_share_by_name, reuse=device.type == "cpu") for _ in bucket.ranks]
+    return [FlatBuffers(share=share_by_name, reuse=device.type == "cpu") for _ in bucket.ranks]
 
 
 def remove_dirs(dirs: Iterable[str]) -> None:

@@ -31,11 +31,13 @@ from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.transport import TransportContext, tensor_meta
 
 
-def _send(message, *, to: int, group) -> None:
+def send_message(message, *, to: int, group) -> None:
+    """Send one picklable message to global rank `to` over `group` (the stage and owner exchanges)."""
     dist.send_object_list([message], dst=to, group=group)
 
 
-def _recv(*, source: int, group):
+def recv_message(*, source: int, group):
+    """The next message from global rank `source` over `group` (blocks until it comes)."""
     box = [None]
     dist.recv_object_list(box, src=source, group=group)
     return box[0]
@@ -64,13 +66,13 @@ class StageLink:
 
     def next(self) -> dict:
         """The leader's next message (blocks until it has one)."""
-        message = _recv(source=self.rank, group=self.group)
+        message = recv_message(source=self.rank, group=self.group)
         bucket = "bucket" in message or "shards" in message
         self.reply_owed, self.finished = bucket, not bucket
         return message
 
     def reply(self, go: bool) -> None:
-        _send(go, to=self.rank, group=self.group)
+        send_message(go, to=self.rank, group=self.group)
         self.reply_owed = False
 
     def interrupt(self) -> None:
@@ -128,24 +130,26 @@ class StageSender:
             current = next(flattened, None)
             while current is not None:
                 bucket, flat = current
-                _send({"bucket": tensor_meta(bucket), "nbytes": flat.numel()}, to=self.coordinator, group=self.group)
+                send_message({"bucket": tensor_meta(bucket), "nbytes": flat.numel()}, to=self.coordinator,
+                             group=self.group)
                 reply_owed = True
                 upcoming = next(flattened, None)  # the next bucket is made while this one waits for its turn
-                go, reply_owed = _recv(source=self.coordinator, group=self.group), False
+                go, reply_owed = recv_message(source=self.coordinator, group=self.group), False
                 if not go:
                     return  # rank 0 failed: it releases the engines
                 self.transport.wire(flat, deadline=self.transport.deadline(flat.numel()))
                 current = upcoming
             checksums = expected.result() if expected is not None else None
-            _send({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator, group=self.group)
+            send_message({"done": checksums, "phases": self.transport.pop_phases()}, to=self.coordinator,
+                         group=self.group)
         except Exception as exc:
             self.stalled_s = time.monotonic() - self.transport.progress_at
             if reply_owed:  # rank 0 answers the bucket this stage announced; if it asked the engines for it,
-                _recv(source=self.coordinator, group=self.group)  # closing the group below releases them
+                recv_message(source=self.coordinator, group=self.group)  # closing the group below releases them
             # Engines blocked receiving one of this stage's buckets fail that receive once the group is gone.
             self.transport.abort()
             self.transport.pop_phases()
-            _send({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
+            send_message({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
                   group=self.group)
         finally:
             self.sending = False

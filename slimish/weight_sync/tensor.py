@@ -66,12 +66,12 @@ class TensorTransport(Transport):
     def push(self, bucket: Bucket, *, version: str | None) -> int:
         with self.phase("flatten"):  # while the engines load the previous bucket
             if self.buffers is None:  # reused on the CPU, fresh per bucket on a device (see the module docstring)
-                self.buffers = FlatBuffers(share=_share_by_name, reuse=bucket.tensors[0].device.type == "cpu")
+                self.buffers = FlatBuffers(share=share_by_name, reuse=bucket.tensors[0].device.type == "cpu")
             flat, metadata = self.buffers.flatten(bucket), flattened_metadata(bucket)
             # One pickle per receiving rank: under the file_system strategy each pickle takes a reference to the
             # shared segment and each unpickling drops one, so a pickle read by two ranks would drop the sender's
             # own reference too, and the segment's name would be gone when the next bucket reuses the buffer.
-            payloads = {c.url: [_serialize({"flattened_tensor": _crossing(flat), "metadata": metadata})
+            payloads = {c.url: [serialize({"flattened_tensor": _crossing(flat), "metadata": metadata})
                                 for _ in range(self.context.engine_tp)] for c in self.clients}
         self.wait_loaded()
         calls = self.on_all(lambda c: c.update_weights_from_tensor(
@@ -133,14 +133,14 @@ def stage_shards(bucket: ShardedBucket, rank_buffers: list[FlatBuffers],
     placed = [buffers.place(part) for buffers, part in zip(rank_buffers, bucket.ranks)]
     named = [list(zip(part.names, views(_crossing(flat), part, offsets)))
              for part, (flat, offsets) in zip(bucket.ranks, placed)]
-    return placed, [[_serialize(pairs) for pairs in named] for _ in range(engines)]
+    return placed, [[serialize(pairs) for pairs in named] for _ in range(engines)]
 
 
 def _same_host(engine_host: str | None, sender_host: str) -> bool:
     return engine_host == sender_host or (engine_host in LOOPBACK and sender_host in LOOPBACK)
 
 
-def _share_by_name(buffer: torch.Tensor) -> None:
+def share_by_name(buffer: torch.Tensor) -> None:
     """Make a new buffer mappable by the engines: a CPU buffer (or the emulated GPU's CPU data) into shared memory;
     a CUDA buffer already is (its IPC handle is made when it is pickled)."""
     host = getattr(buffer, "cpu_data", buffer)
@@ -168,7 +168,7 @@ def flattened_metadata(bucket: Bucket) -> list[types.SimpleNamespace]:
     return metadata
 
 
-def _serialize(obj) -> str:
+def serialize(obj) -> str:
     """What SGLang's MultiprocessingSerializer makes: a ForkingPickler pickle (tensors by handle, CUDA devices by
     UUID), base64."""
     buffer = io.BytesIO()

@@ -12,7 +12,7 @@ from slimish.engines.servers import reset_attached
 from slimish.errors import UserError
 from slimish.weight_sync.buckets import Bucket
 from slimish.weight_sync.checksums import tensor_checksum
-from slimish.weight_sync.tensor import _serialize, flattened_metadata
+from slimish.weight_sync.tensor import flattened_metadata, serialize
 
 NAME = "model.norm.weight"  # one HF tensor, one engine parameter (no fusing, no vocabulary padding)
 
@@ -33,7 +33,7 @@ def test_a_reset_gives_back_an_engine_as_freshly_started(attached, task_assets):
         changed = checkpoint + 0.5  # an earlier job's weights
         client.begin_weight_update()
         client.update_weights_from_tensor(
-            serialized=[_serialize({"flattened_tensor": changed.contiguous().view(-1).view(torch.uint8),
+            serialized=[serialize({"flattened_tensor": changed.contiguous().view(-1).view(torch.uint8),
                                     "metadata": flattened_metadata(Bucket(names=[NAME], tensors=[changed]))})],
             load_format="flattened_bucket", weight_version="7", flush_cache=True)
         client.end_weight_update()

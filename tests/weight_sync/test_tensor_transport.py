@@ -17,7 +17,7 @@ import torch
 from slimish.config.errors import ConfigError
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.buckets import Bucket, FlatBuffers
-from slimish.weight_sync.tensor import TensorTransport, _serialize, _share_by_name, flattened_metadata
+from slimish.weight_sync.tensor import TensorTransport, flattened_metadata, serialize, share_by_name
 from slimish.weight_sync.transport import TransportContext
 from tests.kit.engines import StandInClient
 
@@ -36,12 +36,12 @@ def test_the_bucket_buffer_is_shared_by_name_with_sglang_metadata():
     bucket = Bucket()
     bucket.add("a", torch.arange(6, dtype=torch.float32).reshape(2, 3))
     bucket.add("b", torch.tensor([1, 2], dtype=torch.bfloat16))
-    flat, metadata = FlatBuffers(share=_share_by_name).flatten(bucket), flattened_metadata(bucket)
+    flat, metadata = FlatBuffers(share=share_by_name).flatten(bucket), flattened_metadata(bucket)
     assert flat.is_shared() and flat.numel() == bucket.nbytes
     assert [(m.name, m.start_idx, m.end_idx) for m in metadata] == [("a", 0, 24), ("b", 24, 28)]
     for m, tensor in zip(metadata, bucket.tensors):
         assert torch.equal(flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape), tensor)
-    payload = base64.b64decode(_serialize({"flattened_tensor": flat, "metadata": metadata}))
+    payload = base64.b64decode(serialize({"flattened_tensor": flat, "metadata": metadata}))
     assert b"rebuild_storage_filename" in payload  # by name (file_system), not by file descriptor
     assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # left as it was
     assert pickle.loads(payload)["metadata"][1].name == "b"
