@@ -41,6 +41,7 @@ class DiskTransport(Transport):
         super().connect(clients)
         self._dir: Path | None = None
         self._shards = 0
+        self._owned_dirs: list[str] = []  # the expert owners' directories of this sync (slimish.weight_sync.owners)
         Path(self.context.disk_dir).mkdir(parents=True, exist_ok=True)
 
     def push(self, bucket: Bucket, *, version: str | None) -> int:
@@ -63,7 +64,6 @@ class DiskTransport(Transport):
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix=run_layout.SYNC_PREFIX, dir=self.context.disk_dir))
             self._rank_files: list[list[Path]] = [[] for _ in range(ranks)]
-            self._owned_dirs: list[str] = []
 
     def push_owned(self, shards: dict, *, rank_bytes: list[int], go, wire=None) -> None:
         """An expert owner wrote a bucket's per-rank files itself (`shards`: {"dir", "files": per engine rank
@@ -100,7 +100,7 @@ class DiskTransport(Transport):
     def _remove_shards(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            for owned in getattr(self, "_owned_dirs", ()):  # the expert owners' (slimish.weight_sync.owners)
+            for owned in self._owned_dirs:
                 shutil.rmtree(owned, ignore_errors=True)
             self._dir, self._shards, self._owned_dirs = None, 0, []
 

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,7 +49,7 @@ from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded
 from slimish.weight_sync.checksums import ExpectedChecksums
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink, recv_message, send_message
-from slimish.weight_sync.transport import TransportContext
+from slimish.weight_sync.transport import PhaseTimes, TransportContext, hashing_shards
 
 TRANSPORTS = ("tensor", "disk", "broadcast")
 
@@ -112,7 +110,7 @@ class OwnerSender:
         self.rank_buffers: list[FlatBuffers] | None = None  # tensor: the owner's own segments, reused (CPU)
         self.groups = OwnerGroups(context, rank=rank, engines=engines, bucket_bytes=bucket_bytes) \
             if transport == "broadcast" else None
-        self._phases: dict[str, float] = {}
+        self._phases = PhaseTimes()
         self.sending = False
 
     def release(self, reason: str) -> None:
@@ -122,24 +120,25 @@ class OwnerSender:
         """Send this owner's experts (`named_tensors`, its `export_owned_hf_tensors`, consumed lazily, may be left
         part-consumed), bucket by bucket as rank 0 allows. A failure is reported to rank 0, not raised."""
         reply_owed, staged_bytes = False, 0
-        self.sending, self._phases = True, {}
+        self.sending = True
+        self._phases.pop()  # a failed send's phases are not this one's
         try:
             expected = self.expected_checksums() if self.expected_checksums else None
             shards = EngineShards(self.layout).stream(named_tensors)
             if expected is not None:
-                shards = self._hashing(shards, expected)
+                shards = hashing_shards(shards, expected, self._phases)
             staged = self._staged(plan_sharded_buckets(shards, self.layout.sharding.tp, self.bucket_bytes))
             current = next(staged, None)
             while current is not None:
                 bucket, message, _keep = current  # _keep: the staged segments, alive until the engines answer
                 send_message({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes},
-                      to=self.coordinator, group=self.group)
+                             to=self.coordinator, group=self.group)
                 reply_owed, staged_bytes = True, staged_bytes + bucket.nbytes
                 upcoming = next(staged, None)  # staged while the engines load this one (the other buffer)
                 go, reply_owed = recv_message(source=self.coordinator, group=self.group), False
                 if go and self.groups is not None:  # the engines wait in `receive_shard`: broadcast, await the verdict
                     reply_owed = True
-                    with self._timed("wire"):
+                    with self._phases.phase("wire"):
                         self.groups.send(_keep)
                         go, reply_owed = recv_message(source=self.coordinator, group=self.group), False
                         if go:
@@ -150,32 +149,17 @@ class OwnerSender:
                     return  # rank 0 failed: it releases the engines
                 current = upcoming
             checksums = expected.result() if expected is not None else None
-            send_message({"done": checksums, "phases": self._phases, "nbytes": staged_bytes}, to=self.coordinator,
-                  group=self.group)
+            send_message({"done": checksums, "phases": self._phases.pop(), "nbytes": staged_bytes},
+                         to=self.coordinator, group=self.group)
         except Exception as exc:
             if self.groups is not None:
                 self.groups.abort()
             if reply_owed and not recv_message(source=self.coordinator, group=self.group):
                 return  # rank 0 gave up: it expects nothing more
-            send_message({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
-                  group=self.group)
+            send_message({"failed": f"expert owner rank {self.rank}: {type(exc).__name__}: {exc}"},
+                         to=self.coordinator, group=self.group)
         finally:
             self.sending = False
-
-    @contextmanager
-    def _timed(self, phase: str):
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            key = f"time_{phase}_s"
-            self._phases[key] = self._phases.get(key, 0.0) + time.monotonic() - t0
-
-    def _hashing(self, shards, expected: ExpectedChecksums):
-        for rank, name, tensor in shards:
-            with self._timed("hash"):
-                expected.add_shard(rank, name, tensor)
-            yield rank, name, tensor
 
     def _staged(self, buckets: Iterable[ShardedBucket]):
         """(bucket, what names its staged bytes for rank 0, what must stay alive until the engines answer) for
@@ -184,19 +168,19 @@ class OwnerSender:
             if self.transport == "tensor":
                 from slimish.weight_sync.tensor import stage_shards
 
-                with self._timed("flatten"):
+                with self._phases.phase("flatten"):
                     if self.rank_buffers is None:
                         self.rank_buffers = rank_buffers(bucket)
                     placed, payloads = stage_shards(bucket, self.rank_buffers, self.engines)
                 yield bucket, payloads, placed
             elif self.transport == "broadcast":
-                with self._timed("flatten"):
+                with self._phases.phase("flatten"):
                     if self.rank_buffers is None:
                         self.rank_buffers = [FlatBuffers() for _ in bucket.ranks]
                     placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
                 yield bucket, self.groups.payloads(bucket, placed), placed
             else:
-                with self._timed("write"):
+                with self._phases.phase("write"):
                     written = self._write(bucket)
                 yield bucket, written, None
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from slimish.megatron_bridge.full_export import (
     in_source_replica,
 )
 from slimish.network import free_port, node_ip
-from slimish.weight_sync.sync import WeightSync
+from slimish.weight_sync.sync import WeightSync, drain
 from slimish.weight_sync.transport import TransportContext
 
 
@@ -370,13 +370,6 @@ def _shared_nonce() -> str:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(token, src=0)
     return token[0]
-
-
-def drain(tensors: Iterable) -> None:
-    """Finish an export's iteration: ranks that send nothing only feed its gathers, and after a failed send the
-    senders finish them too, so no rank is left inside a collective. (After a whole send there is nothing left.)"""
-    for _ in tensors:
-        pass
 
 
 def local_context(group_name: str, *, engine_tp: int = 1, disk_dir: str = "", api_key: str | None = None,

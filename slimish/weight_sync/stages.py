@@ -149,8 +149,8 @@ class StageSender:
             # Engines blocked receiving one of this stage's buckets fail that receive once the group is gone.
             self.transport.abort()
             self.transport.pop_phases()
-            send_message({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"}, to=self.coordinator,
-                  group=self.group)
+            send_message({"failed": f"pipeline stage {self.stage}: {type(exc).__name__}: {exc}"},
+                         to=self.coordinator, group=self.group)
         finally:
             self.sending = False
 

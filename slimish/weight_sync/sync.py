@@ -120,8 +120,7 @@ class WeightSync:
             if any(link.after_own for link in stages):
                 # The owners send their first bucket only once this rank's export has ended (their gathers of the
                 # parameters outside the experts need it): finish it, so that each can be told to give up.
-                for _ in named_tensors:
-                    pass
+                drain(named_tensors)
             stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
                 self.transport.settle(self.transport.on_all(lambda c: c.end_weight_update()))
@@ -258,3 +257,10 @@ class WeightSync:
         self.transport.close()
         for client in self.clients:
             client.close()
+
+
+def drain(tensors: Iterable) -> None:
+    """Finish an export's iteration: ranks that send nothing only feed its gathers, and after a failed send the
+    senders finish them too, so no rank is left inside a collective. (After a whole send there is nothing left.)"""
+    for _ in tensors:
+        pass

@@ -67,13 +67,44 @@ class SyncReleased(RuntimeError):
         self.unanswered: list[str] = []  # engines whose answer was awaited then (see `Transport.results`)
 
 
+class PhaseTimes:
+    """Seconds spent per named phase of a sender's sync (flatten, wire, hash, ...), added up by `phase` and taken by
+    `pop` as metrics (time_<name>_s)."""
+
+    def __init__(self):
+        self._seconds: Counter = Counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        """Add the time spent in the block to phase `name`."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.monotonic() - t0
+
+    def pop(self) -> dict[str, float]:
+        """Seconds per phase since the last call, e.g. {"time_flatten_s": ..., "time_wire_s": ...}."""
+        seconds, self._seconds = self._seconds, Counter()
+        return {f"time_{name}_s": value for name, value in seconds.items()}
+
+
+def hashing_shards(shards, expected, phases: PhaseTimes):
+    """The sharded sync's (rank, engine parameter, tensor) items, each also fed to `expected`
+    (`ExpectedChecksums.add_shard`), that time counted as phase 'hash' of `phases`."""
+    for rank, name, tensor in shards:
+        with phases.phase("hash"):
+            expected.add_shard(rank, name, tensor)
+        yield rank, name, tensor
+
+
 class Transport(ABC):
     #: The engines must be inside /begin_weight_update ... /end_weight_update around the buckets.
     bracketed: bool = True
 
     def __init__(self, context: TransportContext):
         self.context = context
-        self._phases: Counter = Counter()
+        self._phases = PhaseTimes()
         self._released = threading.Event()
         self._release_reason = ""
         self.progress_at = time.monotonic()  # the last time a wait of this sync ended
@@ -166,19 +197,13 @@ class Transport(ABC):
         self.progress_at = time.monotonic()
 
     # ------------------------------------------------------------------------------ phases, engines
-    @contextmanager
     def phase(self, name: str):
         """Add the time spent in the block to phase `name` (reported by `pop_phases` as time_<name>_s)."""
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self._phases[name] += time.monotonic() - t0
+        return self._phases.phase(name)
 
     def pop_phases(self) -> dict[str, float]:
         """Seconds per phase since the last call, e.g. {"time_flatten_s": ..., "time_wire_s": ...}."""
-        phases, self._phases = self._phases, Counter()
-        return {f"time_{name}_s": seconds for name, seconds in phases.items()}
+        return self._phases.pop()
 
     def hashing(self, named_tensors, expected):
         """`named_tensors`, each also fed to `expected` (an `ExpectedChecksums`), that time counted as phase 'hash'."""
@@ -190,10 +215,7 @@ class Transport(ABC):
     def hashing_shards(self, shards, expected):
         """The sharded sync's (rank, engine parameter, tensor) items, each also fed to `expected`
         (`ExpectedChecksums.add_shard`), that time counted as phase 'hash'."""
-        for rank, name, tensor in shards:
-            with self.phase("hash"):
-                expected.add_shard(rank, name, tensor)
-            yield rank, name, tensor
+        return hashing_shards(shards, expected, self._phases)
 
     def connect(self, clients: list[EngineClient]) -> None:
         """Set up the link to the engines behind `clients` (once per set of engines). Subclasses extend it."""
