@@ -287,24 +287,22 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
     return best
 
 
-def best_s(fn, rounds: int) -> float:
+def best_s(fn, rounds: int, *, clock=time.perf_counter, after=None) -> float:
+    """The least `clock` time `fn` took in `rounds` calls; `after(result)`, if given, runs after each, untimed."""
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        t0 = clock()
+        result = fn()
+        best = min(best, clock() - t0)
+        if after is not None:
+            after(result)
     return best
 
 
 def cpu_best_s(fn, rounds: int) -> float:
     """The fewest CPU-seconds of this process (user and system, all its threads: torch may split a copy) `fn` took in
     `rounds` calls: its cost, whatever else the machine runs meanwhile (`OthersBusy` measures that)."""
-    best = float("inf")
-    for _ in range(rounds):
-        c0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - c0)
-    return best
+    return best_s(fn, rounds, clock=time.process_time)
 
 
 def _tree_cpu_s(root: int) -> float:
@@ -417,12 +415,8 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
         for each in paths:
             each.unlink()
 
-    write_s = float("inf")  # seconds, not CPU-seconds: writing waits on I/O too; the removal comes after the load
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        written = write_buckets()
-        write_s = min(write_s, time.perf_counter() - t0)
-        remove(written)
+    # Seconds, not CPU-seconds: writing waits on I/O too; the removal comes after the load, untimed.
+    write_s = best_s(write_buckets, rounds, after=remove)
     # Its CPU-seconds, with the removal: the transport writes fresh files every sync and removes them after it.
     write_cpu_s = cpu_best_s(lambda: remove(write_buckets()), rounds)
     path = directory / "machine.bin"
