@@ -93,7 +93,7 @@ def _row_blocks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int, parts: 
 
 
 # The converter has no Megatron model to read `partition_dim` from: these are the names Megatron's layer specs give
-# their tensor-parallel linears (tests/megatron_bridge/test_convert.py checks them against the built models'
+# their tensor-parallel linears (tests/megatron_bridge/test_slice_read.py checks them against the built models'
 # attributes). Row-parallel linears split their columns; column-parallel ones, the embedding and the output layer
 # their rows (MLA's down projections too in the local spec; the TE spec keeps them whole, where the cut costs
 # nothing).

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from slimish.megatron_bridge.errors import CheckpointError
-from slimish.megatron_bridge.hf_config import Architecture, architecture_from_hf
+from slimish.megatron_bridge.hf_config import DENSE_FAMILIES, MOE_FAMILIES, Architecture, architecture_from_hf
 
-# model_type values whose tensors `known_hf_shapes` describes (every family `hf_config` accepts).
-KNOWN_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"})
+# model_type values whose tensors `known_hf_shapes` describes: every family `hf_config` accepts.
+KNOWN_FAMILIES = frozenset(DENSE_FAMILIES | set(MOE_FAMILIES))
 
 
 def expected_hf_shapes(cfg: dict, *, transformers: bool = False) -> dict[str, tuple[int, ...]]:
