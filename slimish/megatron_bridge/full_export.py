@@ -10,8 +10,8 @@ expert-tensor-parallel (ETP) group, an expert travels from its expert-parallel r
 (send/recv), and each later stage's leader (tp = etp = ep = 0) sends its tensors to the source after one metadata
 message (names, shapes, dtypes). Other data-parallel and expert-data-parallel replicas hold copies and skip it.
 The same code runs on gloo (CPU) and NCCL (GPU): receive buffers live on the parameters' device.
-`export_owned_hf_tensors` is the same collective with every expert left on the rank that holds it (the weight sync's
-owners' route).
+`export_owned_hf_tensors` is the same collective with every expert left on the rank that holds it and every stage's
+tensors left on its leader (the weight sync's several senders).
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def _stage_tensors(entries: list, order: list, metas: list[list[list[Meta]]], ra
 
 def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks, owners: bool = False):
     """(this stage's stream of HF tensors, on its leader only; the stage's plan: every (name, shape, dtype) in
-    stream order). Collective over the stage's EP group (the expert names) when expert-parallel. `owners`: as
-    `export_owned_hf_tensors`."""
+    stream order; the names of its parameters outside the experts). Collective over the stage's EP group (the expert
+    names) when expert-parallel. `owners`: as `export_owned_hf_tensors`."""
     entries = list(export_entries(model, arch))
     local_metas = [_hf_meta(rule, param, expert, arch) for rule, param, expert in entries]
     metas = [local_metas]
@@ -175,7 +175,8 @@ def _stage_stream(model: torch.nn.Module, arch: Architecture, ranks: _Ranks, own
         dist.all_gather_object(metas, local_metas, group=ranks.ep_group)
     order = _stage_order(entries, ranks.ep_size, dense_first=owners)
     plan = [meta for src, index in order for meta in metas[src or 0][index]]
-    return _stage_tensors(entries, order, metas, ranks, arch, owners), plan
+    dense = {name for src, index in order if src is None for name, _, _ in local_metas[index]}
+    return _stage_tensors(entries, order, metas, ranks, arch, owners), plan, dense
 
 
 @torch.no_grad()
@@ -215,7 +216,7 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
     if ranks is None:
         yield from export_hf_tensors(model, arch)
         return
-    stage, plan = _stage_stream(model, arch, ranks)
+    stage, plan, _ = _stage_stream(model, arch, ranks)
     if ranks.pp_size == 1 or not ranks.stage_leader:
         yield from stage  # items only on the source (without PP the stage leader is the source)
         return
@@ -238,19 +239,45 @@ def export_full_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterat
             yield name, tensor
 
 
+class OwnedExport:
+    """`export_owned_hf_tensors`' stream on one rank, with `dense_over`: whether this rank's part in the gathers of
+    its stage's parameters outside the experts has ended (they come first). Once a stage's leader reports it, every
+    rank of the stage has done those gathers too, and the rest of each rank's iteration gathers only over its own ETP
+    group: so a sender of the stage waiting for the engines no longer holds up another's export."""
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], dense_names: set[str]):
+        self._items, self._dense_left = items, set(dense_names)
+        self.dense_over = not self._dense_left
+
+    @torch.no_grad()
+    def __iter__(self):
+        for name, tensor in self._items:
+            self._dense_left.discard(name)
+            self.dense_over = not self._dense_left
+            yield name, tensor
+        self.dense_over = True
+
+
 @torch.no_grad()
-def export_owned_hf_tensors(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model, each HF tensor exactly once, spread over the ranks that own it (the weight sync's owners'
-    route, `slimish.weight_sync.owners`): the source rank yields every parameter outside the experts and its own
-    experts; ETP rank 0 of every other EP rank of the source replica yields its own experts, which no longer travel
-    to EP rank 0; other ranks yield nothing. Every parameter outside the experts comes first, so that once a rank
-    has yielded an expert, the rest of its iteration gathers only over its own ETP group: a rank waiting for the
-    engines between two of its items never holds up another's gather of the dense parameters. A collective like
-    `export_full_hf_tensors`, without pipeline parallelism (raises otherwise)."""
+def export_owned_hf_tensors(model: torch.nn.Module, arch: Architecture) -> OwnedExport:
+    """The whole model, each HF tensor exactly once, spread over the ranks that own it (the weight sync's senders,
+    `slimish.weight_sync.owners`): each pipeline stage's leader (tp = etp = ep = 0; global rank 0 for the first
+    stage) yields its stage's parameters outside the experts and its own experts; ETP rank 0 of every other EP rank
+    of the source replica yields its own experts, which no longer travel to EP rank 0; other ranks yield nothing, and
+    nothing crosses the pipeline group. Within a stage every parameter outside the experts comes first (see
+    `OwnedExport.dense_over`). A collective over each stage's TP, ETP and EP groups of the source replica, as
+    `export_full_hf_tensors`."""
     ranks = _Ranks.current()
     if ranks is None:
-        yield from export_hf_tensors(model, arch)
-        return
-    if ranks.pp_size > 1:
-        raise ValueError("export_owned_hf_tensors: pipeline parallelism sends through the stages' leaders")
-    yield from _stage_stream(model, arch, ranks, owners=True)[0]
+        return OwnedExport(export_hf_tensors(model, arch), set())
+    stream, _, dense = _stage_stream(model, arch, ranks, owners=True)
+    return OwnedExport(stream, dense if ranks.stage_leader else set())
+
+
+def owns_in_owned_export() -> bool:
+    """Whether this rank yields anything in `export_owned_hf_tensors` (it is then one of the weight sync's senders):
+    a stage's leader, or ETP rank 0 of an expert-parallel rank of the source replica's expert group."""
+    ranks = _Ranks.current()
+    if ranks is None:
+        return True
+    return in_source_replica() and (ranks.stage_leader or (ranks.ep_size > 1 and ranks.experts and ranks.etp == 0))

@@ -65,8 +65,16 @@ def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool 
 
 
 class OwnerLink(StageLink):
-    """Rank 0's side of one owner: taken once rank 0's own export has ended (`after_own`)."""
-    after_own = True
+    """Rank 0's side of one sender: a later stage's leader (`leader`, none: takes turns with rank 0 from the start)
+    or an owner of experts, taken once what its gathers share is over: an owner of the first stage once rank 0's own
+    export has ended (`after_own`), one of a later stage once its stage's leader has passed the stage's parameters
+    outside the experts (`leader.dense_over`)."""
+    sends_shards = True
+
+    def __init__(self, *, stage: int, rank: int, group, group_name: str = "", after_own: bool = False,
+                 leader: OwnerLink | None = None):
+        self.after_own, self.leader = after_own, leader
+        super().__init__(stage=stage, rank=rank, group=group, group_name=group_name)
 
     @property
     def label(self) -> str:
@@ -75,6 +83,15 @@ class OwnerLink(StageLink):
     def start(self) -> None:
         super().start()
         self.wiring = False  # broadcast: the owner was told to send the bucket and awaits the engines' verdict
+        self.dense_over = False  # its export has passed its stage's parameters outside the experts
+
+    def ready(self, own_left: bool) -> bool:
+        return super().ready(own_left) and (self.leader is None or self.leader.dense_over)
+
+    def next(self) -> dict:
+        message = super().next()
+        self.dense_over = self.dense_over or self.finished or message.get("dense_over", False)
+        return message
 
     def wire(self) -> None:
         """Broadcast: the engines have been asked for the owner's bucket; it sends it now and awaits the verdict."""
@@ -131,7 +148,8 @@ class OwnerSender:
             current = next(staged, None)
             while current is not None:
                 bucket, message, _keep = current  # _keep: the staged segments, alive until the engines answer
-                send_message({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes},
+                send_message({"shards": message, "nbytes": bucket.nbytes, "rank_bytes": bucket.rank_bytes,
+                              "dense_over": getattr(named_tensors, "dense_over", True)},
                              to=self.coordinator, group=self.group)
                 reply_owed, staged_bytes = True, staged_bytes + bucket.nbytes
                 upcoming = next(staged, None)  # staged while the engines load this one (the other buffer)

@@ -6,12 +6,14 @@ from another thread. The trainer holds one and hands it its model at each sync; 
 the trainer. Who sends:
 - by default trainer rank 0 sends the whole model to every engine (`export_full_hf_tensors`: later pipeline stages'
   layers reach it over the pipeline group, the TP / EP gathers involve every rank of the replica);
-- with stage senders (`weight_sync.stage_senders`, broadcast transport, pipeline parallel) every later stage's leader
-  also joins a group of its own with the engines and sends its own stage (`slimish.weight_sync.stages`), taking turns
-  with rank 0's buckets;
-- with expert parallelism on the sharded route (`slimish.weight_sync.owners`), each expert-parallel rank's ETP
-  rank 0 stages its own experts for the engines (broadcast: sends them over per-rank groups of its own), and rank 0
-  posts what names them;
+- on the sharded route with pipeline or expert parallelism, several senders (`slimish.weight_sync.owners`, decided
+  by rank 0 at connect, `_senders_route`): every later stage's leader sends its own stage (weight_sync.stage_senders,
+  any transport), and with expert parallelism each expert-parallel rank's ETP rank 0 its own experts (where the
+  checksums allow, `owners_fit`); each stages its buckets itself (broadcast: sends them over per-rank groups of its
+  own), and rank 0 posts what names them; nothing crosses the pipeline group;
+- on the full route with stage senders (broadcast transport, pipeline parallel) every later stage's leader joins a
+  group of its own with the engines and sends its own stage whole (`slimish.weight_sync.stages`), taking turns with
+  rank 0's buckets;
 - colocated with the tensor transport (no expert parallelism, whose export spans replicas, and experts split as
   tensor_parallel splits the rest), the source rank of every data-parallel replica sends to the engines on its
   replica's GPUs, from its own GPU by CUDA IPC.
@@ -19,7 +21,7 @@ Other ranks only take part in the export's gathers.
 
 What each engine rank receives (`sharded_layout`, weight_sync.sharded): with engines of several tensor-parallel ranks,
 only the parameters it holds, in SGLang's layout (`slimish.weight_sync.sharding`), over every transport (broadcast:
-on gloo, without stage senders, under 'auto'); otherwise, and as the fallback, the whole model.
+on gloo under 'auto'); otherwise, and as the fallback, the whole model.
 
 `sync_to` builds the rank-0 sync (`WeightSync`) of one host's engines, `local_context` the context of any sender
 there: what tests and benchmarks that send tensors of their own (not a trainer's model) use.
@@ -61,8 +63,10 @@ class WeightSender:
         self.new_client = new_client
         self._sync: WeightSync | None = None  # rank 0 (or a replica's source): the engine protocol
         self._stage_sender = None             # a later pipeline stage's leader, with stage senders
-        self._stage_links: list = []          # rank 0: the stage senders' or the expert owners' links
-        self._owners = False                  # this connection sends experts from their owners (every rank knows)
+        self._stage_links: list = []          # rank 0: the other senders' links
+        self._sharding = None
+        self._route = "full"   # this connection's senders (every rank knows): "full", "stages" or "owned"
+        self._control = None   # the senders' messages' group (`_control_group`)
         self._groups_made = 0
         self._nonce: str | None = None  # the job's, agreed at the first connect, in every group name (`_group_name`)
         self._api_key: str | None = None
@@ -111,6 +115,7 @@ class WeightSender:
         if self._nonce is None:
             self._nonce = _shared_nonce()
         self._api_key = api_key
+        self._sharding = None  # the engines' layout, read once per connect (`_engine_sharding`)
         self.close()
         if self.replica_senders and engines_by_rank is not None:
             replica = self.replica_ranks()
@@ -118,8 +123,8 @@ class WeightSender:
             if self.rank != replica[0] or not own:
                 return {}
             return self._connect_rank0(own, engine_tp, node_ip(), stages=[])
-        if self.owners_possible:
-            return self._connect_owners(engine_urls, engine_tp, master_addr)
+        if self.several_senders_possible:
+            return self._connect_senders(engine_urls, engine_tp, master_addr)
         if not self.stage_senders:
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
         return self._connect_stages(engine_urls, engine_tp, master_addr)
@@ -152,65 +157,96 @@ class WeightSender:
             dist.barrier()
         return metrics
 
-    # ------------------------------------------------------------------- experts from their owners (owners.py)
+    # ------------------------------------------------- several senders: stages and expert owners (owners.py)
     @property
-    def owners_possible(self) -> bool:
-        """Whether the experts may go to the engines from the trainer ranks that own them (decided at connect,
-        `_connect_owners`): expert parallelism, no pipeline parallelism, rank 0 sending to every engine (any
-        transport; broadcast where its sharded route runs, `owners_fit`)."""
+    def several_senders_possible(self) -> bool:
+        """Whether the sync may go from several trainer ranks, decided at connect (`_connect_senders`): each later
+        pipeline stage's leader sends its own stage (weight_sync.stage_senders) and each expert-parallel rank's
+        owner its own experts, on the sharded route (`slimish.weight_sync.owners`). Needs pipeline or expert
+        parallelism, rank 0 sending to every engine (not the replica senders) and a transport they send over."""
         from slimish.weight_sync.owners import TRANSPORTS as OWNER_TRANSPORTS
 
-        return (self.expert_parallel > 1 and self.pipeline_parallel == 1 and not self.replica_senders
-                and self.cfg.weight_sync.transport in OWNER_TRANSPORTS)
+        ws = self.cfg.weight_sync
+        return ((self.expert_parallel > 1 or (self.pipeline_parallel > 1 and ws.stage_senders))
+                and not self.replica_senders and ws.transport in OWNER_TRANSPORTS)
 
-    def _connect_owners(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
-        """Every rank: rank 0 reads the engines' layout and says whether the owners' route fits it (`owners_fit`; over
-        tensor, every owner on rank 0's node); then rank 0 connects with a link to each owner, and each owner (ETP
-        rank 0 of another EP rank of the source replica: rank 0's EP group) makes its `OwnerSender`. Where it does
-        not fit, rank 0 sends everything."""
+    def _connect_senders(self, engine_urls: list[str], engine_tp: int, master_addr: str) -> dict:
+        """Every rank: rank 0 reads the engines' layout and decides the route (`_senders_route`); then rank 0
+        connects with a link to each other sender, and each sender makes its `OwnerSender`. Where neither stages
+        nor owners may send, broadcast's stage senders (the whole model, `stages`) or rank 0 send everything."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        from slimish.weight_sync.owners import OwnerLink, OwnerSender, owners_fit
+        from slimish.megatron_bridge.full_export import is_stage_leader, owns_in_owned_export
+        from slimish.weight_sync.owners import OwnerSender
 
-        group = ps.get_expert_model_parallel_group()
-        members = dist.get_process_group_ranks(group)
-        nodes = [None] * dist.get_world_size()
-        dist.all_gather_object(nodes, node_ip())
+        control = self._control_group()
+        source = in_source_replica()
+        me = {"node": node_ip(), "owner": source and owns_in_owned_export(),
+              "leader": source and is_stage_leader(), "stage": _pipeline_rank()}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, me, group=control)
         decision, failure = [None], None
         if self.rank == 0:
             try:
                 sharding = self._engine_sharding(engine_urls, engine_tp)
-                fits = owners_fit(self.sharded_layout(sharding), self.expert_parallel,
-                                  predicted=self._expected_checksums(sharding) is not None)
+                route = self._senders_route(sharding, ranks)
             except Exception as exc:  # noqa: BLE001 - raised below, once the others are told (they return)
-                failure, sharding, fits = exc, None, False
-            # Over tensor the engines map the owners' memory: every owner on rank 0's node, as the engines are.
-            if self.cfg.weight_sync.transport == "tensor":
-                fits = fits and all(nodes[rank] == nodes[0] for rank in members)
-            decision = [(fits, sharding, failure is not None)]
-        dist.broadcast_object_list(decision, src=0)
-        self._owners, sharding, failed = decision[0]
+                failure, sharding, route = exc, None, None
+            decision = [(route, sharding, failure is not None)]
+        dist.broadcast_object_list(decision, src=0, group=control)
+        route, sharding, failed = decision[0]
+        self._route = route or "full"
         if failure is not None:
             raise failure
         if failed:
             return {}
-        if not self._owners:
+        if route is None:
+            if self.stage_senders:
+                return self._connect_stages(engine_urls, engine_tp, master_addr)
             return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=[]) if self.rank == 0 else {}
-        if 0 not in members or not in_source_replica():
-            return {}
+        senders = [rank for rank, info in enumerate(ranks) if rank and info[_SENDS[route]]]
         if self.rank == 0:
-            links = [OwnerLink(stage=0, rank=rank, group=group, group_name="") for rank in members if rank != 0]
-            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=links)
+            return self._connect_rank0(engine_urls, engine_tp, master_addr, stages=_links(senders, ranks, control))
+        if self.rank not in senders:
+            return {}
         ws = self.cfg.weight_sync
-        # broadcast: the engines meet the owner's own groups at its address (rank 0's where they share a node).
-        address = master_addr if nodes[self.rank] == nodes[0] else node_ip()
+        # broadcast: the engines meet the sender's own groups at its address (rank 0's where they share a node).
+        address = master_addr if ranks[self.rank]["node"] == ranks[0]["node"] else node_ip()
         self._stage_sender = OwnerSender(
             rank=self.rank, transport=ws.transport, layout=self.sharded_layout(sharding), engines=len(engine_urls),
-            bucket_bytes=int(ws.bucket_mb * 2**20), coordinator=0, group=group, disk_dir=self.disk_dir(),
+            bucket_bytes=int(ws.bucket_mb * 2**20), coordinator=0, group=control, disk_dir=self.disk_dir(),
             expected_checksums=self._expected_checksums(sharding),
             context=self._context(engine_tp, address, 0, self._group_name()))
         return {}
+
+    def _senders_route(self, sharding, ranks: list[dict]) -> str | None:
+        """Rank 0: "owned" (each stage's leader its stage outside the experts, each expert-parallel rank's owner its
+        experts: `export_owned_hf_tensors`), "stages" (each stage's leader its whole stage, the experts gathered to
+        it: `export_stage_hf_tensors`) or None (rank 0 sends everything, or broadcast's stage senders the whole
+        model). Both need the sharded route. The owners need `owners_fit` (checksums an owner can predict); the
+        stages need weight_sync.stage_senders. Over tensor the engines map the senders' memory: every sender on rank
+        0's node, as the engines are."""
+        from slimish.weight_sync.owners import owners_fit
+
+        layout = self.sharded_layout(sharding)
+        if layout is None:
+            return None
+        predicted = self._expected_checksums(sharding) is not None
+        route = ("owned" if self.expert_parallel > 1 and owners_fit(layout, self.expert_parallel, predicted=predicted)
+                 else "stages" if self.pipeline_parallel > 1 and self.cfg.weight_sync.stage_senders else None)
+        if route and self.cfg.weight_sync.transport == "tensor" and any(
+                info["node"] != ranks[0]["node"] for info in ranks if info[_SENDS[route]]):
+            return None
+        return route
+
+    def _control_group(self):
+        """A gloo group of every rank, made at the first connect (every rank connects): the senders' small messages
+        to rank 0 travel on it, on the host (the pipeline and expert groups are NCCL on GPUs)."""
+        import torch.distributed as dist
+
+        if self._control is None:
+            self._control = dist.new_group(backend="gloo")
+        return self._control
 
     def _connect_rank0(self, engine_urls: list[str], engine_tp: int, master_addr: str, stages: list) -> dict:
         from slimish.hooks import load_function
@@ -219,8 +255,8 @@ class WeightSender:
         port = ws.master_port if self._groups_made == 1 and ws.master_port else free_port()
         self._stage_links = stages
         sharding = self._engine_sharding(engine_urls, engine_tp)
-        # Owners' links are not stages: the route's rules (sharded_layout) apply as without them.
-        stage_links = [link for link in stages if not link.after_own]
+        # Senders of shards are not broadcast's whole-stage senders: the route's rules apply as without them.
+        stage_links = [link for link in stages if not link.sends_shards]
         self._sync = WeightSync(transport=ws.transport, context=self._context(engine_tp, master_addr, port,
                                                                                self._group_name()),
                                 engine_urls=engine_urls, bucket_bytes=int(ws.bucket_mb * 2**20), verify=ws.verify,
@@ -255,11 +291,16 @@ class WeightSender:
         return str(weight_sync_root(self.cfg.weight_sync.disk_dir, Path(run.output_dir) / run.name))
 
     def _engine_sharding(self, engine_urls: list[str], engine_tp: int):
-        """How the engines shard their parameters, as the first of `engine_urls` says (its /server_info); raises if
-        its tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow it)."""
+        """How the engines shard their parameters, as the first of `engine_urls` says (its /server_info, asked once
+        per connect); raises if its tensor-parallel size is not `engine_tp` (the weight-sync group's ranks follow
+        it)."""
         from slimish.weight_sync.sharding import sharding_of
 
-        sharding = sharding_of(engine_urls[0], api_key=self._api_key, new_client=self.new_client)
+        if self._sharding is not None and self._sharding[0] == engine_urls[0]:
+            sharding = self._sharding[1]
+        else:
+            sharding = sharding_of(engine_urls[0], api_key=self._api_key, new_client=self.new_client)
+            self._sharding = (engine_urls[0], sharding)
         if sharding.tp != engine_tp:
             raise ValueError(f"rollout.engine.tensor_parallel: got {engine_tp}, but engine {engine_urls[0]} runs "
                              f"--tp-size {sharding.tp}; set rollout.engine.tensor_parallel={sharding.tp}")
@@ -324,10 +365,10 @@ class WeightSender:
         send as time_sync_stalled_s)."""
         if not (in_source_replica() or self.replica_senders):
             return {}
-        if self.stage_senders:
-            tensors = export_stage_hf_tensors(module, self.arch)
-        elif self._owners:
+        if self._route == "owned":
             tensors = export_owned_hf_tensors(module, self.arch)
+        elif self._route == "stages" or self.stage_senders:
+            tensors = export_stage_hf_tensors(module, self.arch)
         else:
             tensors = export_full_hf_tensors(module, self.arch)
         try:
@@ -359,6 +400,31 @@ class WeightSender:
             if sender is not None:
                 sender.close()
         self._sync = self._stage_sender = None
+
+
+#: Which ranks send on each route of several senders, by what they said of themselves at connect.
+_SENDS = {"owned": "owner", "stages": "leader"}
+
+
+def _links(senders: list[int], ranks: list[dict], control) -> list:
+    """Rank 0's links to the other `senders` (each rank's `ranks[r]`: its stage, whether it leads it), in the order
+    that `WeightSync` waits for and releases them: every later stage's leader first (it takes turns with rank 0 from
+    the start), then the owners (a first-stage owner after rank 0's own export, a later stage's after its leader has
+    passed the stage's gathers outside the experts, `OwnerLink.ready`)."""
+    from slimish.weight_sync.owners import OwnerLink
+
+    leaders = {ranks[rank]["stage"]: OwnerLink(stage=ranks[rank]["stage"], rank=rank, group=control)
+               for rank in senders if ranks[rank]["leader"]}
+    owners = [OwnerLink(stage=ranks[rank]["stage"], rank=rank, group=control, after_own=ranks[rank]["stage"] == 0,
+                        leader=leaders.get(ranks[rank]["stage"]))
+              for rank in senders if not ranks[rank]["leader"]]
+    return [*leaders.values(), *owners]
+
+
+def _pipeline_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
 
 
 def _shared_nonce() -> str:

@@ -121,6 +121,8 @@ class WeightSync:
                 # The owners send their first bucket only once this rank's export has ended (their gathers of the
                 # parameters outside the experts need it): finish it, so that each can be told to give up.
                 drain(named_tensors)
+            # In list order: a stage's leader before the stage's other senders, whose next bucket may wait on one of
+            # the leader's gathers, which it finishes once told to give up.
             stage_failures = [failure for link in stages if (failure := link.release())]
             if self.transport.bracketed:  # close the survivors' sessions; the dead engine's call fails, unheard
                 self.transport.settle(self.transport.on_all(lambda c: c.end_weight_update()))
@@ -182,7 +184,7 @@ class WeightSync:
                         push(pending, version=None)
                     pending = bucket
             for link in list(remote):
-                if link.after_own and own_left:  # an expert owner's: once this rank's export has ended
+                if not link.ready(own_left):  # its next bucket may wait on a gather that others hold up
                     continue
                 message = link.next()
                 if "bucket" in message:

@@ -9,7 +9,8 @@ Writes OUT/NAME/rank{R}.pt: {"tokens", "logits" (last stage, else None), "export
 outside the experts from TP and DP rank 0 only, the experts from ETP and EDP rank 0 only), "sizes" (Megatron's TP,
 ETP, EP, DP and EDP sizes)}; with
 --full-export also "full": the [(hf name, tensor)] this rank got from the whole-model (weight-sync) export, and
-without pipeline parallelism "owned": what it got from the owners' export (`export_owned_hf_tensors`).
+"owned": what it got from the owners' export (`export_owned_hf_tensors`), "owns" / "stage_leader" what it says
+of itself.
 With HF_DIR:DIST_CKPT_DIR the weights come from the distributed checkpoint, config.json from HF_DIR.
 With --save-dist, Megatron-Core's own dist_checkpointing.save writes each loaded model to DIR/NAME.
 """
@@ -48,7 +49,12 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, etp:
     from megatron.core import dist_checkpointing, parallel_state
 
     from slimish.megatron_bridge.bridge import export_hf_tensors, load_hf_weights
-    from slimish.megatron_bridge.full_export import export_full_hf_tensors, export_owned_hf_tensors
+    from slimish.megatron_bridge.full_export import (
+        export_full_hf_tensors,
+        export_owned_hf_tensors,
+        is_stage_leader,
+        owns_in_owned_export,
+    )
     from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
     from slimish.trainer.model import build_gpt_model
 
@@ -77,8 +83,9 @@ def run_model(*, hf: str, dist_ckpt: str | None, tp: int, pp: int, ep: int, etp:
     result = {"tokens": tokens, "logits": logits, "exported": exported, "sizes": sizes}
     if full_export:
         result["full"] = [(name, tensor.clone()) for name, tensor in export_full_hf_tensors(model, arch)]
-        if pp == 1:  # the weight sync's owners' route: each expert on the rank that holds it
-            result["owned"] = [(name, tensor.clone()) for name, tensor in export_owned_hf_tensors(model, arch)]
+        # The weight sync's several senders: each stage's leader its stage, each expert the rank that holds it.
+        result["owned"] = [(name, tensor.clone()) for name, tensor in export_owned_hf_tensors(model, arch)]
+        result["owns"], result["stage_leader"] = owns_in_owned_export(), is_stage_leader()
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
 

@@ -70,15 +70,17 @@ def assert_full_export_is_checkpoint(results: list[dict], hf: Path) -> None:
 
 def assert_owned_export_is_checkpoint(results: list[dict], hf: Path) -> None:
     """The owners' export (`export_owned_hf_tensors`) spreads the HF checkpoint bit-exact over the ranks, every tensor
-    exactly once: rank 0 everything outside the routed experts, each expert the one rank holding it (ETP rank 0 of
-    its EP rank); without expert parallelism that is rank 0, which then gets the whole model."""
+    exactly once: each pipeline stage's leader everything of its stage outside the routed experts, each expert the
+    one rank holding it (ETP rank 0 of its EP rank; without expert parallelism the stage's leader); a rank yields
+    something exactly where it says it owns (`owns_in_owned_export`)."""
     ckpt = HFCheckpoint(hf)
     names = [name for result in results for name, _ in result["owned"]]
     assert len(names) == len(set(names)), "a tensor was exported twice"
     assert set(names) == set(ckpt.names())
     for rank, result in enumerate(results):
+        assert bool(result["owned"]) == result["owns"], f"rank {rank} owns {result['owns']}"
         for name, tensor in result["owned"]:
-            assert rank == 0 or ".mlp.experts." in name, f"rank {rank} exported {name}"
+            assert result["stage_leader"] or ".mlp.experts." in name, f"rank {rank} exported {name}"
             assert torch.equal(tensor, ckpt.get(name)), name
     if results[0]["sizes"]["ep"] > 1:
         assert any(result["owned"] for result in results[1:]), "no expert from its owner"

@@ -6,8 +6,8 @@ given. The stand-in, on rank 0, does with each request what an engine rank does 
 parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
 stacked from their slots, which the sync verifies against the trainer's prediction.
 
-  python tests/weight_sync/owners_rank.py --rank R --world-size 2 --port P --tp T [--etp E] [--engine-ep 1] \
-      [--no-verify] --model HF_DIR --out OUT --transport tensor|disk [--faults first owner tp]
+  python tests/weight_sync/owners_rank.py --rank R --world-size W --port P --tp T [--etp E] [--ep 2] [--pp 1] \
+      [--engine-ep 1] [--no-verify] --model HF_DIR --out OUT --transport tensor|disk [--faults first owner tp]
 Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
 the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
 engine fails that request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then
@@ -213,8 +213,9 @@ def _funnel():
     from slimish.weight_sync.sender import WeightSender
 
     class Funnel(WeightSender):
-        """Today's route: every expert through rank 0."""
-        owners_possible = False
+        """The route through rank 0: every expert, and every later stage's tensors (sharded: rank 0 cuts them)."""
+        several_senders_possible = False
+        stage_senders = False
     return Funnel
 
 
@@ -223,6 +224,8 @@ def main() -> None:
     for name in ("--rank", "--world-size", "--port", "--tp"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallelism")
+    parser.add_argument("--ep", type=int, default=2, help="expert parallelism")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism")
     parser.add_argument("--engine-ep", type=int, default=2, help="the stand-in engine's expert parallelism")
     parser.add_argument("--no-verify", action="store_true", help="weight_sync.verify=false")
     parser.add_argument("--model", required=True)
@@ -245,10 +248,10 @@ def main() -> None:
     Funnel = _funnel()  # noqa: N806 - a class
 
     init_parallel(ParallelLayout(rank=args.rank, world_size=args.world_size, tensor_parallel=args.tp,
-                                 pipeline_parallel=1, expert_parallel=2, expert_tensor_parallel=args.etp),
+                                 pipeline_parallel=args.pp, expert_parallel=args.ep, expert_tensor_parallel=args.etp),
                   master_addr="127.0.0.1", master_port=args.port, backend="gloo", seed=1234)
     arch = architecture_from_hf(read_hf_config(args.model))
-    model = build_gpt_model(arch, tensor_parallel=args.tp, pipeline_parallel=1, expert_parallel=2,
+    model = build_gpt_model(arch, tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
                             expert_tensor_parallel=args.etp).eval()
     load_hf_weights(model, args.model, arch)
     out = Path(args.out)
@@ -263,7 +266,8 @@ def main() -> None:
         engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "",
                         ranks=ranks)
         kind = Funnel if route == "funnel" else WeightSender
-        sender = kind(cfg, arch, rank=args.rank, expert_parallel=2, new_client=lambda url, api_key, e=engine: e)
+        sender = kind(cfg, arch, rank=args.rank, pipeline_parallel=args.pp, expert_parallel=args.ep,
+                      new_client=lambda url, api_key, e=engine: e)
         failed = ""
         if route == "tp":  # the engines run another TP size: rank 0 raises naming the key, the others return
             try:

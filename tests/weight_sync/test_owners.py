@@ -18,13 +18,21 @@ from tests.multiproc import run_world
 SCRIPT = Path(__file__).with_name("owners_rank.py")
 
 
-def run(models, tmp_path, tp: int, transport: str, *faults: str, etp: int = 1, engine_ep: int = 2,
-        verify: bool = True) -> dict:
-    run_world(SCRIPT, world_size=max(2, tp, 2 * etp),
-              args=["--tp", str(tp), "--etp", str(etp), "--model", str(models["qwen3_moe"]), "--out", str(tmp_path),
-                    "--transport", transport, "--engine-ep", str(engine_ep), *([] if verify else ["--no-verify"]),
-                    "--faults", *faults])
+def run(models, tmp_path, tp: int, transport: str, *faults: str, etp: int = 1, ep: int = 2, pp: int = 1,
+        engine_ep: int = 2, verify: bool = True) -> dict:
+    run_world(SCRIPT, world_size=pp * max(ep, tp, ep * etp),
+              args=["--tp", str(tp), "--etp", str(etp), "--ep", str(ep), "--pp", str(pp),
+                    "--model", str(models["qwen3_moe"]), "--out", str(tmp_path), "--transport", transport,
+                    "--engine-ep", str(engine_ep), *([] if verify else ["--no-verify"]), "--faults", *faults])
     return torch.load(tmp_path / "result.pt")
+
+
+def assert_same_held(result: dict, route: str) -> None:
+    for rank in range(2):
+        held, funnel = result[route]["held"][rank], result["funnel"]["held"][rank]
+        assert held.keys() == funnel.keys(), f"{route}: engine rank {rank}"
+        for name, tensor in funnel.items():
+            assert torch.equal(tensor, held[name]), f"{route}: engine rank {rank}: {name}"
 
 
 def owned_by_ep1(name: str, rank: int, slots_per_rank: int, engine_ep: int, num_experts: int) -> bool:
@@ -96,3 +104,33 @@ def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_mo
             held, funnel = result[fault]["held"][rank], result["funnel"]["held"][rank]
             assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held), fault
         assert result[fault]["metrics"]["sync_checksums_predicted"] == 1
+
+
+@pytest.mark.parametrize(("tp", "ep", "transport", "senders"), [
+    (1, 1, "tensor", {0, 1}), (1, 2, "disk", {0, 1, 2, 3}), (2, 2, "broadcast", {0, 1, 2, 3})],
+    ids=["pp2-stages-tensor", "pp2-ep2-disk", "pp2-tp2-ep2-broadcast"])
+def test_each_stage_sends_its_own_layers_and_each_owner_its_experts(tiny_moe_models, tmp_path, tp, ep, transport,
+                                                                     senders):
+    """Pipeline parallelism 2 (a tiny Qwen3-MoE of two layers, one per stage): without expert parallelism the
+    second stage's only rank sends its whole stage (the "stages" route, its experts included); with EP2 each stage's
+    leader sends its stage outside the experts and each EP rank its own experts (four senders), nothing crossing the
+    pipeline group. At TP2 the second stage's owner (rank 3) shares its leader's (rank 2) TP gathers, and with
+    0.02 MiB buckets the leader sends several buckets of them: rank 0 waits for rank 3's first bucket only once rank 2
+    has passed them (`OwnerLink.ready`), else the three would wait on each other. The engine ranks end with what the
+    route through rank 0 gives them, verified against the trainer's checksums. broadcast also fails one of rank 0's
+    buckets and then one of an owner's: the senders of both stages give up (a later stage's leader before its owner),
+    and the next sync on a new connection delivers."""
+    faults = ("first", "owner") if transport == "broadcast" else ()
+    result = run(tiny_moe_models, tmp_path, tp, transport, *faults, ep=ep, pp=2)
+    assert_same_held(result, "owners")
+    f, o = result["funnel"]["metrics"], result["owners"]["metrics"]
+    assert f["sync_senders"] == 1 and o["sync_senders"] == len(senders)
+    assert {int(key.removeprefix("sync_sent_rank").removesuffix("_mib")) for key in o
+            if key.startswith("sync_sent_rank")} == senders
+    assert sum(v for k, v in o.items() if k.startswith("sync_sent_rank")) == pytest.approx(f["sync_mib"])
+    assert o["sync_sent_rank0_mib"] < f["sync_sent_rank0_mib"] / 2  # stage 1, and EP rank 1's experts, elsewhere
+    assert o["sync_checksums_predicted"] == 1 and o["sync_sharded"] == 1
+    for fault in faults:
+        assert "this bucket fails" in result[fault]["failed"] or "by its deadline" in result[fault]["failed"], fault
+        assert_same_held(result, fault)
+    assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind"
