@@ -447,9 +447,10 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
 FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang fuses them: qkv_proj, gate_up_proj
 
 
-def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
+def calibrate(results: dict, tensors: list, *, tp: int, machine, layout) -> None:
     """The estimate (`slimish.weight_sync.estimate.cpu_sync_seconds`, fed `machine`) against each measured sync,
-    and its bytes per engine rank against the sender's counters; the last line is the worst error."""
+    and its bytes per engine rank against the sender's counters; the last line is the worst error. `layout`: the
+    engine's (`EngineLayout`), whose per-rank slices tell which the sender hashes from strided views."""
     from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, cpu_sync_work, payload
 
     def nbytes(keep) -> float:
@@ -457,11 +458,13 @@ def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
 
     model, replicated = nbytes(lambda name: True), nbytes(lambda name: "norm" in name)
     fused = nbytes(lambda name: any(part in name for part in FUSED_PARTS))
+    strided = float(sum(piece.numel() * piece.element_size() for name, tensor in tensors
+                        for *_, piece in layout.pieces(name, tensor) if not piece.is_contiguous()))
     print(f"machine (best of rounds, shared machine): {machine}", flush=True)
     errors = {}
     for (transport, route), best in results.items():
         load = payload(model, engine_tp=tp, sharded=route == "sharded", replicated_bytes=replicated,
-                       fused_bytes=fused)
+                       fused_bytes=fused, strided_bytes=strided)
         estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
         measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
@@ -490,6 +493,7 @@ def phase_line(metrics: dict) -> str:
 def sharded_main(args) -> None:
     """One engine of `args.engine_tp` ranks; full vs sharded per transport (see the module docstring)."""
     from slimish.weight_sync.checksums import sharding_of
+    from slimish.weight_sync.sharding import EngineLayout
 
     tp, size = args.engine_tp, args.bucket_mb[0]
     root = Path(tempfile.mkdtemp(prefix="bench-sync-sharded-", dir=args.workdir))
@@ -526,7 +530,7 @@ def sharded_main(args) -> None:
         machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0],
                                   others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()),
                                   bucket_bytes=int(size * 2**20))
-        calibrate(results, tensors, tp=tp, machine=machine)
+        calibrate(results, tensors, tp=tp, machine=machine, layout=EngineLayout(arch, sharding))
     finally:
         for proc, _ in engines:
             proc.stop()
