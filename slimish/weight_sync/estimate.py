@@ -209,10 +209,11 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
       average (its CPU-seconds over its seconds: the sender's, the wire's `link_busy_cores`, the engine ranks'
       and the requests' `request_cpu_s`), the hashing thread gets cores / (k + 1) of a CPU (at most one) and the
       path slows by as much; the hashes left when the path ends run alone after it. The sync's `check_engines`
-      waits for the last hash (`ExpectedChecksums.result`), so that tail is in the sync. On `disk` the hashing
-      thread waits for the writes: safetensors' `save_file` holds the GIL while it writes (a Python thread beside
-      it got a quarter of its free rate, measured), so the hashes run beside the rest of the path only. Never
-      shorter than all its CPU-seconds over `machine.cores`;
+      waits for the last hash (`ExpectedChecksums.result`), so that tail is in the sync. The hashing thread is
+      not held up by the GIL (SHA-256 and torch's copies release it; on `disk` safetensors' `save_file` left a
+      hashing thread beside it 57-98% of its free rate, measured, where a torch copy beside it, competing for a
+      CPU, left 25-47%): it waits on the run queue, as every thread does. Never shorter than all its CPU-seconds
+      over `machine.cores`;
     - then the engines' checksums: one rank's `verify`, or all ranks' CPU-seconds over the cores.
 
     A thread runs no faster than the cores the sync gets when that is under one (`machine.cores`: what other jobs
@@ -223,14 +224,11 @@ def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets
     path = sum(v for k, v in terms.items() if k not in HASH_TERMS + ("verify",))
     hashing = sum(terms[k] for k in HASH_TERMS)
     work, checks = cpu_sync_work(load, transport=transport, machine=machine, buckets=buckets)
-    first = terms["stage"] if transport == "disk" else 0.0  # the writes, before the hashes can run
-    beside = path - first  # the path the hashes run beside
-    stage_cpu = _stage_cpu(load, transport=transport, machine=machine, terms=terms)
-    busy = max(0.0, work - hashing - (stage_cpu if first else 0.0)) / beside if beside > 0 else 0.0
+    busy = (work - hashing) / path if path > 0 else 0.0  # threads the path keeps busy on average
     both = max(1 / one, (busy + 1) / cores)  # how much slower each thread runs while the hashes run beside the path
     alone = max(1 / one, busy / cores)  # the path's slowdown once they are done
-    overlap = min(hashing, beside)  # in one-thread seconds, of each: the hashing thread runs at the path's pace
-    transfer = first / one + overlap * both + (beside - overlap) * alone + (hashing - overlap) / one
+    overlap = min(hashing, path)  # in one-thread seconds, of each: the hashing thread runs at the path's pace
+    transfer = overlap * both + (path - overlap) * alone + (hashing - overlap) / one
     transfer = max(transfer, work / cores)
     return transfer + max(terms["verify"] / one, checks / cores)
 
