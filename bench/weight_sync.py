@@ -32,15 +32,15 @@ verified; it prints seconds and MiB per engine rank of each, and last:
     transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
 
 then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: the CPUs other jobs kept busy while the
-syncs ran (`OthersBusy`, from /proc: the cores left to the syncs), this machine's rates measured in the same run
-(`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and out of a fresh mapping,
-SGLang's CPU checksum, a file's copy out of its mapping, a file's write and removal; seconds of that write and of a
-raw gloo broadcast to the engine's ranks with the CPUs it keeps busy; an engine request's seconds and CPU-seconds),
-per transport and route the
-measured and estimated seconds, bytes per engine rank and CPU-seconds, and last:
+syncs ran (`OthersBusy`, from /proc: the cores left to the syncs, over all of them and during each), this machine's
+rates measured in the same run (`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and
+out of a fresh mapping, SGLang's CPU checksum, a file's copy out of its mapping, a file's write and removal;
+seconds of that write and of a raw gloo broadcast to the engine's ranks with the CPUs it keeps busy; an engine
+request's seconds and CPU-seconds), per transport and route the measured and estimated seconds (with the cores
+other jobs left that sync), bytes per engine rank and CPU-seconds, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
-    ... load_average_1min=<l> cores=<the CPUs left to the syncs>
+    ... load_average_1min=<l> cores=<the CPUs left to the syncs, over all of them> (all syncs)
 """
 
 from __future__ import annotations
