@@ -32,7 +32,9 @@ gives 0: under 0.1% of a large model. `tensor` (one node, memory handles) has no
 `cpu_sync_seconds` models the other end: one CPU node, where a sync is copies, checksums, a loopback broadcast,
 page-cache files and engine requests (`Machine`, rates the bench measures in the same run), for the bytes a sync
 really moves (`payload`: per engine rank its shard plus what SGLang replicates when sharded, the whole model when
-not; the sender's total), counted as CPU-seconds over the cores the sync gets as well as step by step.
+not; the sender's total), counted as CPU-seconds over the cores the sync gets as well as step by step, the sender's
+hashing thread sharing the cores with the path beside it as the scheduler shares them (its tail after the path is
+the sync's: the engines' checksums wait for it).
 bench/weight_sync.py --engine-tp 2 checks it against measured syncs (docs/weight-sync.md, "Calibration on the
 CPU").
 """
