@@ -32,20 +32,21 @@ verified; it prints seconds and MiB per engine rank of each, and last:
     transport=<t> sharded_vs_full_ratio=<full s / sharded s> rank_mib_full=<m> rank_mib_sharded=<m> ...
 
 then the calibration of `slimish.weight_sync.estimate.cpu_sync_seconds`: the CPUs other jobs kept busy while the
-syncs ran (`OthersBusy`, from /proc: the cores left to the syncs), this machine's rates measured in the same run
-(`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and out of a fresh mapping,
-SGLang's CPU checksum, a file's copy out of its mapping, a file's write and removal; seconds of that write and of a
-raw gloo broadcast to the engine's ranks with the CPUs it keeps busy; an engine request's seconds and CPU-seconds),
-per transport and route the
-measured and estimated seconds, bytes per engine rank and CPU-seconds, and last:
+syncs ran (`OthersBusy`, from /proc: the cores left to the syncs, over all of them and during each), this machine's
+rates measured in the same run (`measure_machine`: CPU-seconds of a copy into a reused buffer, into a fresh one and
+out of a fresh mapping, SGLang's CPU checksum, a file's copy out of its mapping, a file's write and removal;
+seconds of that write and of a raw gloo broadcast to the engine's ranks with the CPUs it keeps busy; an engine
+request's seconds and CPU-seconds), per transport and route the measured and estimated seconds (with the cores
+other jobs left that sync), bytes per engine rank and CPU-seconds, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
-    ... load_average_1min=<l> cores=<the CPUs left to the syncs>
+    ... load_average_1min=<l> cores=<the CPUs left to the syncs, over all of them> (all syncs)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import socket
@@ -163,7 +164,9 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     parameter's checksum against the sender's), with its phase breakdown. `sharding`: the engines' (an
     `EngineSharding`; default one rank); `sharded`: each engine rank sent only its own parameters. With
     `engine_pids`, also its CPU-seconds: `cpu_sender_s` (this process, every thread) and `cpu_engines_s` (those
-    processes and their descendants: SGLang's tokenizer manager, schedulers, tensor-parallel ranks)."""
+    processes and their descendants: SGLang's tokenizer manager, schedulers, tensor-parallel ranks), and the CPUs
+    other jobs kept busy meanwhile (`others_busy`, `OthersBusy`): the load moves from second to second, so each
+    sync is estimated with the cores it was left."""
     import functools
 
     from slimish.weight_sync.checksums import EngineSharding, ExpectedChecksums
@@ -180,12 +183,15 @@ def sync_rounds(transport: str, urls: list[str], tensors: list, *, bucket_mb: fl
     try:
         for round_ in range(rounds):
             engines_cpu = sum(_tree_cpu_s(pid) for pid in engine_pids)
+            others = OthersBusy()
+            others.start()
             t0, c0 = time.perf_counter(), time.process_time()
             metrics = sync.send(iter(tensors), version=f"{transport}-{round_}")
             metrics["sync_s"] = time.perf_counter() - t0
             if engine_pids:
                 metrics["cpu_sender_s"] = time.process_time() - c0
                 metrics["cpu_engines_s"] = sum(_tree_cpu_s(pid) for pid in engine_pids) - engines_cpu
+                metrics["others_busy"] = others.stop()
             if best is None or metrics["sync_s"] < best["sync_s"]:
                 best = metrics
     finally:
@@ -447,9 +453,10 @@ def measure_machine(nbytes: int, *, receivers: int, rounds: int, directory: Path
 FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # SGLang fuses them: qkv_proj, gate_up_proj
 
 
-def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
+def calibrate(results: dict, tensors: list, *, tp: int, machine, layout) -> None:
     """The estimate (`slimish.weight_sync.estimate.cpu_sync_seconds`, fed `machine`) against each measured sync,
-    and its bytes per engine rank against the sender's counters; the last line is the worst error."""
+    and its bytes per engine rank against the sender's counters; the last line is the worst error. `layout`: the
+    engine's (`EngineLayout`), whose per-rank slices tell which the sender hashes from strided views."""
     from slimish.weight_sync.estimate import cpu_sync_seconds, cpu_sync_terms, cpu_sync_work, payload
 
     def nbytes(keep) -> float:
@@ -457,28 +464,33 @@ def calibrate(results: dict, tensors: list, *, tp: int, machine) -> None:
 
     model, replicated = nbytes(lambda name: True), nbytes(lambda name: "norm" in name)
     fused = nbytes(lambda name: any(part in name for part in FUSED_PARTS))
+    strided = float(sum(piece.numel() * piece.element_size() for name, tensor in tensors
+                        for *_, piece in layout.pieces(name, tensor) if not piece.is_contiguous()))
     print(f"machine (best of rounds, shared machine): {machine}", flush=True)
     errors = {}
     for (transport, route), best in results.items():
         load = payload(model, engine_tp=tp, sharded=route == "sharded", replicated_bytes=replicated,
-                       fused_bytes=fused)
-        estimated = cpu_sync_seconds(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
-        terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=best["sync_buckets"])
+                       fused_bytes=fused, strided_bytes=strided)
+        # The cores this sync was left (other jobs' load moves between syncs), else those of the whole run.
+        left = len(os.sched_getaffinity(0)) - best["others_busy"] if "others_busy" in best else machine.cores
+        case = dataclasses.replace(machine, cores=max(0.1, left))
+        estimated = cpu_sync_seconds(load, transport=transport, machine=case, buckets=best["sync_buckets"])
+        terms = cpu_sync_terms(load, transport=transport, machine=case, buckets=best["sync_buckets"])
         measured_mib = max(best[f"sync_engine_rank{r}_mib"] for r in range(tp))
-        cpu_estimated = sum(cpu_sync_work(load, transport=transport, machine=machine, buckets=best["sync_buckets"]))
+        cpu_estimated = sum(cpu_sync_work(load, transport=transport, machine=case, buckets=best["sync_buckets"]))
         cpu_measured = best.get("cpu_sender_s", 0.0) + best.get("cpu_engines_s", 0.0)
         errors[transport, route] = estimated / best["sync_s"] - 1
         print(f"calibration transport={transport} route={route} measured_s={best['sync_s']:.2f} "
               f"estimated_s={estimated:.2f} estimated_vs_measured={estimated / best['sync_s']:.2f} "
               f"rank_mib_measured={measured_mib:.1f} rank_mib_estimated={load.rank_bytes / 2**20:.1f} "
-              f"cpu_s_measured={cpu_measured:.2f} cpu_s_estimated={cpu_estimated:.2f} | "
+              f"cpu_s_measured={cpu_measured:.2f} cpu_s_estimated={cpu_estimated:.2f} cores={case.cores:.2f} | "
               + " ".join(f"{k}={v:.2f}s" for k, v in terms.items()), flush=True)
     worst = max(errors, key=lambda case: abs(errors[case]))
     full, sharded = results["tensor", "full"], results["tensor", "sharded"]
     print(f"calibration_worst_abs_error={abs(errors[worst]):.2f} worst_case={worst[0]}-{worst[1]} "
           f"within_30pct={sum(abs(e) <= 0.3 for e in errors.values())}/{len(errors)} "
           f"sharded_vs_full_ratio={full['sync_s'] / sharded['sync_s']:.2f} (tensor) engine_tp={tp} "
-          f"load_average_1min={os.getloadavg()[0]:.1f} cores={machine.cores}", flush=True)
+          f"load_average_1min={os.getloadavg()[0]:.1f} cores={machine.cores:.2f} (all syncs)", flush=True)
 
 
 def phase_line(metrics: dict) -> str:
@@ -490,6 +502,7 @@ def phase_line(metrics: dict) -> str:
 def sharded_main(args) -> None:
     """One engine of `args.engine_tp` ranks; full vs sharded per transport (see the module docstring)."""
     from slimish.weight_sync.checksums import sharding_of
+    from slimish.weight_sync.sharding import EngineLayout
 
     tp, size = args.engine_tp, args.bucket_mb[0]
     root = Path(tempfile.mkdtemp(prefix="bench-sync-sharded-", dir=args.workdir))
@@ -526,7 +539,7 @@ def sharded_main(args) -> None:
         machine = measure_machine(nbytes, receivers=tp, rounds=args.rounds, directory=root / "disk", url=urls[0],
                                   others_busy=others_busy, smallest=min(tensors, key=lambda item: item[1].numel()),
                                   bucket_bytes=int(size * 2**20))
-        calibrate(results, tensors, tp=tp, machine=machine)
+        calibrate(results, tensors, tp=tp, machine=machine, layout=EngineLayout(arch, sharding))
     finally:
         for proc, _ in engines:
             proc.stop()

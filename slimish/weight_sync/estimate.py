@@ -32,7 +32,9 @@ gives 0: under 0.1% of a large model. `tensor` (one node, memory handles) has no
 `cpu_sync_seconds` models the other end: one CPU node, where a sync is copies, checksums, a loopback broadcast,
 page-cache files and engine requests (`Machine`, rates the bench measures in the same run), for the bytes a sync
 really moves (`payload`: per engine rank its shard plus what SGLang replicates when sharded, the whole model when
-not; the sender's total), counted as CPU-seconds over the cores the sync gets as well as step by step.
+not; the sender's total), counted as CPU-seconds over the cores the sync gets as well as step by step, the sender's
+hashing thread sharing the cores with the path beside it as the scheduler shares them (its tail after the path is
+the sync's: the engines' checksums wait for it).
 bench/weight_sync.py --engine-tp 2 checks it against measured syncs (docs/weight-sync.md, "Calibration on the
 CPU").
 """
@@ -130,40 +132,49 @@ class Payload:
     """The bytes of one sync to one engine of `engine_tp` ranks. `rank_bytes`: what each engine rank receives;
     `sender_bytes`: what the sender stages (written, flattened) in all; `held_bytes`: what each rank holds (copied
     into its parameters, then checksummed); `link_bytes`: what leaves the sender on a broadcast; `assembled_bytes`:
-    the fused parameters the sharded sender builds whole before cutting them (a second copy)."""
+    the fused parameters the sharded sender builds whole before cutting them (a second copy); `strided_bytes`: what
+    the sender hashes from strided views (a row-parallel weight's column slice), which its hashing thread first
+    copies into a fresh contiguous tensor (`checksums._Sha.update`: SHA-256 reads contiguous bytes)."""
     engine_tp: int
     rank_bytes: float
     sender_bytes: float
     held_bytes: float
     link_bytes: float
     assembled_bytes: float
+    strided_bytes: float = 0.0
 
 
 def payload(model_bytes: float, *, engine_tp: int, sharded: bool, replicated_bytes: float = 0.0,
-            fused_bytes: float = 0.0) -> Payload:
+            fused_bytes: float = 0.0, strided_bytes: float = 0.0) -> Payload:
     """What a sync moves: full, every rank receives `model_bytes` and keeps its shard plus what SGLang replicates
     (`replicated_bytes`, norms: every rank holds them whole), the sender stages the model once and a broadcast puts
     it out once per rank; sharded, each rank receives exactly what it holds and the sender stages every rank's
     payload (the model plus t - 1 more copies of the replicated tensors), assembling each fused parameter
-    (`fused_bytes`: q/k/v, gate/up) whole first."""
+    (`fused_bytes`: q/k/v, gate/up) whole first. `strided_bytes`: of the model, the tensors each rank gets a strided
+    slice of (row-parallel: split along a later dimension), on both routes hashed from those slices."""
     held = (model_bytes - replicated_bytes) / engine_tp + replicated_bytes
     if sharded:
         return Payload(engine_tp=engine_tp, rank_bytes=held, sender_bytes=held * engine_tp, held_bytes=held,
-                       link_bytes=held * engine_tp, assembled_bytes=fused_bytes)
+                       link_bytes=held * engine_tp, assembled_bytes=fused_bytes, strided_bytes=strided_bytes)
     return Payload(engine_tp=engine_tp, rank_bytes=model_bytes, sender_bytes=model_bytes, held_bytes=held,
-                   link_bytes=model_bytes * engine_tp, assembled_bytes=0.0)
+                   link_bytes=model_bytes * engine_tp, assembled_bytes=0.0, strided_bytes=strided_bytes)
 
 
 # The terms on the engine's side: seconds of one engine rank (its tensor-parallel peers do the same at once).
 ENGINE_TERMS = ("receive", "read", "load", "verify")
 
 
+# The hashing thread's steps (beside the sender's path) and the engines' checksums (after it).
+HASH_TERMS = ("hash", "contiguous")
+
+
 def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> dict[str, float]:
     """Seconds of each step of one sync on `machine`, each as one thread alone would take it (`cpu_sync_seconds`
     says how they add up). The sender's: `requests` (one engine request per bucket, `buckets`, and `SYNC_REQUESTS`
     more), `assemble` (the fused parameters the sharded sender builds whole), `stage` (flatten, or write the files),
-    `wire` (broadcast: the bytes it puts out), `hash` (its checksums, on a thread of their own). Each engine rank's
-    (`ENGINE_TERMS`): `receive` (broadcast: its fresh receive buffer's pages, beyond the copy the wire makes),
+    `wire` (broadcast: the bytes it puts out); on its hashing thread (`HASH_TERMS`): `hash` (its checksums) and
+    `contiguous` (the strided slices it copies into fresh tensors first, `Payload.strided_bytes`). Each engine
+    rank's (`ENGINE_TERMS`): `receive` (broadcast: its fresh receive buffer's pages, beyond the copy the wire makes),
     `read` (disk: its files out of their mapping), `load` (the copy into its parameters: from the tensor
     transport's freshly mapped segment, else from memory it already touched), `verify` (its checksums)."""
     copy, gb = machine.copy_gbyte_s * GB, GB
@@ -185,35 +196,42 @@ def cpu_sync_terms(load: Payload, *, transport: str, machine: Machine, buckets: 
     else:
         raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk', 'tensor'")
     terms["hash"] = load.sender_bytes / (machine.hash_gbyte_s * gb)
+    terms["contiguous"] = load.strided_bytes / fresh
     terms["verify"] = load.held_bytes / (machine.hash_gbyte_s * gb)
     return terms
 
 
 def cpu_sync_seconds(load: Payload, *, transport: str, machine: Machine, buckets: int = 0) -> float:
-    """Seconds of one verified sync of `load` on `machine` (`cpu_sync_terms`), in two spans, each as long as the
-    longer of its longest chain of steps and its CPU-seconds over `machine.cores`:
+    """Seconds of one verified sync of `load` on `machine` (`cpu_sync_terms`), in two spans:
 
     - the transfer: the sender's path (requests, assemble, stage, wire, then one engine rank's receive, read and
       load: on a node of a few cores the sender's and the engine ranks' copies compete for the same CPUs, so
-      overlapping buckets saves little) or its hashing thread beside it, whichever is longer. On `disk` the hashing
-      thread waits for the writes: safetensors' `save_file` holds the GIL while it writes (a Python thread beside it
-      got a quarter of its free rate, measured), so the hashes come after `stage`. Its CPU-seconds are the sender's
-      steps (the disk's writes at their CPU rate: their seconds are I/O as much as CPU), the wire's
-      (`link_busy_cores` while it runs), every engine rank's, and every request's (`request_cpu_s`);
-    - then the engines' checksums, which wait for the sender's (`check_engines` compares them): one rank's
-      `verify`, or all ranks' CPU-seconds over the cores.
+      overlapping buckets saves little) with the sender's hashing thread (`HASH_TERMS`) beside it. Every runnable
+      thread gets an equal share of the cores (Linux's fair scheduler): while the path keeps k threads busy on
+      average (its CPU-seconds over its seconds: the sender's, the wire's `link_busy_cores`, the engine ranks'
+      and the requests' `request_cpu_s`), the hashing thread gets cores / (k + 1) of a CPU (at most one) and the
+      path slows by as much; the hashes left when the path ends run alone after it. The sync's `check_engines`
+      waits for the last hash (`ExpectedChecksums.result`), so that tail is in the sync. The hashing thread is
+      not held up by the GIL (SHA-256 and torch's copies release it; on `disk` safetensors' `save_file` left a
+      hashing thread beside it 57-98% of its free rate, measured, where a torch copy beside it, competing for a
+      CPU, left 25-47%): it waits on the run queue, as every thread does. Never shorter than all its CPU-seconds
+      over `machine.cores`;
+    - then the engines' checksums: one rank's `verify`, or all ranks' CPU-seconds over the cores.
 
-    A chain runs on one thread, so never faster than the cores the sync gets when that is under one. The sum of
-    CPU-seconds is what a single-process rate misses: a sync runs the sender, its hashing thread and every engine
-    rank at once, more threads than a small node has cores, beside whatever else the node runs (`machine.cores`:
-    what it leaves the sync)."""
+    A thread runs no faster than the cores the sync gets when that is under one (`machine.cores`: what other jobs
+    leave the sync)."""
     terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
     cores = max(0.1, machine.cores)
     one = min(1.0, cores)  # the share of a CPU one thread can get
-    path = sum(v for k, v in terms.items() if k not in ("hash", "verify"))
-    hashing = terms["hash"] + (terms["stage"] if transport == "disk" else 0.0)
+    path = sum(v for k, v in terms.items() if k not in HASH_TERMS + ("verify",))
+    hashing = sum(terms[k] for k in HASH_TERMS)
     work, checks = cpu_sync_work(load, transport=transport, machine=machine, buckets=buckets)
-    transfer = max(max(path, hashing) / one, work / cores)
+    busy = (work - hashing) / path if path > 0 else 0.0  # threads the path keeps busy on average
+    both = max(1 / one, (busy + 1) / cores)  # how much slower each thread runs while the hashes run beside the path
+    alone = max(1 / one, busy / cores)  # the path's slowdown once they are done
+    overlap = min(hashing, path)  # in one-thread seconds, of each: the hashing thread runs at the path's pace
+    transfer = overlap * both + (path - overlap) * alone + (hashing - overlap) / one
+    transfer = max(transfer, work / cores)
     return transfer + max(terms["verify"] / one, checks / cores)
 
 
@@ -221,10 +239,17 @@ def cpu_sync_work(load: Payload, *, transport: str, machine: Machine, buckets: i
     """CPU-seconds of one sync of `load` on `machine`, of every thread and process (`cpu_sync_seconds`): (the
     transfer's, the engines' checksums')."""
     terms = cpu_sync_terms(load, transport=transport, machine=machine, buckets=buckets)
-    stage_cpu = terms["stage"]
-    if transport == "disk":  # the writes' CPU-seconds, not their seconds
-        stage_cpu = load.sender_bytes / ((machine.fs_write_cpu_gbyte_s or machine.copy_gbyte_s) * GB)
-    work = terms["assemble"] + stage_cpu + terms["hash"] + terms.get("wire", 0.0) * machine.link_busy_cores
+    stage_cpu = _stage_cpu(load, transport=transport, machine=machine, terms=terms)
+    work = terms["assemble"] + stage_cpu + terms["hash"] + terms["contiguous"] \
+        + terms.get("wire", 0.0) * machine.link_busy_cores
     work += (buckets + SYNC_REQUESTS) * machine.request_cpu_s
     work += load.engine_tp * sum(terms.get(k, 0.0) for k in ENGINE_TERMS if k != "verify")
     return work, load.engine_tp * terms["verify"]
+
+
+def _stage_cpu(load: Payload, *, transport: str, machine: Machine, terms: dict[str, float]) -> float:
+    """CPU-seconds of the sender's `stage` step: on `disk` the writes' at their CPU rate (their seconds wait on I/O
+    as much), else the step's seconds."""
+    if transport == "disk":
+        return load.sender_bytes / ((machine.fs_write_cpu_gbyte_s or machine.copy_gbyte_s) * GB)
+    return terms["stage"]
