@@ -114,8 +114,10 @@ class ExpectedChecksums:
     """Feed every HF tensor of a sync (`add`); `result()` is then, per tensor-parallel rank of an engine sharded as
     `sharding` and holding `dtype` weights, {engine parameter name: checksum}.
 
-    `kind`: SHA256, TILE or None (see the module docstring; `hash_kind`). With TILE, an engine parameter of expert
-    slots of which only some were added is, in `result()`, its `TileHash` partial, for `merged` to combine.
+    `kind`: SHA256 or TILE; by default what `sharding` says the engines report (`hash_kind`: TILE for engines on
+    CUDA, SHA256 on the CPU, else by the tensors' device; see the module docstring). With TILE, an engine
+    parameter of expert slots of which only some were added is, in `result()`, its `TileHash` partial, for `merged`
+    to combine.
 
     CPU tensors are hashed on a thread of their own (SHA-256 and torch's kernels release the GIL), in the order
     they were added, so hashing overlaps the transfer instead of lengthening it; a tensor is held until it is
@@ -128,7 +130,8 @@ class ExpectedChecksums:
                              f"as {sharding} (layout_supported)")
         if kind not in (SHA256, TILE, None):
             raise ValueError(f"ExpectedChecksums: kind {kind!r} is not one of {SHA256!r}, {TILE!r} or None")
-        self.arch, self.dtype, self.sharding, self.kind = arch, dtype, sharding, kind
+        self.arch, self.dtype, self.sharding = arch, dtype, sharding
+        self.kind = kind if kind is not None else hash_kind(sharding)
         self._slots: dict[tuple[int, str], list] = {}  # tile hash: (rank, parameter) -> [TileHash, slots added]
         self.layout = EngineLayout(arch, sharding)
         self._fused: dict[tuple[int, str], _Fused] = {}
