@@ -27,42 +27,63 @@ FMIX_C1, FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
 POS_A, POS_B = 0x27D4EB2D, 0x165667B1
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
-# Words hashed per step: bounds the int64 temporaries (a few times 8 bytes per word) for a large parameter.
+# Words hashed per step: bounds the temporaries (a few times 4 bytes per word) for a large parameter.
 CHUNK_WORDS = 1 << 20
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for x in [0, 2^32) held in int64, without an int64 product that overflows."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+# The arithmetic is SGLang's in uint32, done in int32 (torch lacks most uint32 kernels): multiplication, addition and
+# left shifts wrap mod 2^32 alike in two's complement, and right shifts are made logical by masking the sign's copies.
+def _signed(c: int) -> int:
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _shr(x: torch.Tensor, r: int) -> torch.Tensor:
+    return (x >> r) & ((1 << (32 - r)) - 1)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, FMIX_C1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, FMIX_C2)
-    return x ^ (x >> 16)
+    x = x ^ _shr(x, 16)
+    x = x * _signed(FMIX_C1)
+    x = x ^ _shr(x, 13)
+    x = x * _signed(FMIX_C2)
+    return x ^ _shr(x, 16)
 
 
 def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) & MASK32) | (x >> (32 - r))
+    return (x << r) | _shr(x, 32 - r)
 
 
 def _word_hashes(words: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's two per-word hashes (k1, k2) of `words` at global word indices `index` (both int64, uint32
-    values)."""
-    iu = index & MASK32
-    p1 = ((_mul32(iu, POS_A) + SEED1) & MASK32) ^ _rotl32(iu, 15)
-    p2 = ((_mul32(iu, POS_B) + SEED2) & MASK32) ^ _rotl32(iu, 13)
+    """The kernel's two per-word hashes (k1, k2) of `words` at global word indices `index` (both int32 holding
+    uint32 bits; the index mod 2^32, as the kernel's)."""
+    p1 = (index * _signed(POS_A) + _signed(SEED1)) ^ _rotl32(index, 15)
+    p2 = (index * _signed(POS_B) + _signed(SEED2)) ^ _rotl32(index, 13)
     return _fmix32(words ^ p1), _fmix32(words ^ p2)
 
 
 def _words_of(data: torch.Tensor) -> torch.Tensor:
-    """Little-endian uint32 words of `data` (uint8, a multiple of 4 long), as int64."""
+    """Little-endian uint32 words of `data` (uint8, a multiple of 4 long), as int32."""
     data = data.contiguous()
     if data.storage_offset() % 4:
         data = data.clone()
-    return data.view(torch.int32).to(torch.int64) & MASK32
+    return data.view(torch.int32)
+
+
+def _index(first: int, count: int, device: torch.device) -> torch.Tensor:
+    """Word indices first..first+count-1 mod 2^32, as int32 bits."""
+    return (torch.arange(first, first + count, dtype=torch.int64, device=device) & MASK32).to(torch.int32)
+
+
+def _tile_sums(k: torch.Tensor, first: int) -> torch.Tensor:
+    """Per tile touched, the sum (int64, not yet reduced mod 2^32) of `k`, words from global word index `first`."""
+    head = min(k.numel(), -first % TILE_WORDS)
+    body = (k.numel() - head) // TILE_WORDS * TILE_WORDS
+    parts = [k[:head].sum(dtype=torch.int64).reshape(1)] if head else []
+    if body:
+        parts.append(k[head:head + body].reshape(-1, TILE_WORDS).sum(dim=1, dtype=torch.int64))
+    if head + body < k.numel():
+        parts.append(k[head + body:].sum(dtype=torch.int64).reshape(1))
+    return torch.cat(parts)
 
 
 @dataclass
@@ -109,16 +130,10 @@ class TileHash:
         self.loose[word] = self.loose.get(word, 0) | (value << (8 * (byte % 4)))
 
     def _add_words(self, words: torch.Tensor, first: int) -> None:
-        """Whole words `words` (int64) at global word index `first`: each tile's share of (h1, h2)."""
-        index = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device)
-        k1, k2 = _word_hashes(words, index)
-        first_tile = first // TILE_WORDS
-        tile = index // TILE_WORDS - first_tile
-        count = int(tile[-1]) + 1
-        sums = torch.zeros(count, 2, dtype=torch.int64, device=words.device)
-        sums[:, 0].index_add_(0, tile, k1)
-        sums[:, 1].index_add_(0, tile, k2)
-        self.tiles.append((first_tile, (sums & MASK32).cpu()))
+        """Whole words `words` (int32) at global word index `first`: each tile's share of (h1, h2)."""
+        k1, k2 = _word_hashes(words, _index(first, words.numel(), words.device))
+        sums = torch.stack([_tile_sums(k1, first), _tile_sums(k2, first)], dim=1)
+        self.tiles.append((first // TILE_WORDS, (sums & MASK32).cpu()))
 
     def merge(self, other: TileHash) -> TileHash:
         """Add `other`'s ranges (of the same tensor) to this state."""
@@ -145,13 +160,14 @@ class TileHash:
         for first, part in self.tiles:
             sums[first:first + len(part)] += part
         if self.loose:
-            words = torch.tensor(sorted(self.loose), dtype=torch.int64, device="cpu")
-            values = torch.tensor([self.loose[w] for w in sorted(self.loose)], dtype=torch.int64, device="cpu")
-            k1, k2 = _word_hashes(values, words)
-            tile = words // TILE_WORDS
-            sums[:, 0].index_add_(0, tile, k1)
-            sums[:, 1].index_add_(0, tile, k2)
-        h = _fmix32((sums & MASK32) ^ ((4 * n) & MASK32))
+            words = sorted(self.loose)
+            values = torch.tensor([self.loose[w] for w in words], dtype=torch.int64, device="cpu").to(torch.int32)
+            index = torch.tensor(words, dtype=torch.int64, device="cpu")
+            k1, k2 = _word_hashes(values, (index & MASK32).to(torch.int32))
+            tile = index // TILE_WORDS
+            sums[:, 0].index_add_(0, tile, k1.to(torch.int64))
+            sums[:, 1].index_add_(0, tile, k2.to(torch.int64))
+        h = _fmix32(((sums & MASK32) ^ ((4 * n) & MASK32)).to(torch.int32)).to(torch.int64) & MASK32
         # sum of (h1 << 32 | h2) mod 2^64: both column sums fit int64 (under 2^31 tiles of under 2^32 each)
         total = ((int(h[:, 0].sum()) << 32) + int(h[:, 1].sum())) & MASK64
         return f"{_splitmix64(total):016x}"
