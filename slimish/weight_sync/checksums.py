@@ -117,7 +117,8 @@ class ExpectedChecksums:
     `kind`: SHA256 or TILE; by default what `sharding` says the engines report (`hash_kind`: TILE for engines on
     CUDA, SHA256 on the CPU, else by the tensors' device; see the module docstring). With TILE, an engine
     parameter of expert slots of which only some were added is, in `result()`, its `TileHash` partial, for `merged`
-    to combine.
+    to combine. With TILE no fused tensor is built: each part is hashed where it lies, at its offset (on a GPU this
+    saves a copy of the largest fused parameter, a layer's stacked experts on the rank, that the kernel would need).
 
     CPU tensors are hashed on a thread of their own (SHA-256 and torch's kernels release the GIL), in the order
     they were added, so hashing overlaps the transfer instead of lengthening it; a tensor is held until it is
