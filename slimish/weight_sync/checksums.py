@@ -8,10 +8,18 @@ sharded sync cuts each rank's payload by: `ExpectedChecksums.add` hashes an HF t
 (`EngineLayout.pieces`) in part order as the tensors stream past, without building the fused tensors, and
 `add_shard` hashes a rank's whole engine parameter as the sharded sync sends it (`EngineShards`).
 
-The hash is SGLang's own (`sglang.srt.managers.mm_utils.tensor_hash`): on CPU the first 8 bytes of the SHA-256 of
-the tensor's bytes, which is reproduced here (tests compare it with SGLang's function). On CUDA SGLang hashes with a
-Triton kernel; `ExpectedChecksums` then builds each fused tensor and calls that kernel, the only difference being
-the device.
+The hash is SGLang's own (`sglang.srt.managers.mm_utils.tensor_hash`), which depends on the engine's device
+(`hash_kind`, from the engines' /server_info):
+- SHA256, CPU engines: the first 8 bytes of the SHA-256 of the tensor's bytes, reproduced here (tests compare it
+  with SGLang's function). A fused parameter is hashed part by part in part order; SHA-256 cannot be combined from
+  parts hashed apart, so every part of one engine parameter must pass through one `ExpectedChecksums`.
+- TILE, CUDA engines: SGLang's Triton kernel, reproduced in torch by `slimish.weight_sync.tile_hash`, which sums
+  per-tile shares: each part is hashed at its byte offset as it arrives, on its own device, in any order (no fused
+  tensor is built: on a GPU this saves a copy of the largest fused parameter, the stacked experts of a layer), and
+  a sender holding only some expert slots of an engine parameter reports its partial (a `TileHash`), which rank 0
+  combines with the other senders' (`merged`: the expert owners' route, `slimish.weight_sync.owners`).
+- None (engines that do not say their device, as test stand-ins): by the tensors' device, as before: SHA-256 on
+  the CPU, the kernel on CUDA (`_device_hash`; on the emulated GPU of the test tier, SHA-256 as a stand-in).
 
 Covered (`layout_supported`): the dense and MoE families (llama, qwen2, qwen3, qwen3_moe, glm4_moe) on engines of
 any tensor- and expert-parallel size SGLang accepts, except CPU engines whose size does not divide the attention
@@ -26,6 +34,7 @@ tests/weight_sync/test_engine_sharding.py pins these rules against SGLang's own 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,6 +54,15 @@ from slimish.weight_sync.sharding import (  # noqa: F401
     layout_supported,
     sharding_of,
 )
+from slimish.weight_sync.tile_hash import TileHash, tile_hash
+
+SHA256, TILE = "sha256", "tile"
+
+
+def hash_kind(sharding: EngineSharding) -> str | None:
+    """The checksum engines sharded as `sharding` report: TILE on CUDA, SHA256 on the CPU, None where their
+    /server_info does not say their device (then by the tensors' device, as `tensor_checksum`)."""
+    return TILE if sharding.device == "cuda" else SHA256 if sharding.device == "cpu" else None
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -85,25 +103,37 @@ class _Sha:
 class _Fused:
     """An engine parameter on one rank made of `num_parts` slices, hashed in part order as they arrive."""
     num_parts: int
-    hasher: _Sha
+    hasher: _Sha | TileHash
     next_part: int = 0
+    offset: int = 0  # tile hash: the byte offset of the next part
     waiting: dict[int, torch.Tensor] = field(default_factory=dict)
-    parts: list[torch.Tensor] = field(default_factory=list)  # on a GPU: the fused tensor is built
+    parts: list[torch.Tensor] = field(default_factory=list)  # on a GPU (not for the tile hash): the fused tensor
 
 
 class ExpectedChecksums:
     """Feed every HF tensor of a sync (`add`); `result()` is then, per tensor-parallel rank of an engine sharded as
     `sharding` and holding `dtype` weights, {engine parameter name: checksum}.
 
-    CPU tensors are hashed on a thread of their own (SHA-256 releases the GIL), in the order they were added, so
-    hashing overlaps the transfer instead of lengthening it; a tensor is held until it is hashed. Tensors on a GPU
-    are hashed where they are added."""
+    `kind`: SHA256 or TILE; by default what `sharding` says the engines report (`hash_kind`: TILE for engines on
+    CUDA, SHA256 on the CPU, else by the tensors' device; see the module docstring). With TILE, an engine
+    parameter of expert slots of which only some were added is, in `result()`, its `TileHash` partial, for `merged`
+    to combine. With TILE no fused tensor is built: each part is hashed where it lies, at its offset (on a GPU this
+    saves a copy of the largest fused parameter, a layer's stacked experts on the rank, that the kernel would need).
 
-    def __init__(self, arch: Architecture, dtype: torch.dtype, sharding: EngineSharding = EngineSharding()):
+    CPU tensors are hashed on a thread of their own (SHA-256 and torch's kernels release the GIL), in the order
+    they were added, so hashing overlaps the transfer instead of lengthening it; a tensor is held until it is
+    hashed. Tensors on a GPU are hashed where they are added."""
+
+    def __init__(self, arch: Architecture, dtype: torch.dtype, sharding: EngineSharding = EngineSharding(),
+                 kind: str | None = None):
         if not layout_supported(arch, sharding):
             raise ValueError(f"ExpectedChecksums does not know SGLang's parameters of this model on engines sharded "
                              f"as {sharding} (layout_supported)")
+        if kind not in (SHA256, TILE, None):
+            raise ValueError(f"ExpectedChecksums: kind {kind!r} is not one of {SHA256!r}, {TILE!r} or None")
         self.arch, self.dtype, self.sharding = arch, dtype, sharding
+        self.kind = kind if kind is not None else hash_kind(sharding)
+        self._slots: dict[tuple[int, str], list] = {}  # tile hash: (rank, parameter) -> [TileHash, slots added]
         self.layout = EngineLayout(arch, sharding)
         self._fused: dict[tuple[int, str], _Fused] = {}
         self._done: list[dict[str, str | Future]] = [{} for _ in range(sharding.tp)]
@@ -120,33 +150,66 @@ class ExpectedChecksums:
         param, slot = parse_slot(engine_name)
         if slot is None:
             self._add_piece(rank, engine_name, 0, 1, tensor)
+        elif self.kind == TILE:
+            self._add_slot(rank, param, slot, self.layout.experts_per_rank(param), tensor)
         else:
             self._add_piece(rank, param, slot, self.layout.experts_per_rank(param), tensor)
+
+    def _run(self, fn, *args) -> str | Future | None:
+        """`fn(*args)` here for tensors on a GPU, else on the hashing thread (`args[0]`: the tensor)."""
+        return fn(*args) if _on_device(args[0]) else self._hasher.submit(fn, *args)
+
+    def _add_slot(self, rank: int, param: str, slot: int, num_slots: int, piece: torch.Tensor) -> None:
+        """Tile hash: expert slot `slot` of `num_slots` equal ones, hashed at its own offset in any order."""
+        nbytes = piece.numel() * self.dtype.itemsize
+        entry = self._slots.setdefault((rank, param), [TileHash(total=num_slots * nbytes), 0])
+        self._run(_add_as, piece, entry[0], slot * nbytes, self.dtype)
+        entry[1] += 1
+        if entry[1] == num_slots:
+            del self._slots[(rank, param)]
+            self._done[rank][param] = self._hasher.submit(entry[0].finalize)  # after its adds on the thread
 
     def _add_piece(self, rank: int, engine_name: str, part: int, num_parts: int, piece: torch.Tensor) -> None:
         done = self._done[rank]
         if num_parts == 1:
-            done[engine_name] = (_checksum_as(piece, self.dtype) if _on_device(piece) else
-                                 self._hasher.submit(_checksum_as, piece, self.dtype))
+            done[engine_name] = self._run(self._checksum, piece)
             return
-        fused = self._fused.setdefault((rank, engine_name), _Fused(num_parts, _Sha(self.dtype)))
+        hasher = TileHash() if self.kind == TILE else _Sha(self.dtype)
+        fused = self._fused.setdefault((rank, engine_name), _Fused(num_parts, hasher))
         fused.waiting[part] = piece
         while fused.next_part in fused.waiting:  # hash in part order; later parts wait for earlier ones
             piece = fused.waiting.pop(fused.next_part)
-            if _on_device(piece):
+            if self.kind == TILE:  # at its offset, on its own device: no fused tensor
+                self._run(_add_as, piece, fused.hasher, fused.offset, self.dtype)
+                fused.offset += piece.numel() * self.dtype.itemsize
+            elif _on_device(piece):
                 fused.parts.append(piece.to(self.dtype))
             else:
                 self._hasher.submit(fused.hasher.update, piece)
             fused.next_part += 1
         if fused.next_part == fused.num_parts:
             del self._fused[(rank, engine_name)]
-            done[engine_name] = (tensor_checksum(torch.cat([p.reshape(-1) for p in fused.parts]))
-                                 if fused.parts else self._hasher.submit(fused.hasher.hexdigest))
+            done[engine_name] = (self._checksum(torch.cat([p.reshape(-1) for p in fused.parts])) if fused.parts else
+                                 self._hasher.submit(fused.hasher.finalize if self.kind == TILE else
+                                                     fused.hasher.hexdigest))
 
-    def result(self) -> list[dict[str, str]]:
+    def _checksum(self, tensor: torch.Tensor) -> str:
+        """One whole engine parameter's checksum, as the engines hash it."""
+        tensor = tensor.to(self.dtype)
+        if self.kind == TILE:  # SGLang's own kernel where it runs (faster, and the same value: tile_hash's tests)
+            return _device_hash(tensor) if tensor.is_cuda else tile_hash(tensor)
+        if self.kind == SHA256:
+            return _Sha(self.dtype).update(tensor).hexdigest()
+        return tensor_checksum(tensor)
+
+    def result(self) -> list[dict[str, str | TileHash]]:
         """The checksums, per tensor-parallel rank; raises if an engine parameter got only some of its parts (the
-        export missed a tensor)."""
+        export missed a tensor), but for the tile hash's expert slots: those are the parameter's `TileHash`, whose
+        other slots another sender hashed (`merged`)."""
         self._hasher.shutdown(wait=True)
+        for (rank, param), (state, _) in self._slots.items():
+            self._done[rank][param] = state
+        self._slots = {}
         if self._fused:
             missing = {(f"{name} (rank {rank})" if self.sharding.tp > 1 else name):
                        f"{f.next_part + len(f.waiting)}/{f.num_parts} parts"
@@ -155,8 +218,28 @@ class ExpectedChecksums:
         return [{name: value.result() if isinstance(value, Future) else value for name, value in done.items()}
                 for done in self._done]
 
-def _checksum_as(tensor: torch.Tensor, dtype: torch.dtype) -> str:
-    return tensor_checksum(tensor.to(dtype))
+def _add_as(piece: torch.Tensor, state: TileHash, offset: int, dtype: torch.dtype) -> None:
+    state.add(piece.to(dtype), offset)
+
+
+def merged(own: list[dict[str, str | TileHash]], others: Iterable[list[dict[str, str | TileHash]]]
+           ) -> list[dict[str, str]]:
+    """Per tensor-parallel rank, the checksums of a sync from several senders (rank 0's `own` `result()`, and each
+    pipeline stage's or expert owner's, `others`): an engine parameter's tile-hash partials (`TileHash`, each sender's
+    slots of it) are combined, then finalized. Raises, naming them, if parameters still lack bytes (a sender
+    missed some slots)."""
+    ranks: list[dict[str, str | TileHash]] = [dict(rank) for rank in own]
+    for other in others:
+        for rank, part in zip(ranks, other):
+            for name, value in part.items():
+                held = rank.get(name)
+                rank[name] = held.merge(value) if isinstance(held, TileHash) and isinstance(value, TileHash) else value
+    missing = {f"{name} (rank {index})": f"{value.covered}/{value.total} bytes" for index, rank in enumerate(ranks)
+               for name, value in rank.items() if isinstance(value, TileHash) and not value.complete}
+    if missing:
+        raise RuntimeError(f"the sync sent only some parts of these engine parameters: {missing}")
+    return [{name: value.finalize() if isinstance(value, TileHash) else value for name, value in rank.items()}
+            for rank in ranks]
 
 
 def differing(expected: dict[str, str], actual: dict[str, str]) -> list[str]:

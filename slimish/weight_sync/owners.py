@@ -25,12 +25,16 @@ Messages over the EP group, between rank 0 and an owner (the stage senders' exch
   owner -> rank 0   {"done": per-rank checksums or None, "phases": {...}, "nbytes": bytes staged}
   owner -> rank 0   {"failed": "why"}
 
-Checksums: an owner predicts the engine parameters whose slots are all its own. So with checksums the route is taken
-only where every engine expert block lies within one owner's experts (`owners_fit`: the engines' expert-parallel
-size a multiple of the trainer's; without them, weight_sync.verify off, anywhere). Elsewhere (an engine rank holding
-slices of every expert, as a TP engine without EP does) one engine parameter would need bytes from several owners
-hashed in order, and SHA-256 cannot be combined from parts hashed apart, so the experts go through rank 0 as before
-(still one slot at a time).
+Checksums: an owner predicts the engine parameters whose slots it sends (`ExpectedChecksums.add_shard`). Where an
+engine rank holds slices of every expert (a TP engine without EP: every large MoE recipe's engines) one engine
+parameter gets slots from several owners. CUDA engines hash with SGLang's tile hash, which adds up from parts hashed
+apart (`slimish.weight_sync.tile_hash`): each owner's "done" message then carries, for such a parameter, its
+partial (a `TileHash` of its slots at their offsets), and rank 0 combines them with its own (`checksums.merged`).
+Which hash the engines report is read from their /server_info's device (`checksums.hash_kind`; EngineSharding
+keeps it). CPU engines hash with SHA-256, which cannot be combined: with checksums on, the route is then taken only
+where every engine expert block lies within one owner's experts (the engines' expert-parallel size a multiple of
+the trainer's), elsewhere the experts go through rank 0 as before (still one slot at a time); without checksums
+(weight_sync.verify off), anywhere. `owners_fit` decides.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from safetensors.torch import save_file
 from slimish import collectives, run_layout
 from slimish.network import free_port
 from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded_buckets
-from slimish.weight_sync.checksums import ExpectedChecksums
+from slimish.weight_sync.checksums import TILE, ExpectedChecksums, hash_kind
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink, recv_message, send_message
 from slimish.weight_sync.transport import PhaseTimes, TransportContext, hashing_shards
@@ -56,12 +60,13 @@ TRANSPORTS = ("tensor", "disk", "broadcast")
 
 def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool = True) -> bool:
     """Whether the owners' route can send this sync: expert slots on the sharded route, and, when the sync's
-    checksums are `predicted`, every engine expert block within one trainer EP rank's experts (see the module
-    docstring; without checksums, weight_sync.verify off, one engine parameter's slots may come from several
-    owners)."""
+    checksums are `predicted`, either the engines' hash combines from parts hashed apart (the tile hash of CUDA
+    engines, `checksums.hash_kind` of the engines' /server_info device) or every engine expert block lies within
+    one trainer EP rank's experts (see the module docstring; without checksums, weight_sync.verify off, one engine
+    parameter's slots may come from several owners)."""
     if layout is None or not layout.expert_slots or trainer_ep == 1 or layout.num_experts % trainer_ep:
         return False
-    return not predicted or layout.sharding.ep % trainer_ep == 0
+    return not predicted or hash_kind(layout.sharding) == TILE or layout.sharding.ep % trainer_ep == 0
 
 
 class OwnerLink(StageLink):

@@ -67,6 +67,8 @@ class EngineSharding:
     # Not sharding, but read from the same /server_info: the engine's --custom-weight-loader entries (load_formats
     # its /update_weights_from_tensor accepts beyond SGLang's own).
     loaders: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # And its device ("cuda", "cpu"; "" when not said), which decides the checksum it reports (`checksums.hash_kind`).
+    device: str = field(default="", compare=False, repr=False)
 
     @classmethod
     def of_server(cls, info: dict) -> EngineSharding:
@@ -77,7 +79,7 @@ class EngineSharding:
                    attn_dp=int(info.get("attn_dp_size") or 1), cpu=info.get("device") == "cpu",
                    shared_experts_fusion=fusion, moe_a2a=str(info.get("moe_a2a_backend") or "none"),
                    batch_overlap=bool(info.get("enable_two_batch_overlap") or info.get("enable_single_batch_overlap")),
-                   loaders=tuple(info.get("custom_weight_loader") or ()))
+                   loaders=tuple(info.get("custom_weight_loader") or ()), device=str(info.get("device") or ""))
 
 
 # The all-to-all backends under which each family's SGLang model leaves its shared experts unfused.

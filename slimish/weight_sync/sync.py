@@ -21,7 +21,7 @@ from slimish.engines import timeouts
 from slimish.engines.client import EngineClient
 from slimish.weight_sync.broadcast import BroadcastTransport
 from slimish.weight_sync.buckets import ShardedBucket, plan_buckets, plan_sharded_buckets
-from slimish.weight_sync.checksums import ExpectedChecksums, differing
+from slimish.weight_sync.checksums import ExpectedChecksums, differing, merged
 from slimish.weight_sync.disk import DiskTransport
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink
@@ -211,10 +211,8 @@ class WeightSync:
         if self.verify:
             checksums = None
             if expected is not None:
-                checksums = expected.result()
-                for stage in stage_checksums:  # each stage's per-rank checksums of its own layers
-                    for rank, part in zip(checksums, stage):
-                        rank.update(part)
+                # each stage's per-rank checksums of its own layers, each owner's of (or partials of) its experts
+                checksums = merged(expected.result(), stage_checksums)
             self.check_engines(version, checksums)
         stage_metrics = {f"{key.removesuffix('_s')}_{label}_s": seconds
                          for label, phases in stage_phases for key, seconds in phases.items()}

@@ -4,15 +4,18 @@ funnel: `WeightSender` with the owners' route turned off) and once from the expe
 given. The stand-in, on rank 0, does with each request what an engine rank does with its own entry: unpickles it
 (mapping the sender's shared segment by name, the owners' included) or reads its files, and keeps each (engine
 parameter or expert slot) tensor; it reports, per rank, SGLang's checksum of every parameter it holds, the experts'
-stacked from their slots, which the sync verifies against the trainer's prediction.
+stacked from their slots, which the sync verifies against the trainer's prediction. With --engine-device cuda it says
+it runs on CUDA and reports the tile hash (`slimish.weight_sync.tile_hash`), as a CUDA engine does.
 
   python tests/weight_sync/owners_rank.py --rank R --world-size W --port P --tp T [--etp E] [--ep 2] [--pp 1] \
-      [--engine-ep 1] [--no-verify] --model HF_DIR --out OUT --transport tensor|disk [--faults first owner tp]
+      [--engine-ep 1] [--engine-device cuda] [--no-verify] --model HF_DIR --out OUT --transport tensor|disk \
+      [--faults first owner tp corrupt]
 Rank 0 writes OUT/result.pt: {route: {"held": per engine rank {name: tensor}, "metrics": the sync's, "failed": what
 the failed sync raised}}. With --faults, each fault is one more route from the owners: with "first" / "owner" the
 engine fails that request, the sync fails on rank 0 (and the owners give up), and a sync on a new connection then
 delivers the model; with "tp" the engine reports another TP size: {"failed": what connect raised on rank 0}, and rank
-1 writes OUT/tp_rank1.pt, {"failed": what its connect returned}.
+1 writes OUT/tp_rank1.pt, {"failed": what its connect returned}; with "corrupt" the engine's rank 1 holds its
+last expert slot of layer 0's w13_weight plus one when it reports its checksums (once): the sync fails verifying.
 """
 
 from __future__ import annotations
@@ -123,8 +126,8 @@ class Engine:
     """A stand-in engine of `tp` ranks at `url`: see the module docstring. `ranks`: its rank processes
     (`start_ranks`), which receive the broadcast transport's shards."""
 
-    def __init__(self, url: str, tp: int, ep: int, fail: str = "", ranks: list | None = None):
-        self.url, self.tp, self.ep, self.fail, self.ranks = url, tp, ep, fail, ranks or []
+    def __init__(self, url: str, tp: int, ep: int, fail: str = "", ranks: list | None = None, device: str = "cpu"):
+        self.url, self.tp, self.ep, self.fail, self.ranks, self.device = url, tp, ep, fail, ranks or [], device
         self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         self.version = "default"
         for conn in self.ranks:  # a fresh engine: no group of an earlier one
@@ -132,7 +135,7 @@ class Engine:
             assert conn.recv()[0] == "ok"
 
     def server_info(self) -> dict:
-        return {"tp_size": self.tp * (2 if self.fail == "tp" else 1), "ep_size": self.ep, "device": "cpu",
+        return {"tp_size": self.tp * (2 if self.fail == "tp" else 1), "ep_size": self.ep, "device": self.device,
                 "custom_weight_loader": [SHARD_LOADER, SHARD_DIRECT, SHARD_RECEIVER]}
 
     def begin_weight_update(self):
@@ -189,7 +192,14 @@ class Engine:
     def weight_checksums(self) -> list[dict[str, str]]:
         from slimish.weight_sync.checksums import tensor_checksum
         from slimish.weight_sync.engine_loader import parse_slot
+        from slimish.weight_sync.tile_hash import tile_hash
 
+        if self.fail == "corrupt":  # one slot of rank 1 (EP rank 1's expert, sent by its owner) changed, once
+            self.fail = ""
+            slot = max((name for name in self.held[1] if name.startswith("model.layers.0.mlp.experts.w13_weight[")),
+                       key=lambda name: parse_slot(name)[1])
+            self.held[1][slot] = self.held[1][slot] + 1
+        checksum = tile_hash if self.device == "cuda" else tensor_checksum  # as SGLang hashes on that device
         out = []
         for held in self.held:
             slots: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -197,11 +207,11 @@ class Engine:
             for name, tensor in held.items():
                 param, slot = parse_slot(name)
                 if slot is None:
-                    sums[name] = tensor_checksum(tensor)
+                    sums[name] = checksum(tensor)
                 else:
                     slots[param][slot] = tensor
             for param, by_slot in slots.items():
-                sums[param] = tensor_checksum(torch.stack([by_slot[k] for k in sorted(by_slot)]))
+                sums[param] = checksum(torch.stack([by_slot[k] for k in sorted(by_slot)]))
             out.append(sums)
         return out
 
@@ -227,12 +237,14 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2, help="expert parallelism")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism")
     parser.add_argument("--engine-ep", type=int, default=2, help="the stand-in engine's expert parallelism")
+    parser.add_argument("--engine-device", default="cpu", help="the stand-in engine's device (cuda: the tile hash)")
     parser.add_argument("--no-verify", action="store_true", help="weight_sync.verify=false")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--transport", required=True)
     parser.add_argument("--faults", nargs="*", default=[],
-                        help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size")
+                        help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size; "
+                             "'corrupt': an engine that reports a changed expert slot")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ranks = start_ranks(2) if args.rank == 0 and args.transport == "broadcast" else None
@@ -264,7 +276,7 @@ def main() -> None:
     results = {}
     for route in ("funnel", "owners", *args.faults):
         engine = Engine("http://127.0.0.1:1", tp=2, ep=args.engine_ep, fail=route if route in args.faults else "",
-                        ranks=ranks)
+                        ranks=ranks, device=args.engine_device)
         kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, pipeline_parallel=args.pp, expert_parallel=args.ep,
                       new_client=lambda url, api_key, e=engine: e)

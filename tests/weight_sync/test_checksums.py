@@ -13,13 +13,19 @@ import pytest
 import torch
 
 from slimish.weight_sync.checksums import (
+    SHA256,
+    TILE,
     EngineSharding,
     ExpectedChecksums,
     differing,
     fuses_shared_experts,
+    hash_kind,
     layout_supported,
+    merged,
     tensor_checksum,
 )
+from slimish.weight_sync.engine_loader import slot_name
+from slimish.weight_sync.tile_hash import TileHash, tile_hash
 
 
 def arch(num_experts: int = 0, heads: int = 4, kv_heads: int = 2, family: str = "qwen3_moe", shared: int | None = None,
@@ -239,3 +245,78 @@ def test_the_shared_experts_fusion_settings_of_an_engines_server_info():
                                                             batch_overlap=True)
     forced = EngineSharding.of_server({"tp_size": 8, "enforce_shared_experts_fusion": True})
     assert forced.shared_experts_fusion == "forced"
+
+
+# ------------------------------------------------------------------ the hash of CUDA engines (tile_hash)
+def test_the_hash_kind_is_the_engines_device():
+    assert hash_kind(EngineSharding.of_server({"tp_size": 2, "device": "cuda"})) == TILE
+    assert hash_kind(EngineSharding.of_server({"tp_size": 2, "device": "cpu"})) == SHA256
+    assert hash_kind(EngineSharding.of_server({"tp_size": 2})) is None  # then by the tensors' device, as before
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_the_tile_hash_of_fused_parameters_from_parts_hashed_at_their_offsets(shuffled):
+    """Parts of unequal sizes (q, k, v), in any arrival order, each hashed where it lies: no fused tensor."""
+    tensors = moe_layer(num_experts=3)
+    items = list(tensors.items())
+    if shuffled:
+        random.Random(1).shuffle(items)
+    expected = ExpectedChecksums(arch(3), torch.bfloat16, kind=TILE)
+    for name, tensor in items:
+        expected.add(name, tensor)
+    truth = {name: tile_hash(t.to(torch.bfloat16)) for name, t in engine_params(tensors, 3).items()}
+    assert expected.result() == [truth]
+    sha = ExpectedChecksums(arch(3), torch.bfloat16, kind=SHA256)
+    for name, tensor in items:
+        sha.add(name, tensor)
+    assert sha.result() == [{name: tensor_checksum(t.to(torch.bfloat16))
+                             for name, t in engine_params(tensors, 3).items()}]
+
+
+def expert_slots(t: dict[str, torch.Tensor], experts) -> dict[str, torch.Tensor]:
+    """The expert slots (`slot_name`) of engine rank 0 of a TP1 engine for experts `experts`."""
+    p = "model.layers.0.mlp.experts"
+    out = {}
+    for e in experts:
+        out[slot_name(f"{p}.w13_weight", e)] = torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]])
+        out[slot_name(f"{p}.w2_weight", e)] = t[f"{p}.{e}.down_proj.weight"]
+    return out
+
+
+def test_slots_of_one_parameter_from_two_senders_combine_under_the_tile_hash():
+    """Two senders (an engine rank holding a slice of every expert, the experts owned by two trainer ranks): each
+    reports its slots' partial, pickled as the owners' "done" message carries it; rank 0's `merged` combines them
+    with its own complete checksums into the engine's; a slot no sender sent is an error naming the parameter."""
+    import pickle
+
+    t = moe_layer(num_experts=4)
+    p = "model.layers.0.mlp.experts"
+    senders = []
+    for experts in ((3, 1), (0, 2)):
+        sender = ExpectedChecksums(arch(4), torch.float32, kind=TILE)
+        for name, tensor in reversed(expert_slots(t, experts).items()):
+            sender.add_shard(0, name, tensor)
+        senders.append(sender)
+    own = ExpectedChecksums(arch(4), torch.float32, kind=TILE)
+    own.add("model.layers.0.input_layernorm.weight", t["model.layers.0.input_layernorm.weight"])
+    first, second = (pickle.loads(pickle.dumps(s.result())) for s in senders)
+    assert isinstance(first[0][f"{p}.w13_weight"], TileHash)
+    truth = engine_params(t, 4)
+    assert merged(own.result(), [first, second]) == [{
+        name: tile_hash(truth[name]) for name in (f"{p}.w13_weight", f"{p}.w2_weight",
+                                                  "model.layers.0.input_layernorm.weight")}]
+    lone = ExpectedChecksums(arch(4), torch.float32, kind=TILE)
+    for name, tensor in expert_slots(t, (0, 1, 2)).items():
+        lone.add_shard(0, name, tensor)
+    with pytest.raises(RuntimeError, match=rf"{p}.w13_weight \(rank 0\)': '\d+/\d+ bytes'"):
+        merged(lone.result(), [])
+
+
+def test_sha256_slots_from_one_sender_only():
+    """SHA-256 cannot combine parts hashed apart: an engine parameter missing slots stays an error."""
+    t = moe_layer(num_experts=4)
+    sender = ExpectedChecksums(arch(4), torch.float32, kind=SHA256)
+    for name, tensor in expert_slots(t, (0, 1)).items():
+        sender.add_shard(0, name, tensor)
+    with pytest.raises(RuntimeError, match="2/4 parts"):
+        sender.result()

@@ -19,11 +19,12 @@ SCRIPT = Path(__file__).with_name("owners_rank.py")
 
 
 def run(models, tmp_path, tp: int, transport: str, *faults: str, etp: int = 1, ep: int = 2, pp: int = 1,
-        engine_ep: int = 2, verify: bool = True) -> dict:
+        engine_ep: int = 2, verify: bool = True, device: str = "cpu") -> dict:
     run_world(SCRIPT, world_size=pp * max(ep, tp, ep * etp),
               args=["--tp", str(tp), "--etp", str(etp), "--ep", str(ep), "--pp", str(pp),
                     "--model", str(models["qwen3_moe"]), "--out", str(tmp_path), "--transport", transport,
-                    "--engine-ep", str(engine_ep), *([] if verify else ["--no-verify"]), "--faults", *faults])
+                    "--engine-ep", str(engine_ep), *([] if verify else ["--no-verify"]), "--engine-device", device,
+                    "--faults", *faults])
     return torch.load(tmp_path / "result.pt")
 
 
@@ -43,17 +44,31 @@ def owned_by_ep1(name: str, rank: int, slots_per_rank: int, engine_ep: int, num_
     return block * slots_per_rank + index >= num_experts // 2
 
 
-@pytest.mark.parametrize(("tp", "etp", "transport", "engine_ep", "verify"), [
-    (2, 1, "tensor", 2, True), (1, 1, "disk", 2, True), (2, 2, "tensor", 2, True), (2, 1, "tensor", 1, False),
-    (2, 1, "tensor", 1, True), (2, 1, "broadcast", 2, True)],
+@pytest.mark.parametrize(("tp", "etp", "transport", "engine_ep", "verify", "device"), [
+    (2, 1, "tensor", 2, True, "cpu"), (1, 1, "disk", 2, True, "cpu"), (2, 2, "tensor", 2, True, "cpu"),
+    (2, 1, "tensor", 1, False, "cpu"), (2, 1, "tensor", 1, True, "cpu"), (2, 1, "tensor", 1, True, "cuda"),
+    (2, 1, "broadcast", 2, True, "cpu")],
     ids=["tp2-tensor", "dp2-disk", "tp2-etp2-tensor", "engine-ep1-unverified", "engine-ep1-verified-funnel",
-         "tp2-broadcast"])
-def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, transport, engine_ep, verify):
+         "engine-ep1-verified-tile-hash", "tp2-broadcast"])
+def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, transport, engine_ep, verify, device):
     """tp2-etp2: four ranks, each expert split over two (ETP2): the owner of EP rank 1 (rank 2) gathers its experts
     from its ETP peer between its buckets. engine-ep1: each engine rank holds a slice of every expert, so each of its
-    stacked parameters gets slots from both owners: taken without checksums (verify off), and with them left to the
-    funnel (an owner cannot hash another's slots)."""
-    result = run(tiny_moe_models, tmp_path, tp, transport, etp=etp, engine_ep=engine_ep, verify=verify)
+    stacked parameters gets slots from both owners: taken without checksums (verify off); with them, on CPU engines
+    (SHA-256) left to the funnel (an owner cannot hash another's slots), on CUDA engines (the stand-in reporting the
+    tile hash) taken, each owner's partial hash of its slots combined on rank 0, and an engine holding a changed
+    slot fails the sync naming the parameter and the rank (the next sync, on a new connection, delivers).
+    The tile-hash case: ~1.5 s more (four syncs, in warm processes)."""
+    faults = ("corrupt",) if device == "cuda" else ()
+    result = run(tiny_moe_models, tmp_path, tp, transport, *faults, etp=etp, engine_ep=engine_ep, verify=verify,
+                 device=device)
+    if faults:
+        failed = result["corrupt"]["failed"]
+        assert "tensor-parallel rank 1" in failed and "model.layers.0.mlp.experts.w13_weight" in failed, failed
+        assert "1 parameter(s)" in failed, failed
+        for rank in range(2):
+            held, funnel = result["corrupt"]["held"][rank], result["funnel"]["held"][rank]
+            assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held)
+        assert result["corrupt"]["metrics"]["sync_senders"] == 2
     funnel, owners = result["funnel"], result["owners"]
     for rank in range(2):
         assert funnel["held"][rank].keys() == owners["held"][rank].keys(), f"engine rank {rank}"
@@ -71,7 +86,7 @@ def test_each_owner_sends_its_own_experts(tiny_moe_models, tmp_path, tp, etp, tr
     owner = etp  # EP rank 1's ETP rank 0 (Megatron numbers the experts' ranks ETP first)
     assert f"sync_sent_rank{owner}_mib" not in f and f["sync_sent_rank0_mib"] == pytest.approx(f["sync_mib"])
     assert o["sync_mib"] == pytest.approx(f["sync_mib"])
-    if engine_ep == 1 and verify:  # outside owners_fit: through rank 0
+    if engine_ep == 1 and verify and device == "cpu":  # outside owners_fit (SHA-256): through rank 0
         assert f"sync_sent_rank{owner}_mib" not in o and o["sync_senders"] == 1
         return
     assert o[f"sync_sent_rank{owner}_mib"] == pytest.approx(expert_bytes / 2**20)  # the owner's experts, all of them
