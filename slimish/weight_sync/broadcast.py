@@ -104,10 +104,11 @@ class BroadcastTransport(Transport):
         self.wait_loaded()
         if self.rank_groups is None:
             self._ports = [free_port() for _ in bucket.ranks]
+        deadline = self.deadline(max(flat.numel() for flat, _ in placed))
         payloads = dict(zip((c.url for c in self.clients), shard_payloads(
             bucket, placed, group=f"{ctx.group_name}_rank{{rank}}", connection=ctx.group_name,
-            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend)))
-        deadline = self.deadline(max(flat.numel() for flat, _ in placed))
+            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend,
+            timeout_s=deadline - time.monotonic())))
         self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=version,
             flush_cache=version is not None)), deadline=deadline)
@@ -224,16 +225,18 @@ class BroadcastTransport(Transport):
 
 
 def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connection: str, address: str,
-                   ports: list[int], engines: int, backend: str) -> list[list[str]]:
+                   ports: list[int], engines: int, backend: str, timeout_s: float) -> list[list[str]]:
     """Per engine, per engine rank r, the `receive_shard` entry for rank r's part of `bucket` (`placed[r]`: its flat
     buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous at
-    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`."""
+    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`, due within `timeout_s` (the
+    sender's bucket deadline: the engine rank gives the group up after it)."""
     from slimish.weight_sync.tensor import serialize
 
     def spec(rank: int, engine: int) -> str:
         part, (flat, offsets) = bucket.ranks[rank], placed[rank]
         return json.dumps(dict(group=group.format(rank=rank), connection=connection, address=address,
                                port=ports[rank], world_size=1 + engines, rank=1 + engine, backend=backend,
+                               timeout_s=timeout_s,
                                names=part.names, offsets=offsets, nbytes=flat.numel(),
                                dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
                                shapes=[list(t.shape) for t in part.tensors]))

@@ -232,7 +232,8 @@ class OwnerGroups:
         if self.ports is None:
             self.ports = [free_port() for _ in bucket.ranks]
         return shard_payloads(bucket, placed, group=self.name, connection=ctx.group_name, address=ctx.master_addr,
-                              ports=self.ports, engines=self.engines, backend=ctx.backend)
+                              ports=self.ports, engines=self.engines, backend=ctx.backend,
+                              timeout_s=self.timeout.total_seconds())
 
     def send(self, placed: list) -> None:
         """Start broadcasting each rank's part (`placed[r]`) over group r (joined first, at the first bucket)."""

@@ -1,0 +1,107 @@
+"""The engine side of the sharded broadcast is bounded (`slimish.weight_sync.engine_loader.receive_shard`), on real
+gloo groups: an engine rank (a spawned process running the real `receive_shard`, as SGLang's TP worker does inside
+`update_weights_from_tensor`) and a sender (this process, slimish's own group helper, as `join_rank_groups`).
+A sender that never comes, one that joins and never sends, and one that joins and gives up (destroys its side) each
+leave the engine rank with one error, its group aborted and forgotten; a later connection's receive then delivers.
+Ordered by the pipe, not by sleeps: the sender acts only on what the engine rank reports. ~31 s (most of it the
+spawned process's imports, SGLang's among them; the silent sender costs its 1 s deadline, the absent one its 1 s
+rendezvous bound)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from datetime import timedelta
+
+import pytest
+import torch
+
+from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
+from tests.conftest import free_port
+
+PART = torch.arange(4, dtype=torch.float32, device="cpu")
+
+
+class Params:
+    """What `receive_shard` loads into: one parameter `w` of PART's shape."""
+
+    def __init__(self):
+        self.params = {"w": torch.nn.Parameter(torch.zeros(4, device="cpu"), requires_grad=False)}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def parameters(self):
+        return iter(self.params.values())
+
+
+def engine_rank(conn) -> None:
+    """Run `receive_shard` on each spec sent; answer (status, what it loaded or its error, the groups it keeps)."""
+    from slimish.weight_sync import engine_loader
+
+    while (spec := conn.recv()) is not None:
+        model = Params()
+        try:
+            engine_loader.receive_shard(model, [(spec, torch.zeros(1, device="cpu"))])
+            conn.send(("ok", model.params["w"].data.clone(), sorted(engine_loader._GROUPS)))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            conn.send(("error", f"{type(exc).__name__}: {exc}", sorted(engine_loader._GROUPS)))
+
+
+def spec(name: str, port: int, timeout_s: float) -> str:
+    """The `receive_shard` entry of PART over group `name` (the sender at rank 0 on `port`), as `shard_payloads`
+    makes it."""
+    return json.dumps(dict(group=name, connection=name, address="127.0.0.1", port=port, world_size=2, rank=1,
+                           backend="gloo", names=["w"], dtypes=["float32"], shapes=[[4]], offsets=[0],
+                           nbytes=PART.numel() * PART.element_size(), timeout_s=timeout_s))
+
+
+def join(name: str, port: int):
+    return new_weight_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                   group_name=name, join_timeout=timedelta(seconds=30))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    proc = multiprocessing.get_context("spawn").Process(target=engine_rank, args=(child,), daemon=True)
+    proc.start()
+    yield parent
+    parent.send(None)
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def deliver(engine, name: str) -> None:
+    """A connection whose sender sends: the engine rank loads PART."""
+    port = free_port()
+    engine.send(spec(name, port, timeout_s=30.0))
+    group = join(name, port)
+    torch.distributed.broadcast(PART.view(torch.uint8).clone(), src=0, group=group)
+    status, loaded, groups = engine.recv()
+    assert status == "ok", loaded
+    assert torch.equal(loaded, PART) and groups == [name]
+    destroy_group(group)
+
+
+@pytest.mark.parametrize("sender", ["silent", "gives-up", "absent"])
+def test_a_receive_whose_sender_fails_it_ends_and_the_next_connection_delivers(engine, sender):
+    """silent: the sender joins and never sends; the engine rank gives up at the bucket's deadline (1 s) with an error
+    naming it. gives-up: the sender destroys its side (as `abort` does; a sender process that dies closes the same
+    connections), which ends the receive at once. absent: no sender comes; the rendezvous fails within the deadline.
+    In each case the group is forgotten, and the next connection's receive delivers."""
+    name, port = f"engine_release_{sender}", free_port()
+    engine.send(spec(name, port, timeout_s=1.0))
+    if sender != "absent":
+        group = join(name, port)
+        if sender == "gives-up":
+            destroy_group(group)
+            del group  # a gloo group closes its connections with its last reference
+    status, error, groups = engine.recv()
+    assert status == "error" and groups == [], error
+    if sender == "silent":
+        assert f"group {name}" in error and "did not arrive within 1.0 s" in error, error
+        assert "weight_sync.bucket_timeout_s" in error
+        destroy_group(group)
+    deliver(engine, f"engine_release_{sender}_next")
