@@ -20,6 +20,7 @@ engine-crash test runs on it (tests/e2e/test_engine_crash.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -117,7 +118,7 @@ class BroadcastTransport(Transport):
 
             left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
             try:
-                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left)
+                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left, deadline=deadline)
             except Exception:
                 # An engine rank that failed the request never joined: its error is the cause. The others answer
                 # once their groups are gone (within LET_GO_S).
@@ -133,12 +134,15 @@ class BroadcastTransport(Transport):
             self.wait_loaded()
         return bucket.nbytes
 
-    def _join_rank_groups(self, tp: int, timeout=None) -> list:
+    def _join_rank_groups(self, tp: int, timeout=None, deadline: float = float("inf")) -> list:
         """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once; the
-        rendezvous bounded by `timeout` (an engine that failed the request never joins)."""
+        rendezvous bounded by `timeout` (an engine that failed the request never joins), waited for until `deadline`
+        or a `release`, which end it at once (`SyncReleased`)."""
         ctx = self.context
         return join_rank_groups(backend=ctx.backend, address=ctx.master_addr, ports=self._ports,
-                                engines=len(self.clients), group=f"{ctx.group_name}_rank{{rank}}", timeout=timeout)
+                                engines=len(self.clients), group=f"{ctx.group_name}_rank{{rank}}", timeout=timeout,
+                                wait=lambda done: self.wait_until(
+                                    done, deadline=deadline, what="the engine ranks' joining of their groups"))
 
     def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None],
                    wire: Callable[[], None] | None = None) -> None:
@@ -247,17 +251,30 @@ def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connectio
 
 
 def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: int, group: str,
-                     timeout=None) -> list:
+                     timeout=None, wait: Callable[[Callable[[float], bool]], None] | None = None) -> list:
     """A sender's groups with each engine rank r (`group.format(rank=r)` at `ports[r]`, the sender at rank 0; the
     engines join in `receive_shard`), all at once. `timeout`: of the rendezvous (default: the groups' own,
     `WEIGHT_UPDATE_GROUP_TIMEOUT`). If a group cannot be joined (an engine rank failed the request and never came),
-    the others are destroyed and its error raised."""
-    options = {} if timeout is None else {"join_timeout": timeout}
-    with ThreadPoolExecutor(len(ports)) as pool:
-        joins = [pool.submit(new_weight_update_group, backend=backend, master_address=address, master_port=port,
-                             world_size=1 + engines, rank=0, group_name=group.format(rank=r), **options)
-                 for r, port in enumerate(ports)]
-        wait_futures(joins)
+    the others are destroyed and its error raised.
+
+    `wait(done)`: how the caller waits for the rendezvous, `done(timeout_s)` being True once every one has ended (a
+    transport's `wait_until`, which raises once the sync is released): what it raises ends the join at once, the
+    rendezvous left to end in the background (within `timeout`) and each group it makes destroyed then. Default: until
+    every rendezvous has ended."""
+    pool = ThreadPoolExecutor(len(ports))
+    joins = [pool.submit(new_weight_update_group, backend=backend, master_address=address, master_port=port,
+                         world_size=1 + engines, rank=0, group_name=group.format(rank=r), **(
+                             {} if timeout is None else {"join_timeout": timeout}))
+             for r, port in enumerate(ports)]
+    pool.shutdown(wait=False)
+    ended = functools.partial(_all_ended, joins)
+    try:
+        (wait or (lambda done: done(None)))(ended)
+    except BaseException:
+        for join in joins:  # given up: a group that is still being joined goes once it is
+            join.add_done_callback(_destroy_joined)
+        raise
+    del ended
     failed = [join.exception() for join in joins if join.exception() is not None]
     if not failed:
         return [join.result() for join in joins]
@@ -270,3 +287,13 @@ def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: i
         destroy_group(group)
     del joined, group
     raise failed[0]
+
+
+def _all_ended(joins: list, timeout_s: float | None) -> bool:
+    return not wait_futures(joins, timeout=timeout_s).not_done
+
+
+def _destroy_joined(join) -> None:
+    """A join given up by `join_rank_groups`' caller, once it has ended: its group, if it made one, destroyed."""
+    if join.exception() is None:
+        destroy_group(join.result())

@@ -3,14 +3,17 @@ gloo groups: an engine rank (a spawned process running the real `receive_shard`,
 `update_weights_from_tensor`) and a sender (this process, slimish's own group helper, as `join_rank_groups`).
 A sender that never comes, one that joins and never sends, and one that joins and gives up (destroys its side) each
 leave the engine rank with one error, its group aborted and forgotten; a later connection's receive then delivers.
-Ordered by the pipe, not by sleeps: the sender acts only on what the engine rank reports. ~31 s (most of it the
-spawned process's imports, SGLang's among them; the silent sender costs its 1 s deadline, the absent one its 1 s
-rendezvous bound)."""
+And the sender's side: a release ends a sender's join of its per-rank groups at once (rank 0's and an expert
+owner's), and the engine rank that comes late is let go. Ordered by the pipe and by hooks, not by sleeps: the sender
+acts only on what the engine rank reports. 18-31 s for the file (most of it the spawned process's imports, SGLang's
+among them; the silent sender costs its 1 s deadline, the absent one its 1 s rendezvous bound)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -105,3 +108,49 @@ def test_a_receive_whose_sender_fails_it_ends_and_the_next_connection_delivers(e
         assert "weight_sync.bucket_timeout_s" in error
         destroy_group(group)
     deliver(engine, f"engine_release_{sender}_next")
+
+
+@pytest.mark.parametrize("sender", ["rank0", "owner"])
+def test_a_release_ends_the_senders_join_and_a_late_engine_is_let_go(engine, monkeypatch, sender):
+    """A sender inside `join_rank_groups`' rendezvous (rank 0's `BroadcastTransport`, an expert owner's
+    `OwnerGroups`), the engine rank not come (it died, or froze before joining), is released from another thread
+    (`WeightSender.release`, the watchdog's): the join raises at once, not at its 60 s timeout. The release is made
+    once the rendezvous has started (a hook on the group helper), not after a sleep. The engine rank, coming late,
+    completes the abandoned rendezvous, whose group is then destroyed: its receive fails (at once, or at its
+    deadline) and forgets the group, and the next connection delivers."""
+    from slimish.weight_sync import broadcast
+    from slimish.weight_sync.broadcast import BroadcastTransport
+    from slimish.weight_sync.owners import OwnerGroups
+    from slimish.weight_sync.sender import local_context
+    from slimish.weight_sync.transport import SyncReleased
+
+    entered, real = threading.Event(), broadcast.new_weight_update_group
+
+    def joining(**kwargs):
+        entered.set()
+        return real(**kwargs)
+
+    monkeypatch.setattr(broadcast, "new_weight_update_group", joining)
+    context = local_context(f"join_release_{sender}", bucket_timeout_s=60.0)
+    port = free_port()
+    if sender == "rank0":
+        side = BroadcastTransport(context)
+        side.clients, side._ports = [None], [port]
+        side.start_sync()
+        join, raised = (lambda: side._join_rank_groups(1, timeout=timedelta(seconds=60),
+                                                       deadline=time.monotonic() + 60)), SyncReleased
+        name = f"{context.group_name}_rank0"
+    else:
+        side = OwnerGroups(context, rank=1, engines=1, bucket_bytes=PART.numel() * PART.element_size())
+        side.ports = [port]
+        join, raised = (lambda: side.send([(PART.view(torch.uint8).clone(), [0])])), RuntimeError
+        name = side.name.format(rank=0)
+    releaser = threading.Thread(target=lambda: (entered.wait(), side.release("engine 1 froze")))
+    releaser.start()
+    with pytest.raises(raised, match="engine 1 froze"):
+        join()
+    releaser.join()
+    engine.send(spec(name, port, timeout_s=2.0))  # the engine rank comes late
+    status, error, groups = engine.recv()
+    assert status == "error" and groups == [], error
+    deliver(engine, f"join_release_{sender}_next")
