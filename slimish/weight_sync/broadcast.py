@@ -35,7 +35,7 @@ from slimish.config.engine_flags import SHARD_RECEIVER
 from slimish.engines.client import EngineClient, EngineError
 from slimish.network import free_port
 from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket
-from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
+from slimish.weight_sync.process_group import abort_group, destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import LET_GO_S, Transport, keep_until_done, tensor_meta
 
 logger = logging.getLogger(__name__)
@@ -171,9 +171,9 @@ class BroadcastTransport(Transport):
         go()
 
     def abort(self) -> None:
-        if self.sharded:  # as below, per rank group (gloo; the sharded route has not run on NCCL)
+        if self.sharded:  # as below, per rank group; on NCCL the engine ranks abort theirs at their deadline
             for group in self.rank_groups or []:
-                destroy_group(group)
+                abort_group(group, self.context.backend)
                 if self.given_up is not None:
                     keep_until_done(self.given_up, group)
             self.rank_groups = None

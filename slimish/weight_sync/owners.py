@@ -274,13 +274,14 @@ class OwnerGroups:
 
     def abort(self) -> None:
         """Destroy the groups (a broadcast still pending fails on the engines' side; on gloo the destroy returns at
-        once); a later connection makes new ones under new names."""
-        from slimish.weight_sync.process_group import destroy_group
+        once; on NCCL the communicators are aborted, and each engine rank aborts its own at its deadline,
+        `engine_loader.receive_shard`); a later connection makes new ones under new names."""
+        from slimish.weight_sync.process_group import abort_group
         from slimish.weight_sync.transport import keep_until_done
 
         pending = self.pending or [None] * len(self.groups or [])
         for group, work in zip(self.groups or [], pending):
-            destroy_group(group)
+            abort_group(group, self.context.backend)
             if work is not None and not work.is_completed():  # the group must outlive the send it could not finish
                 keep_until_done(work, group)
         # Not used again: the next sync is on a new connection (new names, new ports).

@@ -154,3 +154,67 @@ def test_a_release_ends_the_senders_join_and_a_late_engine_is_let_go(engine, mon
     status, error, groups = engine.recv()
     assert status == "error" and groups == [], error
     deliver(engine, f"join_release_{sender}_next")
+
+
+class NeverDone:
+    """A broadcast's Work that never completes: an NCCL kernel waiting for a sender that froze."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self):
+        raise AssertionError("waited on a work that never completes")
+
+
+def test_an_nccl_receive_past_its_deadline_aborts_its_communicator(monkeypatch):
+    """What surrounds the NCCL abort, which cannot run here (no GPU; tests/gpu/test_nccl_engine_release.py runs it
+    on two): an NCCL group's receive still pending at the deadline is aborted with torch's `_abort_process_group`
+    (not destroyed: a destroy would wait on the kernel), forgotten, kept referenced while its work is pending, and
+    the request fails naming the group. The group, the work and the abort are stand-ins; the deadline is 1 ms (the
+    work never completes, so the poll reaches it whatever the timing)."""
+    from slimish import collectives
+    from slimish.weight_sync import engine_loader
+
+    group, work, aborted, timeouts = object(), NeverDone(), [], []
+    monkeypatch.setattr(engine_loader, "_GROUPS", {})
+    monkeypatch.setattr(engine_loader, "_GIVEN_UP", [])
+    monkeypatch.setattr(engine_loader, "_join", lambda spec: engine_loader._GROUPS.setdefault(
+        spec["group"], (spec["connection"], group))[1])
+    monkeypatch.setattr(collectives, "broadcast", lambda tensor, *, src, group, async_op: work)
+    monkeypatch.setattr(torch.distributed, "set_timeout", lambda timeout, group: timeouts.append(timeout))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group", aborted.append)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group",
+                        lambda group: pytest.fail("an NCCL group with a kernel in flight is aborted, not destroyed"))
+    entry = json.loads(spec("nccl_group", 1, timeout_s=0.001))
+    with pytest.raises(TimeoutError, match="group nccl_group: the sender's broadcast of 16 bytes did not arrive"):
+        engine_loader.receive_shard(Params(), [(json.dumps({**entry, "backend": "nccl"}), None)])
+    assert aborted == [group] and engine_loader._GROUPS == {} and engine_loader._GIVEN_UP == [(work, group)]
+    assert timeouts == [timedelta(seconds=0.002)]  # twice the deadline: the group's own timeout never fires first
+
+
+@pytest.mark.parametrize("sender", ["rank0", "owner"])
+def test_a_senders_nccl_groups_are_aborted_when_it_gives_up(monkeypatch, sender):
+    """The sender's side on NCCL (cannot run here): a given-up sharded broadcast aborts each per-rank communicator
+    (`abort_group`: torch's `_abort_process_group`), rank 0's (`BroadcastTransport.abort`) and an owner's
+    (`OwnerGroups.abort`); the engine ranks abort theirs at their deadline. Groups and abort are stand-ins."""
+    from slimish.weight_sync.broadcast import BroadcastTransport
+    from slimish.weight_sync.owners import OwnerGroups
+    from slimish.weight_sync.sender import local_context
+
+    aborted, groups = [], [object(), object()]
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group", aborted.append)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group",
+                        lambda group: pytest.fail("an NCCL group with a kernel in flight is aborted, not destroyed"))
+    context = local_context(f"nccl_abort_{sender}")
+    context = type(context)(**{**context.__dict__, "backend": "nccl"})
+    if sender == "rank0":
+        side = BroadcastTransport(context)
+        side.sharded = True  # set by the sync before connect: no full-model group
+        side.connect([])
+        side.rank_groups = list(groups)
+        side.abort()
+    else:
+        side = OwnerGroups(context, rank=1, engines=1, bucket_bytes=16)
+        side.groups = list(groups)
+        side.abort()
+    assert aborted == groups
