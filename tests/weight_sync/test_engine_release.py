@@ -26,10 +26,10 @@ PART = torch.arange(4, dtype=torch.float32, device="cpu")
 
 
 class Params:
-    """What `receive_shard` loads into: one parameter `w` of PART's shape."""
+    """What `receive_shard` loads into: one parameter `w` of PART's shape, on `device`."""
 
-    def __init__(self):
-        self.params = {"w": torch.nn.Parameter(torch.zeros(4, device="cpu"), requires_grad=False)}
+    def __init__(self, device: str = "cpu"):
+        self.params = {"w": torch.nn.Parameter(torch.zeros(4, device=device), requires_grad=False)}
 
     def named_parameters(self):
         return iter(self.params.items())
@@ -38,36 +38,42 @@ class Params:
         return iter(self.params.values())
 
 
-def engine_rank(conn) -> None:
-    """Run `receive_shard` on each spec sent; answer (status, what it loaded or its error, the groups it keeps)."""
+def engine_rank(conn, device: str = "cpu") -> None:
+    """Run `receive_shard` on each spec sent, into parameters on `device`; answer (status, what it loaded or its
+    error, the groups it keeps). On a GPU, a failed receive is followed by `torch.cuda.synchronize()`: it returns
+    once no kernel of the aborted group holds the stream."""
     from slimish.weight_sync import engine_loader
 
+    if device != "cpu":
+        torch.cuda.set_device(device)
     while (spec := conn.recv()) is not None:
-        model = Params()
+        model = Params(device)
         try:
             engine_loader.receive_shard(model, [(spec, torch.zeros(1, device="cpu"))])
-            conn.send(("ok", model.params["w"].data.clone(), sorted(engine_loader._GROUPS)))
+            conn.send(("ok", model.params["w"].data.cpu(), sorted(engine_loader._GROUPS)))
         except Exception as exc:  # noqa: BLE001 - reported to the test
+            if device != "cpu":
+                torch.cuda.synchronize()
             conn.send(("error", f"{type(exc).__name__}: {exc}", sorted(engine_loader._GROUPS)))
 
 
-def spec(name: str, port: int, timeout_s: float) -> str:
+def spec(name: str, port: int, timeout_s: float, backend: str = "gloo") -> str:
     """The `receive_shard` entry of PART over group `name` (the sender at rank 0 on `port`), as `shard_payloads`
     makes it."""
     return json.dumps(dict(group=name, connection=name, address="127.0.0.1", port=port, world_size=2, rank=1,
-                           backend="gloo", names=["w"], dtypes=["float32"], shapes=[[4]], offsets=[0],
+                           backend=backend, names=["w"], dtypes=["float32"], shapes=[[4]], offsets=[0],
                            nbytes=PART.numel() * PART.element_size(), timeout_s=timeout_s))
 
 
-def join(name: str, port: int):
-    return new_weight_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+def join(name: str, port: int, backend: str = "gloo"):
+    return new_weight_update_group(backend=backend, master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
                                    group_name=name, join_timeout=timedelta(seconds=30))
 
 
-@pytest.fixture(scope="module")
-def engine():
+def start_engine(device: str = "cpu"):
+    """An engine rank process running `engine_rank` on `device`: yields its end of the pipe, stops it after."""
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    proc = multiprocessing.get_context("spawn").Process(target=engine_rank, args=(child,), daemon=True)
+    proc = multiprocessing.get_context("spawn").Process(target=engine_rank, args=(child, device), daemon=True)
     proc.start()
     yield parent
     parent.send(None)
@@ -76,12 +82,17 @@ def engine():
         proc.kill()
 
 
-def deliver(engine, name: str) -> None:
-    """A connection whose sender sends: the engine rank loads PART."""
+@pytest.fixture(scope="module")
+def engine():
+    yield from start_engine()
+
+
+def deliver(engine, name: str, backend: str = "gloo", device: str = "cpu") -> None:
+    """A connection whose sender (on `device`) sends: the engine rank loads PART."""
     port = free_port()
-    engine.send(spec(name, port, timeout_s=30.0))
-    group = join(name, port)
-    torch.distributed.broadcast(PART.view(torch.uint8).clone(), src=0, group=group)
+    engine.send(spec(name, port, timeout_s=30.0, backend=backend))
+    group = join(name, port, backend)
+    torch.distributed.broadcast(PART.view(torch.uint8).to(device), src=0, group=group)
     status, loaded, groups = engine.recv()
     assert status == "ok", loaded
     assert torch.equal(loaded, PART) and groups == [name]
