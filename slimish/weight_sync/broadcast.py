@@ -14,8 +14,10 @@ joined by slimish's engine-side loader (`slimish.weight_sync.engine_loader.recei
 --custom-weight-loader) at the first bucket. Per bucket every engine is asked (`/update_weights_from_tensor`, that
 loader as load_format; rank r's payload describes its part) while the sender broadcasts rank r's part over group r,
 every group at once: each engine rank receives only its own parameters. Overlapped and given up like the full path
-(a given-up bucket destroys the sender's side of every group); a group's engine side is dropped when that engine
-joins a later connection's (new names: a restarted engine joins new groups at the next sync). The job-level
+(a given-up bucket destroys the sender's side of every group, NCCL's aborted; a release ends even the groups' join);
+a group's engine side ends by itself at the bucket's deadline, which each entry carries, if its receive has not
+(`receive_shard`), and is dropped when that engine joins a later connection's (new names: a restarted engine joins
+new groups at the next sync). The job-level
 engine-crash test runs on it (tests/e2e/test_engine_crash.py)."""
 
 from __future__ import annotations
@@ -47,9 +49,12 @@ class BroadcastTransport(Transport):
 
     @classmethod
     def shards_under_auto(cls, backend: str) -> bool:
-        # A given-up bucket is let go by destroying the sender's side of every per-rank group, which ends the
-        # engines' gloo receives; over NCCL it is a kernel to abort on every rank (as `_abort_nccl` does for the
-        # full path's group), which the engine-side groups cannot be asked for yet: 'auto' keeps NCCL on the full path.
+        # Both sides' waits are bounded and both end their groups by themselves (the sender aborts its communicators,
+        # each engine rank its own at the bucket's deadline, `engine_loader.receive_shard`), but NCCL sets a
+        # communicator up lazily, inside the first collective's host call, which blocks until every member has come:
+        # an engine rank that never joins leaves the sender (and the other engine ranks) there, out of reach of any
+        # release or deadline (docs/weight-sync.md, "Sharded sync"). 'auto' keeps NCCL on the full path until the
+        # set-up is eager and non-blocking; 'on' runs it.
         return backend == "gloo"
 
     def connect(self, clients: list[EngineClient]) -> None:

@@ -16,7 +16,9 @@ of its name. One connection (the spec's "connection") may have several senders, 
 engine rank (trainer rank 0's, and each expert owner's, `slimish.weight_sync.owners`): a rank keeps every group of
 its connection, and destroys the groups of earlier connections when it first joins one of a new connection. A group's
 rendezvous needs every engine's rank: the engines join in the order the requests reach them, which one poster (trainer
-rank 0) keeps the same on every engine.
+rank 0) keeps the same on every engine. Each join and receive is bounded by the bucket's deadline, which the entry
+carries: past it, or once the receive fails, the group is aborted and forgotten and the request fails
+(`receive_shard`).
 It runs in the engine: of slimish it imports only `slimish.collectives` (torch), lazily.
 
 Expert slots: every loader here also takes a tensor named `{stacked parameter}[{k}]`, e.g.
