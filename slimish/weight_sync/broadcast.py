@@ -14,12 +14,15 @@ joined by slimish's engine-side loader (`slimish.weight_sync.engine_loader.recei
 --custom-weight-loader) at the first bucket. Per bucket every engine is asked (`/update_weights_from_tensor`, that
 loader as load_format; rank r's payload describes its part) while the sender broadcasts rank r's part over group r,
 every group at once: each engine rank receives only its own parameters. Overlapped and given up like the full path
-(a given-up bucket destroys the sender's side of every group); a group's engine side is dropped when that engine
-joins a later connection's (new names: a restarted engine joins new groups at the next sync). The job-level
+(a given-up bucket destroys the sender's side of every group, NCCL's aborted; a release ends even the groups' join);
+a group's engine side ends by itself at the bucket's deadline, which each entry carries, if its receive has not
+(`receive_shard`), and is dropped when that engine joins a later connection's (new names: a restarted engine joins
+new groups at the next sync). The job-level
 engine-crash test runs on it (tests/e2e/test_engine_crash.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -34,7 +37,7 @@ from slimish.config.engine_flags import SHARD_RECEIVER
 from slimish.engines.client import EngineClient, EngineError
 from slimish.network import free_port
 from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket
-from slimish.weight_sync.process_group import destroy_group, new_weight_update_group
+from slimish.weight_sync.process_group import abort_group, destroy_group, new_weight_update_group
 from slimish.weight_sync.transport import LET_GO_S, Transport, keep_until_done, tensor_meta
 
 logger = logging.getLogger(__name__)
@@ -46,9 +49,12 @@ class BroadcastTransport(Transport):
 
     @classmethod
     def shards_under_auto(cls, backend: str) -> bool:
-        # A given-up bucket is let go by destroying the sender's side of every per-rank group, which ends the
-        # engines' gloo receives; over NCCL it is a kernel to abort on every rank (as `_abort_nccl` does for the
-        # full path's group), which the engine-side groups cannot be asked for yet: 'auto' keeps NCCL on the full path.
+        # Both sides' waits are bounded and both end their groups by themselves (the sender aborts its communicators,
+        # each engine rank its own at the bucket's deadline, `engine_loader.receive_shard`), but NCCL sets a
+        # communicator up lazily, inside the first collective's host call, which blocks until every member has come:
+        # an engine rank that never joins leaves the sender (and the other engine ranks) there, out of reach of any
+        # release or deadline (docs/weight-sync.md, "Sharded sync"). 'auto' keeps NCCL on the full path until the
+        # set-up is eager and non-blocking; 'on' runs it.
         return backend == "gloo"
 
     def connect(self, clients: list[EngineClient]) -> None:
@@ -104,10 +110,11 @@ class BroadcastTransport(Transport):
         self.wait_loaded()
         if self.rank_groups is None:
             self._ports = [free_port() for _ in bucket.ranks]
+        deadline = self.deadline(max(flat.numel() for flat, _ in placed))
         payloads = dict(zip((c.url for c in self.clients), shard_payloads(
             bucket, placed, group=f"{ctx.group_name}_rank{{rank}}", connection=ctx.group_name,
-            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend)))
-        deadline = self.deadline(max(flat.numel() for flat, _ in placed))
+            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend,
+            timeout_s=deadline - time.monotonic())))
         self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=version,
             flush_cache=version is not None)), deadline=deadline)
@@ -116,7 +123,7 @@ class BroadcastTransport(Transport):
 
             left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
             try:
-                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left)
+                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left, deadline=deadline)
             except Exception:
                 # An engine rank that failed the request never joined: its error is the cause. The others answer
                 # once their groups are gone (within LET_GO_S).
@@ -132,12 +139,15 @@ class BroadcastTransport(Transport):
             self.wait_loaded()
         return bucket.nbytes
 
-    def _join_rank_groups(self, tp: int, timeout=None) -> list:
+    def _join_rank_groups(self, tp: int, timeout=None, deadline: float = float("inf")) -> list:
         """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once; the
-        rendezvous bounded by `timeout` (an engine that failed the request never joins)."""
+        rendezvous bounded by `timeout` (an engine that failed the request never joins), waited for until `deadline`
+        or a `release`, which end it at once (`SyncReleased`)."""
         ctx = self.context
         return join_rank_groups(backend=ctx.backend, address=ctx.master_addr, ports=self._ports,
-                                engines=len(self.clients), group=f"{ctx.group_name}_rank{{rank}}", timeout=timeout)
+                                engines=len(self.clients), group=f"{ctx.group_name}_rank{{rank}}", timeout=timeout,
+                                wait=lambda done: self.wait_until(
+                                    done, deadline=deadline, what="the engine ranks' joining of their groups"))
 
     def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None],
                    wire: Callable[[], None] | None = None) -> None:
@@ -166,9 +176,9 @@ class BroadcastTransport(Transport):
         go()
 
     def abort(self) -> None:
-        if self.sharded:  # as below, per rank group (gloo; the sharded route has not run on NCCL)
+        if self.sharded:  # as below, per rank group; on NCCL the engine ranks abort theirs at their deadline
             for group in self.rank_groups or []:
-                destroy_group(group)
+                abort_group(group, self.context.backend)
                 if self.given_up is not None:
                     keep_until_done(self.given_up, group)
             self.rank_groups = None
@@ -224,16 +234,18 @@ class BroadcastTransport(Transport):
 
 
 def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connection: str, address: str,
-                   ports: list[int], engines: int, backend: str) -> list[list[str]]:
+                   ports: list[int], engines: int, backend: str, timeout_s: float) -> list[list[str]]:
     """Per engine, per engine rank r, the `receive_shard` entry for rank r's part of `bucket` (`placed[r]`: its flat
     buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous at
-    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`."""
+    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`, due within `timeout_s` (the
+    sender's bucket deadline: the engine rank gives the group up after it)."""
     from slimish.weight_sync.tensor import serialize
 
     def spec(rank: int, engine: int) -> str:
         part, (flat, offsets) = bucket.ranks[rank], placed[rank]
         return json.dumps(dict(group=group.format(rank=rank), connection=connection, address=address,
                                port=ports[rank], world_size=1 + engines, rank=1 + engine, backend=backend,
+                               timeout_s=timeout_s,
                                names=part.names, offsets=offsets, nbytes=flat.numel(),
                                dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
                                shapes=[list(t.shape) for t in part.tensors]))
@@ -244,17 +256,30 @@ def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connectio
 
 
 def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: int, group: str,
-                     timeout=None) -> list:
+                     timeout=None, wait: Callable[[Callable[[float], bool]], None] | None = None) -> list:
     """A sender's groups with each engine rank r (`group.format(rank=r)` at `ports[r]`, the sender at rank 0; the
     engines join in `receive_shard`), all at once. `timeout`: of the rendezvous (default: the groups' own,
     `WEIGHT_UPDATE_GROUP_TIMEOUT`). If a group cannot be joined (an engine rank failed the request and never came),
-    the others are destroyed and its error raised."""
-    options = {} if timeout is None else {"join_timeout": timeout}
-    with ThreadPoolExecutor(len(ports)) as pool:
-        joins = [pool.submit(new_weight_update_group, backend=backend, master_address=address, master_port=port,
-                             world_size=1 + engines, rank=0, group_name=group.format(rank=r), **options)
-                 for r, port in enumerate(ports)]
-        wait_futures(joins)
+    the others are destroyed and its error raised.
+
+    `wait(done)`: how the caller waits for the rendezvous, `done(timeout_s)` being True once every one has ended (a
+    transport's `wait_until`, which raises once the sync is released): what it raises ends the join at once, the
+    rendezvous left to end in the background (within `timeout`) and each group it makes destroyed then. Default: until
+    every rendezvous has ended."""
+    pool = ThreadPoolExecutor(len(ports))
+    joins = [pool.submit(new_weight_update_group, backend=backend, master_address=address, master_port=port,
+                         world_size=1 + engines, rank=0, group_name=group.format(rank=r), **(
+                             {} if timeout is None else {"join_timeout": timeout}))
+             for r, port in enumerate(ports)]
+    pool.shutdown(wait=False)
+    ended = functools.partial(_all_ended, joins)
+    try:
+        (wait or (lambda done: done(None)))(ended)
+    except BaseException:
+        for join in joins:  # given up: a group that is still being joined goes once it is
+            join.add_done_callback(_destroy_joined)
+        raise
+    del ended
     failed = [join.exception() for join in joins if join.exception() is not None]
     if not failed:
         return [join.result() for join in joins]
@@ -267,3 +292,13 @@ def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: i
         destroy_group(group)
     del joined, group
     raise failed[0]
+
+
+def _all_ended(joins: list, timeout_s: float | None) -> bool:
+    return not wait_futures(joins, timeout=timeout_s).not_done
+
+
+def _destroy_joined(join) -> None:
+    """A join given up by `join_rank_groups`' caller, once it has ended: its group, if it made one, destroyed."""
+    if join.exception() is None:
+        destroy_group(join.result())

@@ -16,7 +16,9 @@ of its name. One connection (the spec's "connection") may have several senders, 
 engine rank (trainer rank 0's, and each expert owner's, `slimish.weight_sync.owners`): a rank keeps every group of
 its connection, and destroys the groups of earlier connections when it first joins one of a new connection. A group's
 rendezvous needs every engine's rank: the engines join in the order the requests reach them, which one poster (trainer
-rank 0) keeps the same on every engine.
+rank 0) keeps the same on every engine. Each join and receive is bounded by the bucket's deadline, which the entry
+carries: past it, or once the receive fails, the group is aborted and forgotten and the request fails
+(`receive_shard`).
 It runs in the engine: of slimish it imports only `slimish.collectives` (torch), lazily.
 
 Expert slots: every loader here also takes a tensor named `{stacked parameter}[{k}]`, e.g.
@@ -31,11 +33,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from datetime import timedelta
 
 _SLOT = re.compile(r"(.+)\[(\d+)\]")
 
 # Group name -> (its connection, this rank's group with that sender) (`receive_shard`), kept from bucket to bucket.
 _GROUPS: dict = {}
+# (work, group) of receives given up (`_drop`), kept until the work ends.
+_GIVEN_UP: list = []
+_POLL_S = 0.002  # how often a receive looks at its broadcast and its deadline
 
 
 def slot_name(param: str, index: int) -> str:
@@ -104,17 +111,34 @@ def load_shard_files(model, named_tensors) -> None:
 def receive_shard(model, named_tensors) -> None:
     """Receive this rank's part of a bucket broadcast over its own group and load it by name. `named_tensors`:
     [(JSON {"group", "connection", "address", "port", "world_size", "rank", "backend", "names", "dtypes", "shapes",
-    "offsets", "nbytes"}, a marker tensor)] ("connection" absent: the group is a connection of its own)."""
+    "offsets", "nbytes", "timeout_s"}, a marker tensor)] ("connection" absent: the group is a connection of its own;
+    "timeout_s" absent: unbounded, as before it was sent).
+
+    Bounded by the bucket's deadline, `timeout_s` from the call (the sender's own: weight_sync.bucket_timeout_s plus
+    the bytes at min_bandwidth_mib_s): the join's rendezvous, then the broadcast, issued asynchronously and polled.
+    A sender that never comes, never sends or dies leaves this rank with one error (the update request fails) and
+    the group aborted and forgotten (`_drop`), never stuck inside the collective: the engine serves the next
+    connection, whose groups have new names."""
     import torch
 
     ((spec, _),) = named_tensors
     spec = json.loads(spec)
+    timeout_s = spec.get("timeout_s")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     group = _join(spec)
     device = next(model.parameters()).device
     flat = torch.empty(spec["nbytes"], dtype=torch.uint8, device=device)
     from slimish import collectives
 
-    collectives.broadcast(flat, src=0, group=group)
+    work = None
+    try:
+        if timeout_s is not None:  # the group's own timeout stays behind the deadline: see `_receive`
+            torch.distributed.set_timeout(_own_timeout(timeout_s), group)
+        work = collectives.broadcast(flat, src=0, group=group, async_op=True)
+        _receive(work, deadline, spec)
+    except Exception:
+        _drop(spec, work)
+        raise
     params = dict(model.named_parameters())
     for name, dtype, shape, start in zip(spec["names"], spec["dtypes"], spec["shapes"], spec["offsets"]):
         dtype = getattr(torch, dtype)
@@ -124,6 +148,48 @@ def receive_shard(model, named_tensors) -> None:
         tensor = flat[start:start + numel * dtype.itemsize].view(dtype).view(shape)
         load_one(params, name, tensor, where=f"weight shard of group {spec['group']}: ")
     post_load(model, [parse_slot(name)[0] for name in spec["names"]])
+
+
+def _own_timeout(timeout_s: float):
+    """The group's own timeout for a bucket due within `timeout_s`: twice that, so that this rank's poll (`_receive`)
+    always gives up first. On NCCL the group's own timeout is the watchdog's, which would take the whole engine
+    process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default); on gloo it ends a given-up receive in the background."""
+    return timedelta(seconds=2 * timeout_s)
+
+
+def _receive(work, deadline: float | None, spec: dict) -> None:
+    """Wait for the broadcast `work` until `deadline` (monotonic; None: no bound), then raise its failure if it
+    failed. Polled: on NCCL the host call has returned and the wait is the kernel's, which only an abort ends."""
+    while deadline is not None and not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"weight shard of group {spec['group']}: the sender's broadcast of {spec['nbytes']} "
+                               f"bytes did not arrive within {spec['timeout_s']:.1f} s (the bucket's deadline: "
+                               f"weight_sync.bucket_timeout_s, weight_sync.min_bandwidth_mib_s); the group is aborted")
+        time.sleep(_POLL_S)
+    work.wait()
+
+
+def _drop(spec: dict, work) -> None:
+    """Forget the group of `spec` after a failed receive and end it: NCCL's with torch's own abort (ncclCommAbort, which
+    ends the kernel still waiting for the sender; UNVERIFIED, not run on a GPU), gloo's by destroying it. A gloo
+    receive still pending keeps its group referenced until it ends (within the group's own timeout): the last
+    reference's destructor joins the group's thread, blocked in that receive."""
+    import torch
+
+    if spec["group"] not in _GROUPS:
+        return
+    _, group = _GROUPS.pop(spec["group"])
+    try:
+        if spec["backend"] == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(group)
+        else:
+            torch.distributed.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - a group whose peer died may fail to tear down; it is dropped anyway
+        pass
+    if work is not None and not work.is_completed():
+        _GIVEN_UP[:] = [(w, g) for w, g in _GIVEN_UP if not w.is_completed()] + [(work, group)]
 
 
 def _join(spec: dict):
@@ -139,8 +205,10 @@ def _join(spec: dict):
             torch.distributed.destroy_process_group(_GROUPS.pop(other)[1])
         except Exception:  # noqa: BLE001 - a group whose peer died may fail to tear down; it is dropped anyway
             pass
+    # The rendezvous is bounded by the bucket's deadline, as the sender's is (`join_rank_groups`).
+    timeout = {} if spec.get("timeout_s") is None else {"timeout": timedelta(seconds=spec["timeout_s"])}
     group = init_custom_process_group(
         backend=spec["backend"], init_method=NetworkAddress(spec["address"], spec["port"]).to_tcp(),
-        world_size=spec["world_size"], rank=spec["rank"], group_name=name)
+        world_size=spec["world_size"], rank=spec["rank"], group_name=name, **timeout)
     _GROUPS[name] = (connection, group)
     return group

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from slimish.weight_sync.buckets import FlatBuffers, ShardedBucket, plan_sharded
 from slimish.weight_sync.checksums import TILE, ExpectedChecksums, hash_kind
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink, recv_message, send_message
-from slimish.weight_sync.transport import PhaseTimes, TransportContext, hashing_shards
+from slimish.weight_sync.transport import WAIT_SLICE_S, PhaseTimes, TransportContext, hashing_shards
 
 TRANSPORTS = ("tensor", "disk", "broadcast")
 
@@ -136,12 +137,17 @@ class OwnerSender:
         self.sending = False
 
     def release(self, reason: str) -> None:
-        """Nothing to give up here: an owner waits only for rank 0, which answers False once released."""
+        """From any thread, while `send` runs: give up the join of the owner's groups (broadcast), the one wait not on
+        rank 0 (which answers False once released); the send then reports the failure to rank 0."""
+        if self.sending and self.groups is not None:
+            self.groups.release(reason)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send this owner's experts (`named_tensors`, its `export_owned_hf_tensors`, consumed lazily, may be left
         part-consumed), bucket by bucket as rank 0 allows. A failure is reported to rank 0, not raised."""
         reply_owed, staged_bytes = False, 0
+        if self.groups is not None:
+            self.groups.released.clear()  # a release between syncs is ignored, as `release` says
         self.sending = True
         self._phases.pop()  # a failed send's phases are not this one's
         try:
@@ -246,6 +252,19 @@ class OwnerGroups:
         self.ports: list[int] | None = None
         self.groups: list | None = None
         self.pending: list = []  # the broadcasts of the bucket being sent
+        self.released, self._reason = threading.Event(), ""
+
+    def release(self, reason: str) -> None:
+        """From any thread: end the join `send` is in (or its next one) at once, with an error saying `reason`."""
+        self._reason = reason
+        self.released.set()
+
+    def _wait(self, done: Callable[[float], bool]) -> None:
+        """`join_rank_groups`' wait: until `done`, or a `release`, which raises (the rendezvous ends by itself within
+        `timeout`)."""
+        while not done(WAIT_SLICE_S):
+            if self.released.is_set():
+                raise RuntimeError(f"released while joining its groups with the engines: {self._reason}")
 
     def payloads(self, bucket: ShardedBucket, placed: list) -> list[list[str]]:
         """Per engine, per engine rank, the `receive_shard` entry of rank r's part of `bucket` (`placed[r]`)."""
@@ -255,7 +274,8 @@ class OwnerGroups:
         if self.ports is None:
             self.ports = [free_port() for _ in bucket.ranks]
         return shard_payloads(bucket, placed, group=self.name, connection=ctx.group_name, address=ctx.master_addr,
-                              ports=self.ports, engines=self.engines, backend=ctx.backend)
+                              ports=self.ports, engines=self.engines, backend=ctx.backend,
+                              timeout_s=self.timeout.total_seconds())
 
     def send(self, placed: list) -> None:
         """Start broadcasting each rank's part (`placed[r]`) over group r (joined first, at the first bucket)."""
@@ -264,7 +284,8 @@ class OwnerGroups:
         if self.groups is None:
             ctx = self.context
             self.groups = join_rank_groups(backend=ctx.backend, address=ctx.master_addr, ports=self.ports,
-                                           engines=self.engines, group=self.name, timeout=self.timeout)
+                                           engines=self.engines, group=self.name, timeout=self.timeout,
+                                           wait=self._wait)
         self.pending = [collectives.broadcast(flat, src=0, group=group, async_op=True)
                         for (flat, _), group in zip(placed, self.groups)]
 
@@ -276,13 +297,14 @@ class OwnerGroups:
 
     def abort(self) -> None:
         """Destroy the groups (a broadcast still pending fails on the engines' side; on gloo the destroy returns at
-        once); a later connection makes new ones under new names."""
-        from slimish.weight_sync.process_group import destroy_group
+        once; on NCCL the communicators are aborted, and each engine rank aborts its own at its deadline,
+        `engine_loader.receive_shard`); a later connection makes new ones under new names."""
+        from slimish.weight_sync.process_group import abort_group
         from slimish.weight_sync.transport import keep_until_done
 
         pending = self.pending or [None] * len(self.groups or [])
         for group, work in zip(self.groups or [], pending):
-            destroy_group(group)
+            abort_group(group, self.context.backend)
             if work is not None and not work.is_completed():  # the group must outlive the send it could not finish
                 keep_until_done(work, group)
         # Not used again: the next sync is on a new connection (new names, new ports).

@@ -45,3 +45,17 @@ def destroy_group(group) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group(group)
+
+
+def abort_group(group, backend: str) -> None:
+    """End `group` after a failed or given-up collective: on NCCL its communicator aborted with torch's own
+    `_abort_process_group` (ncclCommAbort: a kernel still waiting for a peer ends, the stream is free again;
+    UNVERIFIED on the sharded route's per-rank groups, see docs/gpu.md), any other group destroyed (gloo's destroy
+    returns at once even with a send pending; keep the group referenced until that send ends,
+    `transport.keep_until_done`)."""
+    if backend == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(group)
+    else:
+        destroy_group(group)

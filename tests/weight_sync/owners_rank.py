@@ -16,6 +16,9 @@ engine fails that request, the sync fails on rank 0 (and the owners give up), an
 delivers the model; with "tp" the engine reports another TP size: {"failed": what connect raised on rank 0}, and rank
 1 writes OUT/tp_rank1.pt, {"failed": what its connect returned}; with "corrupt" the engine's rank 1 holds its
 last expert slot of layer 0's w13_weight plus one when it reports its checksums (once): the sync fails verifying.
+With "frozen" / "killed" (broadcast), engine rank 1 freezes (SIGSTOP) or dies once it has joined the owner's group
+for the owner's first bucket, the stand-in's watchdog releases the sync (`WeightSender.release`), and the next sync
+goes to a fresh stand-in (the restarted engine; a spare rank process for the killed one).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import base64
 import io
 import json
 import multiprocessing
+import os
 import pickle
+import signal
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -77,8 +83,22 @@ def serve_rank(conn) -> None:
     """One engine rank of the stand-in (a process of its own, forked before any group exists: a process cannot hold
     two groups of one name, and the sender's side of each group is in rank 0's process): runs slimish's engine-side
     `receive_shard` on each entry it is sent, which joins the sender's group and receives its part, and sends back
-    what it loaded (torch.save bytes) or the error; ("reset",) drops its groups (a new engine)."""
+    what it loaded (torch.save bytes) or the error; ("reset",) drops its groups (a new engine). An entry sent with a
+    fault ("load", entry, "freeze" / "die") makes the rank, once it has joined the group, report ("frozen" / "dying",
+    its pid) and stop itself (SIGSTOP: frozen inside the broadcast until the stand-in continues it) or exit."""
     from slimish.weight_sync import engine_loader
+
+    join = engine_loader._join
+
+    def faulty_join(fault: str):
+        def joined(spec):
+            group = join(spec)
+            conn.send(("frozen" if fault == "freeze" else "dying", os.getpid()))
+            if fault == "die":
+                os._exit(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return group
+        return joined
 
     while (message := conn.recv()) is not None:
         try:
@@ -88,6 +108,7 @@ def serve_rank(conn) -> None:
                 engine_loader._GROUPS.clear()
                 conn.send(("ok", b""))
                 continue
+            engine_loader._join = faulty_join(message[2]) if len(message) > 2 else join
             named = pickle.loads(base64.b64decode(message[1]))
             model = RankParams(json.loads(named[0][0]))
             engine_loader.receive_shard(model, named)
@@ -128,6 +149,9 @@ class Engine:
 
     def __init__(self, url: str, tp: int, ep: int, fail: str = "", ranks: list | None = None, device: str = "cpu"):
         self.url, self.tp, self.ep, self.fail, self.ranks, self.device = url, tp, ep, fail, ranks or [], device
+        # "frozen" / "killed": the watchdog's release (`WeightSender.release`), set by the test; `thaw` ends a freeze
+        self.watchdog, self.thawed, self.settled = None, threading.Event(), threading.Event()
+        self.settled.set()
         self.held: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         self.version = "default"
         for conn in self.ranks:  # a fresh engine: no group of an earlier one
@@ -148,13 +172,17 @@ class Engine:
         joins its group (as an engine rank that died would); rank 0 takes its part, or fails once the sender gives up
         on the group it cannot complete."""
         specs = [json.loads(_Peek(io.BytesIO(base64.b64decode(payload))).load()[0][0]) for payload in serialized]
-        failing = self.fail == "first" or (self.fail == "owner" and "_owner" in specs[1]["group"]
-                                           and any(name.endswith("]") for name in specs[1]["names"]))
-        if failing:
-            self.fail = ""
+        owners = "_owner" in specs[1]["group"] and any(name.endswith("]") for name in specs[1]["names"])
+        failing = self.fail == "first" or (self.fail == "owner" and owners)
+        mid_broadcast = self.fail in ("frozen", "killed") and owners
+        if failing or mid_broadcast:
+            fault, self.fail = self.fail, ""
         asked = [rank for rank in range(self.tp) if not (failing and rank == 1)]
         for rank in asked:
-            self.ranks[rank].send(("load", serialized[rank]))
+            self.ranks[rank].send(("load", serialized[rank], *([{"frozen": "freeze", "killed": "die"}[fault]]
+                                                                if mid_broadcast and rank == 1 else [])))
+        if mid_broadcast:
+            return self._fail_mid_broadcast(fault)
         answers = {rank: self.ranks[rank].recv() for rank in asked}
         if failing:
             raise RuntimeError("engine stand-in: this bucket fails")
@@ -165,6 +193,29 @@ class Engine:
         if weight_version is not None:
             self.version = weight_version
         return {}
+
+    def _fail_mid_broadcast(self, fault: str) -> dict:
+        """Rank 1 has been sent an owner's bucket with a fault: once it has joined the owner's group it is frozen
+        (stopped) or killed; the watchdog then releases the sync (as the job's does on seeing the engine freeze or
+        die). Killed, the request fails at once (the engine's connection drops); frozen, it answers nothing until
+        `thaw` (the sync has failed meanwhile). Rank 0 of the engine takes its part meanwhile."""
+        self.settled.clear()
+        status, pid = self.ranks[1].recv()
+        if fault == "killed":
+            os.waitpid(pid, 0)  # gone before the watchdog sees it
+        self.watchdog(f"engine {self.url} {'froze' if fault == 'frozen' else 'died'} (stand-in)")
+        if fault == "frozen":
+            self.thawed.wait()
+            os.kill(pid, signal.SIGCONT)
+            self.ranks[1].recv()  # its receive's end: delivered (the bytes were buffered) or failed; either way done
+        self.ranks[0].recv()
+        self.settled.set()
+        raise RuntimeError(f"engine {self.url}: its rank 1 {'froze' if fault == 'frozen' else 'was killed'}")
+
+    def thaw(self) -> None:
+        """End a freeze (the sync has failed) and wait until the request it held has ended."""
+        self.thawed.set()
+        self.settled.wait()
 
     def update_weights_from_tensor(self, *, serialized, load_format, weight_version, flush_cache):
         if load_format == SHARD_RECEIVER:
@@ -244,10 +295,18 @@ def main() -> None:
     parser.add_argument("--transport", required=True)
     parser.add_argument("--faults", nargs="*", default=[],
                         help="'first' and/or 'owner': a sync that fails there; 'tp': engines of another TP size; "
-                             "'corrupt': an engine that reports a changed expert slot")
+                             "'corrupt': an engine that reports a changed expert slot; "
+                             "'frozen' / 'killed' (broadcast): engine rank 1 frozen / killed inside the owner's "
+                             "broadcast, the sync released by the stand-in's watchdog")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ranks = start_ranks(2) if args.rank == 0 and args.transport == "broadcast" else None
+    # "killed": a spare rank process stands in for the restarted engine's rank 1
+    ranks = start_ranks(3 if "killed" in args.faults else 2) \
+        if args.rank == 0 and args.transport == "broadcast" else None
+    if "frozen" in args.faults:  # the frozen engine never answers: the sync lets the survivors go within 1 s, not 10
+        from slimish.weight_sync import transport as transport_module
+
+        transport_module.LET_GO_S = 1.0
 
     from slimish.config import load_config
     from slimish.megatron_bridge.bridge import load_hf_weights
@@ -280,6 +339,7 @@ def main() -> None:
         kind = Funnel if route == "funnel" else WeightSender
         sender = kind(cfg, arch, rank=args.rank, pipeline_parallel=args.pp, expert_parallel=args.ep,
                       new_client=lambda url, api_key, e=engine: e)
+        engine.watchdog = sender.release
         failed = ""
         if route == "tp":  # the engines run another TP size: rank 0 raises naming the key, the others return
             try:
@@ -294,7 +354,13 @@ def main() -> None:
             metrics = sender.send(model, version=1)
         except RuntimeError as exc:  # rank 0 only: the owners are told to give up, and return
             failed, metrics = str(exc), {}
+            engine.thaw()
+            if route == "killed":  # the restarted engine's rank 1
+                ranks[1] = ranks.pop()
         if route in args.faults:  # then the sync again, whole, on a new connection (as the job does)
+            if args.rank == 0 and route in ("frozen", "killed"):  # the engine the job restarts (a fresh stand-in)
+                engine = Engine(engine.url, tp=2, ep=args.engine_ep, ranks=ranks)
+                sender.new_client = lambda url, api_key, e=engine: e
             sender.connect(engine_urls=[engine.url], engine_tp=2, master_addr="127.0.0.1")
             metrics = sender.send(model, version=2)
         sender.close()

@@ -4,7 +4,9 @@ share rank 0's gathers) syncs to a stand-in TP2 EP2 engine (tests/weight_sync/ow
 funnel) and from the owners, over `tensor` (the owner's own shared segments, mapped by the stand-in in rank 0's
 process) and `disk` (the owner's own files). Both routes deliver the same tensors to each engine rank, verified
 against the trainer's per-rank checksums; from the owners, EP rank 1 stages exactly its own experts' bytes and rank
-0 none of them. ~32 s for the file, most of it the first world's imports (run_world keeps its processes warm)."""
+0 none of them. Engines frozen or killed inside an owner's broadcast release both senders. ~50 s for the file, most of
+it the first world's imports (run_world keeps its processes warm); the frozen / killed test 17 s, ~6 of them its
+two faults."""
 
 from __future__ import annotations
 
@@ -149,3 +151,20 @@ def test_each_stage_sends_its_own_layers_and_each_owner_its_experts(tiny_moe_mod
         assert "this bucket fails" in result[fault]["failed"] or "by its deadline" in result[fault]["failed"], fault
         assert_same_held(result, fault)
     assert not [p for p in tmp_path.rglob("*.safetensors")], "shards left behind"
+
+
+def test_an_engine_frozen_or_killed_inside_an_owners_broadcast_releases_both_senders(tiny_moe_models, tmp_path):
+    """broadcast: engine rank 1 joins the owner's group for the owner's first bucket, then freezes (stops itself) or
+    is killed; the stand-in's watchdog then releases the sync (`WeightSender.release`, as the job's does). Rank 0
+    fails with an error naming the engine and tells the owner to give up: neither rank hangs (the world ends), and
+    the next sync, on a new connection to the restarted engine, delivers every tensor. Ordered by the frozen or dying
+    rank's own report and by waiting for its exit, not by sleeps."""
+    result = run(tiny_moe_models, tmp_path, 2, "broadcast", "frozen", "killed")
+    for fault, word in (("frozen", "froze"), ("killed", "")):
+        failed = result[fault]["failed"]
+        assert "http://127.0.0.1:1" in failed and word in failed, (fault, failed)
+        for rank in range(2):
+            held, funnel = result[fault]["held"][rank], result["funnel"]["held"][rank]
+            assert held.keys() == funnel.keys() and all(torch.equal(held[n], funnel[n]) for n in held), fault
+        assert result[fault]["metrics"]["sync_checksums_predicted"] == 1
+    print({fault: result[fault]["failed"] for fault in ("frozen", "killed")})
