@@ -19,13 +19,14 @@ sync then starts over to engine 0 and engine 1 is restarted as after its kill. T
 while the sync runs, releases the senders as soon as the engine is lost; each faulted sync's time_sync_stalled_s
 (how long the fault held it) is printed.
 
-The trainer runs at pipeline-parallel 2, so every sync has two senders taking turns (`slimish.weight_sync.stages`,
-the route big GPU jobs take): the sync interrupted between two buckets is released on both of them, and rebuilt with
-new groups for both. Stage senders send the whole model, so `weight_sync.sharded` auto keeps the full path here. The
-same job with stage senders off, on the sharded broadcast auto then takes (each engine rank sent its own parameters
-over a group of its own), passed this test once (2026-11-29, 176 s; docs/weight-sync.md); a job-level kill on the
-sharded broadcast is asserted in tests/slurm/test_sbatch.py's spanning job, freezes and kills mid-sync per transport
-in tests/e2e/test_sync_faults.py.
+The trainer runs at pipeline-parallel 2, so every sync has two senders (`slimish.weight_sync.owners`): on gloo
+`weight_sync.sharded` auto takes the sharded broadcast, and stage 1's leader sends its own stage over per-rank
+groups of its own while rank 0 posts every request; the sync interrupted between two buckets is released on both
+of them, and rebuilt with new groups for both. Over NCCL auto keeps the full path, where stage senders send the
+whole stage (`slimish.weight_sync.stages`): that route ran this test until 2026-11-29 and is covered by
+tests/e2e/test_rl_loop.py's pipeline-parallel job and tests/e2e/test_weight_sync_engines.py's failing stages. A
+job-level kill on the one-sender sharded broadcast is asserted in tests/slurm/test_sbatch.py's spanning job, freezes
+and kills mid-sync per transport in tests/e2e/test_sync_faults.py.
 
 The engines run at tensor-parallel 2 (on CPU: `slimish.compat.sglang_cpu`'s settings for it): every sync broadcasts
 to groups of 1 + 2 x 2 ranks (each engine rank at its engine's rank offset) and is verified on every rank of every
@@ -153,7 +154,9 @@ def test_killed_engines_are_restarted_and_rejoin(task_assets, tmp_path):
     for record in records:
         assert record["logprob_abs_diff_max"] <= 1e-4, record
         assert record["sync_checksums_predicted"] == 1, "every rank checked against the trainer, not engine 0"
-        assert record["sync_sharded"] == 0, "stage senders send the whole model (auto keeps the full path)"
+        # The sharded route from several senders (gloo: 'auto' shards broadcast): stage 1's leader sends its own
+        # stage over per-rank groups of its own while rank 0 posts every request.
+        assert record["sync_sharded"] == 1 and record["sync_senders"] == 2, record
         assert record["samples_completed"] + record["samples_truncated"] > 0, "every step trained"
     # Each sync an engine died or hung in was done again, to the other engine, within the same step.
     faults = hooks.faults_made(run_dir)
