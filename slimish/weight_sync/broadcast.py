@@ -38,7 +38,7 @@ from slimish.engines.client import EngineClient, EngineError
 from slimish.network import free_port
 from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket
 from slimish.weight_sync.process_group import abort_group, destroy_group, new_weight_update_group
-from slimish.weight_sync.transport import LET_GO_S, Transport, keep_until_done, tensor_meta
+from slimish.weight_sync.transport import LET_GO_S, Owned, Transport, keep_until_done, tensor_meta
 
 logger = logging.getLogger(__name__)
 
@@ -102,42 +102,97 @@ class BroadcastTransport(Transport):
             self.wait_work(work, deadline=deadline, what="the broadcast of a bucket")
 
     def push_shards(self, bucket: ShardedBucket, *, version: str | None) -> int:
-        ctx = self.context
-        with self.phase("flatten"):
-            if self.rank_buffers is None:
-                self.rank_buffers = [FlatBuffers() for _ in bucket.ranks]
-            placed = [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
+        placed = self._place(bucket)
         self.wait_loaded()
-        if self.rank_groups is None:
-            self._ports = [free_port() for _ in bucket.ranks]
         deadline = self.deadline(max(flat.numel() for flat, _ in placed))
-        payloads = dict(zip((c.url for c in self.clients), shard_payloads(
-            bucket, placed, group=f"{ctx.group_name}_rank{{rank}}", connection=ctx.group_name,
-            address=ctx.master_addr, ports=self._ports, engines=len(self.clients), backend=ctx.backend,
-            timeout_s=deadline - time.monotonic())))
+        payloads = self._payloads([self._own_specs(bucket, placed, deadline)], len(bucket.ranks))
         self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
             serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=version,
             flush_cache=version is not None)), deadline=deadline)
-        if self.rank_groups is None:
-            from datetime import timedelta
+        self._join_own(len(bucket.ranks), deadline)
+        self._wire_own(placed, deadline)
+        if version is not None:
+            self.wait_loaded()
+        return bucket.nbytes
 
-            left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-            try:
-                self.rank_groups = self._join_rank_groups(len(bucket.ranks), timeout=left, deadline=deadline)
-            except Exception:
-                # An engine rank that failed the request never joined: its error is the cause. The others answer
-                # once their groups are gone (within LET_GO_S).
-                self._loading_deadline = time.monotonic() + LET_GO_S
-                self.wait_loaded()
-                raise
+    def push_round(self, own: ShardedBucket | None, owned: list[Owned]) -> int:
+        """Rank 0's bucket `own` and every other sender's next bucket (`owned`, each `shards[e][r]` engine e's rank
+        r's `receive_shard` entry naming the sender's own group r, `shard_specs`) in one request per engine: each
+        engine rank joins the round's groups in entry order (rank 0's first) and receives its part from every sender
+        at once, so the round takes the busiest link's time, not the sum of the senders'. Then `wire()` tells each
+        sender to broadcast, rank 0 broadcasts its own parts, and once every engine has loaded the round `go()` lets
+        each sender go on. A failed wait raises (the sync then tells the senders to give up: `OwnerLink`)."""
+        if not owned:
+            return self.push_shards(own, version=None) if own is not None else 0
+        placed = self._place(own) if own is not None else None
+        self.wait_loaded()
+        # Each engine rank receives all of its parts at once: the round is due as their sum would be alone.
+        deadline = self.deadline(sum(max(bucket.rank_bytes) for bucket in owned)
+                                 + (max(own.rank_bytes) if own is not None else 0))
+        timeout_s = deadline - time.monotonic()
+        entries = [self._own_specs(own, placed, deadline)] if own is not None else []
+        entries += [[[_with_timeout(spec, timeout_s) for spec in ranks] for ranks in bucket.shards]
+                    for bucket in owned]
+        ranks = len(own.ranks) if own is not None else len(owned[0].rank_bytes)
+        payloads = self._payloads(entries, ranks)
+        self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
+            serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=None, flush_cache=False)),
+            deadline=deadline)
+        if own is not None:  # the engine ranks join rank 0's groups first, then the others'
+            self._join_own(ranks, deadline)
+        for bucket in owned:
+            if bucket.wire is not None:
+                bucket.wire()
+        if own is not None:
+            self._wire_own(placed, deadline)
+        self.wait_loaded()
+        for bucket in owned:
+            bucket.go()
+        return own.nbytes if own is not None else 0
+
+    def _payloads(self, entries: list[list[list[str]]], ranks: int) -> dict[str, list[str]]:
+        """{engine url: its per-rank payloads} of a round whose senders' entries are `entries` (`round_payloads`)."""
+        return dict(zip((c.url for c in self.clients), round_payloads(entries, len(self.clients), ranks)))
+
+    def _place(self, bucket: ShardedBucket) -> list:
+        """Each engine rank's part of `bucket` in its reused flat buffer (phase 'flatten')."""
+        with self.phase("flatten"):
+            if self.rank_buffers is None:
+                self.rank_buffers = [FlatBuffers() for _ in bucket.ranks]
+            return [buffers.place(part) for buffers, part in zip(self.rank_buffers, bucket.ranks)]
+
+    def _own_specs(self, bucket: ShardedBucket, placed: list, deadline: float) -> list[list[str]]:
+        """Per engine, per rank, the `receive_shard` entry of rank 0's part of `bucket` over rank 0's group r."""
+        ctx = self.context
+        if self.rank_groups is None:
+            self._ports = [free_port() for _ in bucket.ranks]
+        return shard_specs(bucket, placed, group=f"{ctx.group_name}_rank{{rank}}", connection=ctx.group_name,
+                           address=ctx.master_addr, ports=self._ports, engines=len(self.clients),
+                           backend=ctx.backend, timeout_s=deadline - time.monotonic())
+
+    def _join_own(self, ranks: int, deadline: float) -> None:
+        """Rank 0's groups with the engine ranks, joined at its first bucket (the engines are asked for it)."""
+        if self.rank_groups is not None:
+            return
+        from datetime import timedelta
+
+        left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        try:
+            self.rank_groups = self._join_rank_groups(ranks, timeout=left, deadline=deadline)
+        except Exception:
+            # An engine rank that failed the request never joined: its error is the cause. The others answer
+            # once their groups are gone (within LET_GO_S).
+            self._loading_deadline = time.monotonic() + LET_GO_S
+            self.wait_loaded()
+            raise
+
+    def _wire_own(self, placed: list, deadline: float) -> None:
+        """Broadcast each rank's part over its group, every group at once, waited for until `deadline`."""
         with self.phase("wire"):
             works = [collectives.broadcast(flat, src=0, group=group, async_op=True)
                      for (flat, _), group in zip(placed, self.rank_groups)]
             for work in works:
                 self.wait_work(work, deadline=deadline, what="the broadcast of a rank's part of a bucket")
-        if version is not None:
-            self.wait_loaded()
-        return bucket.nbytes
 
     def _join_rank_groups(self, tp: int, timeout=None, deadline: float = float("inf")) -> list:
         """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once; the
@@ -151,19 +206,8 @@ class BroadcastTransport(Transport):
 
     def push_owned(self, shards: list[list[str]], *, rank_bytes: list[int], go: Callable[[], None],
                    wire: Callable[[], None] | None = None) -> None:
-        """Post a bucket an expert owner broadcasts itself over per-rank groups of its own (`shards[e][r]`: engine e's
-        rank r's `receive_shard` entry, naming the owner's group r, `shard_payloads`): once every engine has been
-        asked, `wire()` tells the owner to broadcast it; once every engine has loaded it, `go()` tells the owner its
-        broadcast is done with. A failed wait raises (the sync then tells the owner to give up: `OwnerLink`)."""
-        self.wait_loaded()
-        payloads = {c.url: entries for c, entries in zip(self.clients, shards)}
-        self.loading(self.on_all(lambda c: c.update_weights_from_tensor(
-            serialized=payloads[c.url], load_format=SHARD_RECEIVER, weight_version=None, flush_cache=False)),
-            deadline=self.deadline(max(rank_bytes)))
-        if wire is not None:
-            wire()
-        self.wait_loaded()
-        go()
+        """A round of one other sender's bucket alone (`push_round`)."""
+        self.push_round(None, [Owned(shards, rank_bytes, go, wire)])
 
     def push_remote(self, meta: dict, *, nbytes: int, group_name: str, go: Callable[[], None]) -> None:
         """Ask every engine for a bucket that another rank broadcasts on its own group `group_name` (a pipeline
@@ -233,14 +277,12 @@ class BroadcastTransport(Transport):
         super().close()
 
 
-def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connection: str, address: str,
-                   ports: list[int], engines: int, backend: str, timeout_s: float) -> list[list[str]]:
-    """Per engine, per engine rank r, the `receive_shard` entry for rank r's part of `bucket` (`placed[r]`: its flat
-    buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous at
-    `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`, due within `timeout_s` (the
+def shard_specs(bucket: ShardedBucket, placed: list, *, group: str, connection: str, address: str,
+                ports: list[int], engines: int, backend: str, timeout_s: float) -> list[list[str]]:
+    """Per engine, per engine rank r, the `receive_shard` entry (JSON) for rank r's part of `bucket` (`placed[r]`: its
+    flat buffer and offsets) broadcast by a sender at `address` over its group r (`group.format(rank=r)`, rendezvous
+    at `ports[r]`; the sender at rank 0, engine e at 1 + e), of connection `connection`, due within `timeout_s` (the
     sender's bucket deadline: the engine rank gives the group up after it)."""
-    from slimish.weight_sync.tensor import serialize
-
     def spec(rank: int, engine: int) -> str:
         part, (flat, offsets) = bucket.ranks[rank], placed[rank]
         return json.dumps(dict(group=group.format(rank=rank), connection=connection, address=address,
@@ -250,9 +292,23 @@ def shard_payloads(bucket: ShardedBucket, placed: list, *, group: str, connectio
                                dtypes=[str(t.dtype).removeprefix("torch.") for t in part.tensors],
                                shapes=[list(t.shape) for t in part.tensors]))
 
+    return [[spec(rank, engine) for rank in range(len(bucket.ranks))] for engine in range(engines)]
+
+
+def round_payloads(entries: list[list[list[str]]], engines: int, ranks: int) -> list[list[str]]:
+    """Per engine, per engine rank r, the serialized `receive_shard` payload of a round: every sender's entry for
+    rank r (`entries[s][e][r]`, `shard_specs`), in sender order, each with a marker tensor (SGLang hands each rank
+    its entry of `serialized_named_tensors`)."""
+    from slimish.weight_sync.tensor import serialize
+
     marker = torch.zeros(1, device="cpu")
-    return [[serialize([(spec(rank, engine), marker)]) for rank in range(len(bucket.ranks))]
+    return [[serialize([(entry[engine][rank], marker) for entry in entries]) for rank in range(ranks)]
             for engine in range(engines)]
+
+
+def _with_timeout(spec: str, timeout_s: float) -> str:
+    """A sender's entry due within the round's `timeout_s` rather than its own bucket's."""
+    return json.dumps({**json.loads(spec), "timeout_s": timeout_s})
 
 
 def join_rank_groups(*, backend: str, address: str, ports: list[int], engines: int, group: str,

@@ -109,45 +109,53 @@ def load_shard_files(model, named_tensors) -> None:
 
 
 def receive_shard(model, named_tensors) -> None:
-    """Receive this rank's part of a bucket broadcast over its own group and load it by name. `named_tensors`:
-    [(JSON {"group", "connection", "address", "port", "world_size", "rank", "backend", "names", "dtypes", "shapes",
-    "offsets", "nbytes", "timeout_s"}, a marker tensor)] ("connection" absent: the group is a connection of its own;
-    "timeout_s" absent: unbounded, as before it was sent).
+    """Receive this rank's parts of a round of buckets, each broadcast by its sender over a group of its own, and load
+    them by name. `named_tensors`: [(JSON {"group", "connection", "address", "port", "world_size", "rank", "backend",
+    "names", "dtypes", "shapes", "offsets", "nbytes", "timeout_s"}, a marker tensor)], one entry per sender of the
+    round (rank 0 and the other senders, `slimish.weight_sync.owners`); "connection" absent: the group is a
+    connection of its own; "timeout_s" absent: unbounded, as before it was sent.
 
-    Bounded by the bucket's deadline, `timeout_s` from the call (the sender's own: weight_sync.bucket_timeout_s plus
-    the bytes at min_bandwidth_mib_s): the join's rendezvous, then the broadcast, issued asynchronously and polled.
-    A sender that never comes, never sends or dies leaves this rank with one error (the update request fails) and
-    the group aborted and forgotten (`_drop`), never stuck inside the collective: the engine serves the next
-    connection, whose groups have new names."""
+    The groups are joined in entry order (the same on every engine rank, so no two ranks wait on each other's
+    rendezvous), then every broadcast is issued at once and waited for together: a round's bytes come over as many
+    links as it has senders. Bounded by the round's deadline, `timeout_s` from the call (the sender's own:
+    weight_sync.bucket_timeout_s plus the bytes at min_bandwidth_mib_s): the joins' rendezvous, then the broadcasts,
+    issued asynchronously and polled. A sender that never comes, never sends or dies leaves this rank with one error
+    (the update request fails) and the round's groups aborted and forgotten (`_drop`), never stuck inside a
+    collective: the engine serves the next connection, whose groups have new names. Holds every part of the round at
+    once: its receive buffers are the round's bytes for this rank (at most one bucket per sender)."""
     import torch
 
-    ((spec, _),) = named_tensors
-    spec = json.loads(spec)
-    timeout_s = spec.get("timeout_s")
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    group = _join(spec)
-    device = next(model.parameters()).device
-    flat = torch.empty(spec["nbytes"], dtype=torch.uint8, device=device)
     from slimish import collectives
 
-    work = None
+    specs = [json.loads(spec) for spec, _ in named_tensors]
+    timeouts = [spec["timeout_s"] for spec in specs if spec.get("timeout_s") is not None]
+    deadline = time.monotonic() + max(timeouts) if timeouts else None
+    device = next(model.parameters()).device
+    flats, works = [], []
     try:
-        if timeout_s is not None:  # the group's own timeout stays behind the deadline: see `_receive`
-            torch.distributed.set_timeout(_own_timeout(timeout_s), group)
-        work = collectives.broadcast(flat, src=0, group=group, async_op=True)
-        _receive(work, deadline, spec)
+        groups = [_join(spec) for spec in specs]
+        for spec, group in zip(specs, groups):
+            flats.append(torch.empty(spec["nbytes"], dtype=torch.uint8, device=device))
+            if spec.get("timeout_s") is not None:  # the group's own timeout stays behind the deadline: `_receive`
+                torch.distributed.set_timeout(_own_timeout(spec["timeout_s"]), group)
+            works.append(collectives.broadcast(flats[-1], src=0, group=group, async_op=True))
+        for spec, work in zip(specs, works):
+            _receive(work, deadline, spec)
     except Exception:
-        _drop(spec, work)
+        for index, spec in enumerate(specs):
+            _drop(spec, works[index] if index < len(works) else None)
         raise
-    params = dict(model.named_parameters())
-    for name, dtype, shape, start in zip(spec["names"], spec["dtypes"], spec["shapes"], spec["offsets"]):
-        dtype = getattr(torch, dtype)
-        numel = 1
-        for size in shape:
-            numel *= size
-        tensor = flat[start:start + numel * dtype.itemsize].view(dtype).view(shape)
-        load_one(params, name, tensor, where=f"weight shard of group {spec['group']}: ")
-    post_load(model, [parse_slot(name)[0] for name in spec["names"]])
+    params, loaded = dict(model.named_parameters()), []
+    for spec, flat in zip(specs, flats):
+        for name, dtype, shape, start in zip(spec["names"], spec["dtypes"], spec["shapes"], spec["offsets"]):
+            dtype = getattr(torch, dtype)
+            numel = 1
+            for size in shape:
+                numel *= size
+            tensor = flat[start:start + numel * dtype.itemsize].view(dtype).view(shape)
+            load_one(params, name, tensor, where=f"weight shard of group {spec['group']}: ")
+            loaded.append(parse_slot(name)[0])
+    post_load(model, loaded)
 
 
 def _own_timeout(timeout_s: float):

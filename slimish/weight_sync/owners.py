@@ -267,15 +267,16 @@ class OwnerGroups:
                 raise RuntimeError(f"released while joining its groups with the engines: {self._reason}")
 
     def payloads(self, bucket: ShardedBucket, placed: list) -> list[list[str]]:
-        """Per engine, per engine rank, the `receive_shard` entry of rank r's part of `bucket` (`placed[r]`)."""
-        from slimish.weight_sync.broadcast import shard_payloads
+        """Per engine, per engine rank, the `receive_shard` entry (JSON) of rank r's part of `bucket` (`placed[r]`):
+        rank 0 puts it in a round's request beside the other senders' (`BroadcastTransport.push_round`)."""
+        from slimish.weight_sync.broadcast import shard_specs
 
         ctx = self.context
         if self.ports is None:
             self.ports = [free_port() for _ in bucket.ranks]
-        return shard_payloads(bucket, placed, group=self.name, connection=ctx.group_name, address=ctx.master_addr,
-                              ports=self.ports, engines=self.engines, backend=ctx.backend,
-                              timeout_s=self.timeout.total_seconds())
+        return shard_specs(bucket, placed, group=self.name, connection=ctx.group_name, address=ctx.master_addr,
+                           ports=self.ports, engines=self.engines, backend=ctx.backend,
+                           timeout_s=self.timeout.total_seconds())
 
     def send(self, placed: list) -> None:
         """Start broadcasting each rank's part (`placed[r]`) over group r (joined first, at the first bucket)."""

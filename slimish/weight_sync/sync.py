@@ -26,7 +26,7 @@ from slimish.weight_sync.disk import DiskTransport
 from slimish.weight_sync.sharding import EngineLayout, EngineShards
 from slimish.weight_sync.stages import StageLink
 from slimish.weight_sync.tensor import TensorTransport
-from slimish.weight_sync.transport import SyncReleased, Transport, TransportContext
+from slimish.weight_sync.transport import Owned, SyncReleased, Transport, TransportContext
 
 TRANSPORTS: dict[str, type[Transport]] = {"broadcast": BroadcastTransport, "tensor": TensorTransport,
                                           "disk": DiskTransport}
@@ -174,14 +174,18 @@ class WeightSync:
         stage_checksums, stage_phases = [], []
         pending, own_left, remote = None, True, list(stages)
         while own_left or remote:
-            # One bucket of this rank's, then one of each later stage's, in turn (every engine sees this order).
+            # A round: one bucket of this rank's and the next of each other sender that may be waited for (every
+            # engine sees this order). The sharded route posts the round's shards together (`push_round`).
+            own_now, owned = None, []
             if own_left:
                 bucket = next(own, None)
                 own_left = bucket is not None
                 if own_left:
                     # Hold one bucket back so the last one, which flips the version, is known when it is sent.
-                    if pending is not None:
+                    if pending is not None and self.layout is None:
                         push(pending, version=None)
+                    elif pending is not None:
+                        own_now = pending
                     pending = bucket
             for link in list(remote):
                 if not link.ready(own_left):  # its next bucket may wait on a gather that others hold up
@@ -192,9 +196,7 @@ class WeightSync:
                                                go=lambda link=link: link.reply(True))
                     count(message["nbytes"], sender=link.rank)
                 elif "shards" in message:
-                    self.transport.push_owned(message["shards"], rank_bytes=message["rank_bytes"],
-                                              go=lambda link=link: link.reply(True), wire=link.wire)
-                    count(message["nbytes"], rank_bytes=message["rank_bytes"], sender=link.rank)
+                    owned.append((link, message))
                 elif "done" in message:
                     remote.remove(link)
                     if message["done"] is not None:
@@ -202,6 +204,14 @@ class WeightSync:
                     stage_phases.append((link.label, message["phases"]))
                 else:
                     raise RuntimeError(message["failed"])
+            if owned or own_now is not None:
+                nbytes = self.transport.push_round(own_now, [
+                    Owned(message["shards"], message["rank_bytes"], go=lambda link=link: link.reply(True),
+                          wire=link.wire) for link, message in owned])
+                if own_now is not None:
+                    count(nbytes, rank_bytes=own_now.rank_bytes)
+                for link, message in owned:
+                    count(message["nbytes"], rank_bytes=message["rank_bytes"], sender=link.rank)
         if pending is not None:
             push(pending, version=version)
         if self.transport.bracketed:
@@ -218,7 +228,8 @@ class WeightSync:
                          for label, phases in stage_phases for key, seconds in phases.items()}
         per_rank = {f"sync_engine_rank{rank}_mib": received / 2**20 for rank, received in enumerate(sent["ranks"])}
         per_rank |= {f"sync_sent_rank{rank}_mib": nbytes / 2**20 for rank, nbytes in sent["senders"].items()}
-        return {"sync_buckets": sent["buckets"], "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
+        return {"sync_buckets": sent["buckets"], "sync_requests": self.transport.requests,
+                "sync_mib": sent["bytes"] / 2**20, "sync_senders": 1 + len(stages),
                 "sync_sharded": int(self.layout is not None),
                 "sync_expert_slots": int(self.layout is not None and self.layout.expert_slots), **per_rank,
                 "sync_checksums_predicted": int(expected is not None),

@@ -57,6 +57,18 @@ def keep_until_done(work, group) -> None:
     GIVEN_UP[:] = [(w, g) for w, g in GIVEN_UP if not w.is_completed()] + [(work, group)]
 
 
+@dataclass(frozen=True)
+class Owned:
+    """A bucket another sender staged itself (a later stage's leader or an expert owner, `slimish.weight_sync.owners`),
+    as rank 0 posts it: what names it per engine and engine rank (`shards`, by transport), its bytes per engine rank,
+    `go()` once the engines have loaded it (the sender may reuse what it staged), `wire()` once they have been asked
+    for it (broadcast: the sender broadcasts it then)."""
+    shards: object
+    rank_bytes: list[int]
+    go: Callable[[], None]
+    wire: Callable[[], None] | None = None
+
+
 class SyncReleased(RuntimeError):
     """A wait of the sync was given up: `release` was called, or a bucket outlived its deadline. `stalled_s`: how
     long the sync had made no progress when it was released (metric time_sync_stalled_s)."""
@@ -114,14 +126,14 @@ class Transport(ABC):
         self._loading: list[Future] = []  # the engines' answers to the bucket they are loading
         self._loading_keep: object = None  # what must stay alive until they have answered (a shared buffer)
         self._loading_deadline = float("inf")
-        self._buckets_asked = 0  # buckets the engines have been asked for (in_flight's index)
+        self.requests = 0  # weight-update requests the engines have been asked (a round is one; in_flight's index)
         self.given_up = None  # the collective `wait_work` gave up on, if any
         self.hung: list[str] = []  # engines `abort` found unable to let go (the job kills and restarts them)
 
     def start_sync(self) -> None:
-        """Before each sync's first bucket: the stall clock and the bucket count start over."""
+        """Before each sync's first bucket: the stall clock and the request count start over."""
         self.progress_at = time.monotonic()
-        self._buckets_asked = 0
+        self.requests = 0
 
     # ------------------------------------------------------------------------------ bounded waits
     def release(self, reason: str) -> None:
@@ -232,8 +244,8 @@ class Transport(ABC):
         Then `in_flight` (the test hook) runs: the engines have been asked for the bucket, which is not sent yet."""
         self._loading, self._loading_keep, self._loading_deadline = calls, keep, deadline
         if self.in_flight is not None:
-            self.in_flight(self._buckets_asked)
-        self._buckets_asked += 1
+            self.in_flight(self.requests)
+        self.requests += 1
 
     def wait_loaded(self) -> None:
         """Wait for the engines to answer the bucket they are loading (phase 'engine_load')."""
@@ -286,6 +298,16 @@ class Transport(ABC):
         it, by transport), and call `go` once the owner may drop or reuse what it staged. `wire`: called once the
         engines have been asked for it, for a transport whose owner then sends it (broadcast)."""
         raise NotImplementedError(f"{type(self).__name__} does not take experts from their owners")
+
+    def push_round(self, own: ShardedBucket | None, owned: list[Owned]) -> int:
+        """One round of the sharded sync from several senders (`slimish.weight_sync.owners`): rank 0's own bucket
+        `own` (None: none this round) and the next bucket of each other sender in `owned`. By default they are posted
+        one after the other; a transport whose engines can take them in one request does (broadcast: each engine
+        rank receives its part from every sender at once). Returns the bytes rank 0 staged."""
+        nbytes = self.push_shards(own, version=None) if own is not None else 0
+        for bucket in owned:
+            self.push_owned(bucket.shards, rank_bytes=bucket.rank_bytes, go=bucket.go, wire=bucket.wire)
+        return nbytes
 
     @abstractmethod
     def abort(self) -> None:

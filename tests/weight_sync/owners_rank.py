@@ -43,20 +43,22 @@ from slimish.config.engine_flags import SHARD_DIRECT, SHARD_LOADER, SHARD_RECEIV
 
 class RankParams:
     """What `receive_shard` loads into, in an engine rank process of the stand-in: a parameter (or a stacked
-    expert parameter, as many slots as the entry names) of each name and shape an entry `spec` names."""
+    expert parameter, as many slots as the entries name) of each name and shape the round's entries `specs` name."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, specs: list[dict]):
         from slimish.weight_sync.engine_loader import parse_slot
 
         shapes: dict[str, tuple] = {}
-        for name, dtype, shape in zip(spec["names"], spec["dtypes"], spec["shapes"]):
+        names, dtypes, shapes_of = ([item for spec in specs for item in spec[key]]
+                                    for key in ("names", "dtypes", "shapes"))
+        for name, dtype, shape in zip(names, dtypes, shapes_of):
             param, slot = parse_slot(name)
             if slot is None:
                 shapes[param] = (tuple(shape), dtype)
             else:
                 slots = max(slot + 1, shapes.get(param, ((0,), dtype))[0][0])
                 shapes[param] = ((slots, *shape), dtype)
-        self.names = spec["names"]
+        self.names = names
         self.params = {name: torch.nn.Parameter(torch.full(shape, float("nan"), dtype=getattr(torch, dtype),
                                                            device="cpu"), requires_grad=False)
                        for name, (shape, dtype) in shapes.items()}
@@ -93,6 +95,8 @@ def serve_rank(conn) -> None:
     def faulty_join(fault: str):
         def joined(spec):
             group = join(spec)
+            if "_owner" not in spec["group"]:  # a round may name rank 0's group first: the fault is the owner's
+                return group
             conn.send(("frozen" if fault == "freeze" else "dying", os.getpid()))
             if fault == "die":
                 os._exit(1)
@@ -110,7 +114,7 @@ def serve_rank(conn) -> None:
                 continue
             engine_loader._join = faulty_join(message[2]) if len(message) > 2 else join
             named = pickle.loads(base64.b64decode(message[1]))
-            model = RankParams(json.loads(named[0][0]))
+            model = RankParams([json.loads(spec) for spec, _ in named])
             engine_loader.receive_shard(model, named)
             buffer = io.BytesIO()
             torch.save(model.loaded(), buffer)
@@ -171,8 +175,11 @@ class Engine:
         """Broadcast: each rank process receives its own entry (`serve_rank`). A fault fails engine rank 1 before it
         joins its group (as an engine rank that died would); rank 0 takes its part, or fails once the sender gives up
         on the group it cannot complete."""
-        specs = [json.loads(_Peek(io.BytesIO(base64.b64decode(payload))).load()[0][0]) for payload in serialized]
-        owners = "_owner" in specs[1]["group"] and any(name.endswith("]") for name in specs[1]["names"])
+        # Per engine rank, the round's entries (one per sender): the faults are the owners' buckets' for rank 1.
+        specs = [[json.loads(spec) for spec, _ in _Peek(io.BytesIO(base64.b64decode(payload))).load()]
+                 for payload in serialized]
+        owners = any("_owner" in spec["group"] and any(name.endswith("]") for name in spec["names"])
+                     for spec in specs[1])
         failing = self.fail == "first" or (self.fail == "owner" and owners)
         mid_broadcast = self.fail in ("frozen", "killed") and owners
         if failing or mid_broadcast:

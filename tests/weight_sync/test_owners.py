@@ -147,6 +147,8 @@ def test_each_stage_sends_its_own_layers_and_each_owner_its_experts(tiny_moe_mod
     assert sum(v for k, v in o.items() if k.startswith("sync_sent_rank")) == pytest.approx(f["sync_mib"])
     assert o["sync_sent_rank0_mib"] < f["sync_sent_rank0_mib"] / 2  # stage 1, and EP rank 1's experts, elsewhere
     assert o["sync_checksums_predicted"] == 1 and o["sync_sharded"] == 1
+    if transport == "broadcast":  # rounds: one request names every sender's next bucket
+        assert o["sync_requests"] < o["sync_buckets"] and f["sync_requests"] == f["sync_buckets"], o
     for fault in faults:
         assert "this bucket fails" in result[fault]["failed"] or "by its deadline" in result[fault]["failed"], fault
         assert_same_held(result, fault)
