@@ -182,8 +182,7 @@ def sync_route(cfg, arch) -> str | None:
     alone). The tensor transport's all-on-one-node condition is not checked (it has no wire estimate)."""
     par, ws, engine = cfg.parallel, cfg.weight_sync, cfg.rollout.engine
     ep = par.expert_parallel
-    moe = getattr(arch, "moe", None)
-    fits = (ep > 1 and moe is not None and moe.num_experts % ep == 0
+    fits = (ep > 1 and arch.moe is not None and arch.moe.num_experts % ep == 0
             and (not ws.verify or engine.device != "cpu" or engine.expert_parallel % ep == 0))
     if fits:
         return "owned"
