@@ -5,7 +5,7 @@ from __future__ import annotations
 from slimish.config.validate import offload_fraction
 from slimish.planning.memory import GB, colocated_gpu, engine_gpu, layout, trainer_rank
 from slimish.planning.params import ParamCount, count_params
-from slimish.planning.walls import ADVICE, COLOCATED_ADVICE, step_walls
+from slimish.planning.walls import ADVICE, COLOCATED_ADVICE, plan_backend, step_walls, sync_estimate
 
 
 def plan_text(cfg, hf_config: dict) -> str:
@@ -144,4 +144,30 @@ def _walls(cfg, arch, params: ParamCount) -> list[str]:
            else "run one after another")
     lines.append(f"binding wall: {binding} ({walls.seconds()[binding]:.1f} s of {walls.step_seconds():.1f} s per "
                  f"step, {how}); to move it: {(COLOCATED_ADVICE if cfg.placement.colocate else ADVICE)[binding]}")
-    return lines
+    return lines + (_sync_lines(cfg, arch, params) if walls.sync is not None else [])
+
+
+ROUTE_WORDS = {"stages": "each pipeline stage's leader its stage (its experts, if any, gathered to it first)",
+               "owned": "each stage's leader its stage outside the experts, each expert-parallel rank's owner its "
+                        "own experts"}
+
+
+def _sync_lines(cfg, arch, params: ParamCount) -> list[str]:
+    """One sync's wire seconds both ways (`sync_estimate`): full, and sharded with its senders and route; which one
+    the config takes, and, where it takes the full one but could shard, the setting that shards."""
+    est = sync_estimate(cfg, arch, params)
+    ws, plan = cfg.weight_sync, cfg.plan
+    link = (f"{plan.nic_gbit_s:g} Gb/s per GPU" if ws.transport == "broadcast" else
+            f"{plan.fs_write_gbyte_s:g} GB/s per writer, {plan.fs_read_gbyte_s:g} GB/s per reader")
+    lines = ["", f"one {ws.transport} sync, wire seconds ({link}; docs/weight-sync.md, \"At scale, on paper\"):",
+             f"  full    {est.full:9.1f}   (every engine rank receives the whole model)"]
+    if est.sharded is None:
+        return [*lines, "  sharded       -     (not here: engines of one rank, or DP attention)"]
+    senders = ("one sender, trainer rank 0" if est.route is None else
+               f"{est.senders} senders, route \"{est.route}\": {ROUTE_WORDS[est.route]}")
+    lines.append(f"  sharded {est.sharded:9.1f}   (each engine rank its shard; {senders})")
+    if est.taken == "sharded":
+        return [*lines, f"  taken: sharded (weight_sync.sharded={ws.sharded})"]
+    why = ("weight_sync.sharded=off; auto or on shards it" if ws.sharded == "off" else
+           f"weight_sync.sharded=auto keeps the full path over {plan_backend(cfg).upper()}; on shards it")
+    return [*lines, f"  taken: full ({why})"]

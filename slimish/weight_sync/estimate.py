@@ -11,23 +11,36 @@ The model is the wire only: control calls, export gathers and the engines' copy 
              (slimish.weight_sync.stages) take turns on the wire. Without them (`stage_senders=False`) trainer rank 0
              first takes in the later pipeline stages' share of the model, on the thread that sends (counted here as
              not overlapped).
-             Sharded (`engine_shards` = the engines' tensor-parallel size t, weight_sync.sharded): engine rank r of
-             every engine receives only its shard, over a group of its own (group r: the sender and rank r of each
-             engine), the t groups at once. Their sender is one trainer rank, so the assumption here is its one NIC:
-             the t groups share it, and the sync takes every rank's payload (the model, plus t - 1 more copies of what
-             SGLang replicates) / NIC bandwidth, no less than full. Groups whose senders are the t trainer ranks that
-             hold the shards, on t NICs, would take 1/t of that (not built).
+             Sharded from one sender (`engine_shards` = the engines' tensor-parallel size t, `route` None): engine
+             rank r of every engine receives only its shard, over a group of its own (group r: the sender and rank r
+             of each engine), the t groups at once. Their sender is one trainer rank, so the assumption here is its
+             one NIC: the t groups share it, and the sync takes every rank's payload (the model, plus t - 1 more
+             copies of what SGLang replicates) / NIC bandwidth, no less than full.
+             Sharded from several senders (`route` "stages" or "owned", as `WeightSender._senders_route` picks it;
+             `several_senders` says who sends what): every sender broadcasts its own bytes over per-rank groups of its
+             own, and each round rank 0 asks every engine for the next bucket of every ready sender at once, each
+             engine rank receiving its part from all of them concurrently. A round then takes the longer of the
+             busiest sender's bucket over its NIC and one engine rank's parts over its own; the rounds add up to
+             max(busiest sender's bytes, one engine rank's payload) / NIC bandwidth. Assumed: one NIC per GPU (NCCL
+             gives a rank's communicators the NIC nearest its GPU), every sender on a GPU of its own, buckets of about
+             one size (the senders stay busy in every round), and the senders' export gathers within a node
+             (NVLink, not counted).
   disk       the sender writes every byte to a shared filesystem, then every engine reads it all: bytes / write
              bandwidth + bytes / (read bandwidth per engine), engines reading in parallel. Sharded (`engine_shards`):
              each engine rank reads only its own files, 1 / t of the bytes, the ranks in parallel at the read
-             bandwidth each; the writer writes every rank's payload.
+             bandwidth each; the one writer writes every rank's payload, or, from several senders, each sender writes
+             its own bytes at the write bandwidth, the senders in parallel (the busiest one's seconds).
   experts    with expert parallelism E in the trainer (`expert_bytes`, `expert_parallel`), every expert reaches its
              stage's leader before it is sent: the experts of expert-parallel ranks 1..E-1 travel to rank 0 one
              tensor at a time on the thread that sends (`full_export._stage_tensors`); those from other nodes
-             (`expert_funnel_bytes`) cross the leader's NIC, counted as not overlapped, on both transports.
+             (`expert_funnel_bytes`) cross the leader's NIC, counted as not overlapped, on both transports. On the
+             "stages" route the same holds per stage: each stage's experts cross to that stage's leader (its own
+             NIC, the stages in parallel). On the "owned" route no expert moves before it is sent: each
+             expert-parallel rank's owner sends its own.
 
 What SGLang replicates on every engine rank (norms, routers) is counted when given as `replicated_bytes`; `plan`
-gives 0: under 0.1% of a large model. `tensor` (one node, memory handles) has no wire.
+gives 0: under 0.1% of a large model (from several senders it is counted on the stages' leaders, in proportion to
+their parts outside the experts). `tensor` (one node, memory handles) has no wire.
 
 `cpu_sync_seconds` models the other end: one CPU node, where a sync is copies, checksums, a loopback broadcast,
 page-cache files and engine requests (`Machine`, rates the bench measures in the same run), for the bytes a sync
@@ -54,25 +67,98 @@ class Cluster:
     gpus_per_node: int = 8           # NVLink within a node: expert hops there are not counted (an order faster)
 
 
+ROUTES = ("stages", "owned")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageBytes:
+    """One pipeline stage's share of the model: `dense` outside the routed experts (embedding, attention, norms,
+    dense and shared MLPs, routers, output layer), `experts` its routed experts."""
+    dense: float
+    experts: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sender:
+    """One trainer rank sending on a several-senders route: `role` "leader" (a pipeline stage's leader) or "owner"
+    (an expert-parallel rank's owner of its experts), `stage` its pipeline stage, `out_bytes` what it sends (every
+    engine rank's part of what it holds, over its own NIC or written by it), `in_bytes` what reaches it from other
+    nodes before it sends (the "stages" route's experts, `expert_funnel_bytes`)."""
+    role: str
+    stage: int
+    out_bytes: float
+    in_bytes: float = 0.0
+
+
+def even_stages(model_bytes: float, *, pipeline_parallel: int, expert_bytes: float = 0.0) -> list[StageBytes]:
+    """The model split evenly over `pipeline_parallel` stages (where the caller has no per-stage counts)."""
+    pp = max(1, pipeline_parallel)
+    return [StageBytes(dense=(model_bytes - expert_bytes) / pp, experts=expert_bytes / pp)] * pp
+
+
+def several_senders(route: str, stages: list[StageBytes], *, expert_parallel: int = 1,
+                    expert_tensor_parallel: int = 1, engine_shards: int = 1, replicated_bytes: float = 0.0,
+                    cluster: Cluster = Cluster()) -> list[Sender]:
+    """Who sends what on the sharded route's several senders (`WeightSender._senders_route`):
+
+    - "stages": each stage's leader its whole stage (`export_stage_hf_tensors`), the stage's experts of other nodes
+      reaching it first over its NIC (`expert_funnel_bytes` of the stage's experts);
+    - "owned": each stage's leader its stage outside the experts and its own expert-parallel rank's experts, and the
+      owner of each other expert-parallel rank of the stage its own experts (`export_owned_hf_tensors`): pipeline
+      stages x `expert_parallel` senders, nothing funnelled.
+
+    What SGLang replicates (`replicated_bytes`, whole on each of `engine_shards` engine ranks) goes t times, from the
+    leaders, shared out in proportion to their parts outside the experts."""
+    if route not in ROUTES:
+        raise ValueError(f"no several-senders route {route!r}; known: {', '.join(map(repr, ROUTES))}")
+    dense = sum(stage.dense for stage in stages) or 1.0
+    extra = replicated_bytes * (max(1, engine_shards) - 1)
+    senders = []
+    for s, stage in enumerate(stages):
+        leader = stage.dense + extra * stage.dense / dense
+        if route == "stages":
+            funnel = expert_funnel_bytes(stage.experts, expert_parallel=expert_parallel,
+                                         expert_tensor_parallel=expert_tensor_parallel, cluster=cluster)
+            senders.append(Sender(role="leader", stage=s, out_bytes=leader + stage.experts, in_bytes=funnel))
+            continue
+        own = stage.experts / max(1, expert_parallel)
+        senders.append(Sender(role="leader", stage=s, out_bytes=leader + own))
+        senders += [Sender(role="owner", stage=s, out_bytes=own) for _ in range(max(1, expert_parallel) - 1)]
+    return senders
+
+
 def sync_seconds(model_bytes: float, *, transport: str, cluster: Cluster = Cluster(), pipeline_parallel: int = 1,
                  stage_senders: bool = True, engine_shards: int = 1, replicated_bytes: float = 0.0,
-                 expert_bytes: float = 0.0, expert_parallel: int = 1, expert_tensor_parallel: int = 1) -> float:
+                 expert_bytes: float = 0.0, expert_parallel: int = 1, expert_tensor_parallel: int = 1,
+                 route: str | None = None, stages: list[StageBytes] | None = None) -> float:
     """Seconds on the wire to move `model_bytes` to every engine with `transport` (see the module docstring);
     `engine_shards` > 1: the sharded sync to engines of that many tensor-parallel ranks, of which every rank holds
     `replicated_bytes` whole (`payload`; 0, as `slimish plan` passes it, is the 1/t split); `expert_bytes` of the
     model are routed experts, spread over `expert_parallel` trainer ranks (each expert split over
-    `expert_tensor_parallel`)."""
+    `expert_tensor_parallel`). `route` ("stages" or "owned", with `engine_shards` > 1): the sharded sync from
+    several senders (`several_senders`), `stages` each pipeline stage's bytes (None: `even_stages` of
+    `pipeline_parallel`); None: one sender (rank 0, or broadcast's whole-stage senders taking turns)."""
+    if transport not in ("broadcast", "disk"):
+        raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
     link = cluster.nic_gbit_s / 8 * GB
+    load = payload(model_bytes, engine_tp=engine_shards, sharded=engine_shards > 1, replicated_bytes=replicated_bytes)
+    if route is not None and engine_shards > 1:
+        stages = stages or even_stages(model_bytes, pipeline_parallel=pipeline_parallel, expert_bytes=expert_bytes)
+        senders = several_senders(route, stages, expert_parallel=expert_parallel,
+                                  expert_tensor_parallel=expert_tensor_parallel, engine_shards=engine_shards,
+                                  replicated_bytes=replicated_bytes, cluster=cluster)
+        if transport == "broadcast":
+            return max(max((s.out_bytes + s.in_bytes) / link for s in senders), load.rank_bytes / link)
+        write = cluster.fs_write_gbyte_s * GB
+        return max(s.out_bytes / write + s.in_bytes / link for s in senders) \
+            + load.rank_bytes / (cluster.fs_read_gbyte_s * GB)
     experts = expert_funnel_bytes(expert_bytes, expert_parallel=expert_parallel,
                                   expert_tensor_parallel=expert_tensor_parallel, cluster=cluster) / link
-    load = payload(model_bytes, engine_tp=engine_shards, sharded=engine_shards > 1, replicated_bytes=replicated_bytes)
     if transport == "broadcast":
         funnel = 0.0 if stage_senders else model_bytes * (pipeline_parallel - 1) / pipeline_parallel / link
         return load.sender_bytes / link + funnel + experts
-    if transport == "disk":
-        return load.sender_bytes / (cluster.fs_write_gbyte_s * GB) + load.rank_bytes / (cluster.fs_read_gbyte_s * GB) \
-            + experts
-    raise ValueError(f"no estimate for transport {transport!r}; known: 'broadcast', 'disk'")
+    return load.sender_bytes / (cluster.fs_write_gbyte_s * GB) + load.rank_bytes / (cluster.fs_read_gbyte_s * GB) \
+        + experts
 
 
 def expert_funnel_bytes(expert_bytes: float, *, expert_parallel: int, expert_tensor_parallel: int = 1,

@@ -5,10 +5,12 @@ import pytest
 from slimish.weight_sync.estimate import (
     Cluster,
     Machine,
+    StageBytes,
     cpu_sync_seconds,
     cpu_sync_terms,
     cpu_sync_work,
     payload,
+    several_senders,
     sync_seconds,
 )
 
@@ -62,6 +64,84 @@ def test_experts_from_other_nodes_reach_the_stage_leader_first():
                         expert_tensor_parallel=2) == plain
     assert sync_seconds(100e9, transport="disk", expert_bytes=80e9, expert_parallel=16) == \
         pytest.approx(sync_seconds(100e9, transport="disk") + 40e9 / link)
+
+
+LINK = Cluster().nic_gbit_s / 8 * 1e9  # 50 GB/s
+
+
+def test_several_senders_take_the_busiest_senders_bytes_or_one_engine_ranks_whichever_is_more():
+    """Every sender's bucket on the wire at once, each engine rank receiving from all of them: the sync takes
+    max(busiest sender's bytes, one engine rank's shard) over one link. Seven stage leaders of 812 GB, TP8 engines:
+    the busiest stage's 119 GB (not 812); over TP2 engines each rank's half (406 GB) binds instead."""
+    stages = [StageBytes(dense=119e9)] + [StageBytes(dense=(812e9 - 2 * 119e9) / 5)] * 5 + [StageBytes(dense=119e9)]
+    assert sync_seconds(812e9, transport="broadcast", engine_shards=8, route="stages", stages=stages) == \
+        pytest.approx(119e9 / LINK)
+    assert sync_seconds(812e9, transport="broadcast", engine_shards=2, route="stages", stages=stages) == \
+        pytest.approx(406e9 / LINK)
+    # Stages not given: the model split evenly over pipeline_parallel.
+    assert sync_seconds(700e9, transport="broadcast", engine_shards=8, route="stages", pipeline_parallel=7) == \
+        pytest.approx(100e9 / LINK)
+
+
+def test_one_sender_routes_keep_their_figures():
+    """The full route, and the sharded route without several senders (route None) or over engines of one rank,
+    give what they gave before: one sender's link carries the model."""
+    one = sync_seconds(LLAMA_405B_BF16, transport="broadcast")
+    assert sync_seconds(LLAMA_405B_BF16, transport="broadcast", pipeline_parallel=7, route="stages") == one
+    assert sync_seconds(LLAMA_405B_BF16, transport="broadcast", engine_shards=8, pipeline_parallel=7) == \
+        pytest.approx(one)
+    with pytest.raises(ValueError, match="known"):
+        several_senders("everyone", [StageBytes(dense=1.0)])
+
+
+def test_on_the_stages_route_each_stages_experts_reach_its_own_leader_first():
+    """DeepSeek-V3's layout (EP4 of ETP8: one expert-parallel rank per node): each stage's leader first takes in
+    3/4 of its own stage's experts over its own link, the stages in parallel (counted before it sends, as on the
+    full route)."""
+    stages = [StageBytes(dense=10e9, experts=300e9)] * 4
+    senders = several_senders("stages", stages, expert_parallel=4, expert_tensor_parallel=8, engine_shards=16)
+    assert [(s.role, s.out_bytes, s.in_bytes) for s in senders] == [("leader", 310e9, 225e9)] * 4
+    assert sync_seconds(1240e9, transport="broadcast", engine_shards=16, route="stages", stages=stages,
+                        expert_parallel=4, expert_tensor_parallel=8) == pytest.approx((310e9 + 225e9) / LINK)
+    # EP4 of ETP2 shares the leader's node: nothing crosses its NIC first.
+    assert sync_seconds(1240e9, transport="broadcast", engine_shards=16, route="stages", stages=stages,
+                        expert_parallel=4, expert_tensor_parallel=2) == pytest.approx(310e9 / LINK)
+
+
+def test_on_the_owned_route_every_expert_parallel_rank_sends_its_own_experts():
+    """pp x ep senders: a stage's leader its parts outside the experts and its own quarter of the experts, the three
+    other owners a quarter each; nothing funnelled. The leader binds (85 GB) over the engine rank (1240 / 16)."""
+    stages = [StageBytes(dense=10e9, experts=300e9)] * 4
+    senders = several_senders("owned", stages, expert_parallel=4, expert_tensor_parallel=8, engine_shards=16)
+    assert len(senders) == 16 and sum(s.out_bytes for s in senders) == pytest.approx(1240e9)
+    assert [(s.role, s.out_bytes) for s in senders[:4]] == [("leader", 85e9)] + [("owner", 75e9)] * 3
+    assert all(s.in_bytes == 0 for s in senders)
+    assert sync_seconds(1240e9, transport="broadcast", engine_shards=16, route="owned", stages=stages,
+                        expert_parallel=4, expert_tensor_parallel=8) == pytest.approx(85e9 / LINK)
+
+
+def test_several_disk_writers_write_at_once_then_each_engine_rank_reads_its_shard():
+    """Each sender writes its own bytes at the write bandwidth, the senders in parallel; then each engine rank reads
+    1/t at the read bandwidth; a stage's experts funnelled to its leader cross its link first."""
+    cluster = Cluster(fs_write_gbyte_s=10, fs_read_gbyte_s=5)
+    stages = [StageBytes(dense=30e9), StageBytes(dense=10e9)]
+    assert sync_seconds(40e9, transport="disk", cluster=cluster, engine_shards=4, route="stages", stages=stages) == \
+        pytest.approx(3.0 + 2.0)
+    moe = [StageBytes(dense=10e9, experts=40e9)] * 2
+    assert sync_seconds(100e9, transport="disk", cluster=cluster, engine_shards=4, route="stages", stages=moe,
+                        expert_parallel=16, expert_tensor_parallel=1) == pytest.approx(5.0 + 20e9 / LINK + 5.0)
+    assert sync_seconds(100e9, transport="disk", cluster=cluster, engine_shards=4, route="owned", stages=moe,
+                        expert_parallel=4) == pytest.approx(2.0 + 5.0)
+
+
+def test_the_replicated_tensors_go_t_times_from_the_leaders():
+    """What every engine rank holds whole leaves each leader t times, shared in proportion to its stage's parts
+    outside the experts; each engine rank receives its 1/t of the rest plus all of it."""
+    stages = [StageBytes(dense=30e9), StageBytes(dense=10e9)]
+    senders = several_senders("stages", stages, engine_shards=8, replicated_bytes=2e9)
+    assert [s.out_bytes for s in senders] == [pytest.approx(30e9 + 7 * 1.5e9), pytest.approx(10e9 + 7 * 0.5e9)]
+    assert sync_seconds(40e9, transport="broadcast", engine_shards=8, replicated_bytes=2e9, route="stages",
+                        stages=stages) == pytest.approx((30e9 + 7 * 1.5e9) / LINK)
 
 
 # ------------------------------------------------------------------------------------ the CPU model's arithmetic
