@@ -362,12 +362,13 @@ class WeightSyncConfig:
         "auto", "Send each engine tensor-parallel rank only the parameters it holds, in SGLang's layout (loaded by "
                 "name), instead of the whole model to every rank: 'auto' = where the engines have tensor_parallel > 1 "
                 "and the model's engine layout is known (not under DP attention), with every transport ('broadcast': "
-                "per-rank groups, on gloo and without stage senders); 'on' = always, an error where it cannot; "
+                "per-rank groups, on gloo); 'on' = always, an error where it cannot; "
                 "'off' = the whole model to every rank.")
-    stage_senders: bool = doc(True, "With the 'broadcast' transport and parallel.pipeline_parallel > 1, every "
-                                    "pipeline stage broadcasts its own layers over a group of its own (the stages take "
-                                    "turns on the wire); false = the later stages send theirs through trainer rank 0. "
-                                    "The other transports always send through rank 0.")
+    stage_senders: bool = doc(True, "With parallel.pipeline_parallel > 1, every pipeline stage sends its own layers: "
+                                    "on the sharded route (weight_sync.sharded) with every transport, each stage's "
+                                    "shards from its own buffers, segments or files; on the full route with the "
+                                    "'broadcast' transport, over a group of its own (the stages take turns on the "
+                                    "wire); false = the later stages send theirs through trainer rank 0.")
     master_port: int = doc(0, "TCP port of the store of the first trainer<->engines weight-update group, on "
                               "trainer rank 0's node address (loopback on a local Ray); 0 = a free one. Groups "
                               "rebuilt after an engine restart, and pipeline stage senders' groups, take free ports.")

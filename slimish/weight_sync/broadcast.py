@@ -8,7 +8,7 @@ bucket is exported and flattened meanwhile, and the next `push` waits for the en
 at most two buckets are alive on the sender (the one being loaded has already left it), flattened into two reused
 buffers (`FlatBuffers`), and the last bucket, which flips the version, is waited for before `push` returns.
 
-Sharded (`weight_sync.sharded`; auto picks it on gloo without stage senders, see `shards_under_auto`): engine rank r
+Sharded (`weight_sync.sharded`; auto picks it on gloo, see `shards_under_auto`): engine rank r
 of every engine and the sender form a group of their own (group r: the sender at rank 0, engine e at rank 1 + e),
 joined by slimish's engine-side loader (`slimish.weight_sync.engine_loader.receive_shard`, registered by
 --custom-weight-loader) at the first bucket. Per bucket every engine is asked (`/update_weights_from_tensor`, that
@@ -17,8 +17,9 @@ every group at once: each engine rank receives only its own parameters. Overlapp
 (a given-up bucket destroys the sender's side of every group, NCCL's aborted; a release ends even the groups' join);
 a group's engine side ends by itself at the bucket's deadline, which each entry carries, if its receive has not
 (`receive_shard`), and is dropped when that engine joins a later connection's (new names: a restarted engine joins
-new groups at the next sync). The job-level
-engine-crash test runs on it (tests/e2e/test_engine_crash.py)."""
+new groups at the next sync). With several senders (`slimish.weight_sync.owners`) a request is a round
+(`push_round`): every sender's next bucket, each engine rank receiving its parts from all of them at once. The
+job-level engine-crash test runs on it (tests/e2e/test_engine_crash.py, from two senders)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,32 @@
-"""Experts straight from the trainer ranks that own them (the owners' route: trainer expert parallelism > 1, a
-sharded sync with expert slots, any transport, no pipeline parallelism).
+"""Several senders of the sharded sync: every later pipeline stage's leader sends its own stage, and with trainer
+expert parallelism each expert goes from the trainer rank that owns it (any transport; rank 0 picks the route at
+connect, `WeightSender._senders_route`).
 
-Without it every expert travels from its expert-parallel (EP) rank to EP rank 0 and on, from rank 0, to the
-engines. With it, each owner (ETP rank 0 of an EP rank of the source replica, `export_owned_hf_tensors`) cuts its
-own experts into the engine ranks' slots (`EngineShards` with `expert_slots`), stages them itself and hashes them
-(`ExpectedChecksums.add_shard`); only what names the staged bytes travels to rank 0, over the EP group:
-- `tensor`: per engine and engine rank, a pickle of handles to the owner's own shared segments (`stage_shards`);
-- `disk`: the paths of the owner's own per-rank safetensors files;
-- `broadcast`: per engine and engine rank r, the `receive_shard` entry naming the owner's own group r (the owner at
-  rank 0, rank r of every engine after it: `OwnerGroups`), which the owner broadcasts rank r's part over once rank 0
-  has posted the request; no expert byte passes rank 0.
-Rank 0 posts every request to the engines, for its own buckets and for the owners' (an SGLang engine serves
+Without them every expert travels from its expert-parallel (EP) rank to EP rank 0, every later stage's tensors to
+rank 0, and on, from rank 0, to the engines. With them, each sender (a stage's leader, or ETP rank 0 of an EP rank of
+the source replica: `export_owned_hf_tensors`, or on the "stages" route a stage's leader with its whole stage,
+`export_stage_hf_tensors`) cuts its tensors into the engine ranks' parts (`EngineShards`, experts into their slots),
+stages them itself and hashes them (`ExpectedChecksums.add_shard`); only what names the staged bytes travels to
+rank 0, over a gloo group of every rank (`WeightSender._control_group`):
+- `tensor`: per engine and engine rank, a pickle of handles to the sender's own shared segments (`stage_shards`);
+- `disk`: the paths of the sender's own per-rank safetensors files;
+- `broadcast`: per engine and engine rank r, the `receive_shard` entry naming the sender's own group r (the sender
+  at rank 0, rank r of every engine after it: `OwnerGroups`), which the sender broadcasts rank r's part over once
+  rank 0 has posted the request; none of its bytes pass rank 0.
+Rank 0 posts every request to the engines, for its own buckets and for the other senders' (an SGLang engine serves
 weight-update requests one at a time, in arrival order: one poster keeps every engine in the same order, see
-`slimish.weight_sync.stages`). Rank 0 takes the owners' buckets once its own export has ended: the export gathers
-the parameters outside the experts first, over TP groups the owners may share with rank 0, and an owner waiting
-for rank 0's answer must not hold up one of those gathers.
+`slimish.weight_sync.stages`), in rounds: its own next bucket and the next of every sender it may wait for
+(`OwnerLink.ready`); over `broadcast` one request per round, each engine rank receiving from every sender of the
+round at once (`BroadcastTransport.push_round`). Which senders it may wait for: a stage's export gathers the
+parameters outside the experts first, over TP groups its owners may share with the stage's leader (rank 0 for the
+first stage), and a sender waiting for rank 0's answer must not hold up one of those gathers that another sender,
+which rank 0 waits for, is in. So the first stage's owners are waited for once rank 0's own export has ended, a
+later stage's owners once their leader's export has passed those gathers (`OwnedExport.dense_over`, in its
+messages), a later stage's leader from the start.
 
-Messages over the EP group, between rank 0 and an owner (the stage senders' exchange, `StageLink`):
-  owner -> rank 0   {"shards": what names the bucket, "nbytes": n, "rank_bytes": [per engine rank]}
+Messages over the control group, between rank 0 and a sender (the stage senders' exchange, `StageLink`):
+  owner -> rank 0   {"shards": what names the bucket, "nbytes": n, "rank_bytes": [per engine rank],
+                     "dense_over": its export has passed its stage's parameters outside the experts}
   rank 0 -> owner   True | False     the engines have loaded it (its segments may be reused) | give up
                                      (broadcast: the engines have been asked for it, broadcast it now | give up;
                                      then once more: the engines have loaded it | give up, and close the groups,

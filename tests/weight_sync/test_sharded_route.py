@@ -1,5 +1,5 @@
 """Which route the sender takes (`WeightSender.sharded_layout`, weight_sync.sharded): sharded where the engines have
-several tensor-parallel ranks, the transport sends shards (broadcast: on gloo, without stage senders) and SGLang
+several tensor-parallel ranks, the transport sends shards (broadcast: on gloo) and SGLang
 loads the layout by name; the full model otherwise; 'on' where the sharded route cannot run is a one-line
 ConfigError naming the key, at check-config where the config alone tells (DP attention), at connect where the
 engines tell (the model's MLA, an engine without slimish's loader, MLA over tensor without slimish's load_by_name)."""
