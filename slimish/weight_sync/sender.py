@@ -224,16 +224,19 @@ class WeightSender:
         experts: `export_owned_hf_tensors`), "stages" (each stage's leader its whole stage, the experts gathered to
         it: `export_stage_hf_tensors`) or None (rank 0 sends everything, or broadcast's stage senders the whole
         model). Both need the sharded route. The owners need `owners_fit` (checksums an owner can predict); the
-        stages need weight_sync.stage_senders. Over tensor the engines map the senders' memory: every sender on rank
-        0's node, as the engines are."""
+        stages, and the owners with pipeline parallelism, need weight_sync.stage_senders. Over tensor the engines
+        map the senders' memory: every sender on rank 0's node, as the engines are."""
         from slimish.weight_sync.owners import owners_fit
 
         layout = self.sharded_layout(sharding)
         if layout is None:
             return None
         predicted = self._expected_checksums(sharding) is not None
-        route = ("owned" if self.expert_parallel > 1 and owners_fit(layout, self.expert_parallel, predicted=predicted)
-                 else "stages" if self.pipeline_parallel > 1 and self.cfg.weight_sync.stage_senders else None)
+        stages = self.pipeline_parallel > 1 and self.cfg.weight_sync.stage_senders
+        # Owners send from every stage, so with pipeline parallelism they need stage senders too.
+        owners = (self.expert_parallel > 1 and (self.pipeline_parallel == 1 or stages)
+                  and owners_fit(layout, self.expert_parallel, predicted=predicted))
+        route = "owned" if owners else "stages" if stages else None
         if route and self.cfg.weight_sync.transport == "tensor" and any(
                 info["node"] != ranks[0]["node"] for info in ranks if info[_SENDS[route]]):
             return None

@@ -55,6 +55,47 @@ def test_the_route(tmp_path, overrides, sharding, sharded):
         assert layout.sharding == sharding
 
 
+def test_the_senders_route(tmp_path, monkeypatch):
+    """With pipeline parallelism on the sharded route, every stage's leader sends its stage ("stages"), and with
+    trainer expert parallelism each owner its experts ("owned": with checksums only where an owner can predict them,
+    `owners_fit`; with pipeline parallelism only with stage senders); off the sharded route (NCCL under 'auto') no
+    route of several senders, and broadcast's stage senders send the whole model. Over tensor, every sender must be
+    on rank 0's node."""
+    one_node = [{"node": "n1", "leader": True, "owner": True}] * 4
+    pp2 = sender(tmp_path, QWEN3_8B, "weight_sync.transport=broadcast", "parallel.pipeline_parallel=2",
+                 "parallel.num_trainer_ranks=2", pipeline_parallel=2)
+    assert pp2._senders_route(BOTH_LOADERS, one_node) == "stages"
+    assert sender(tmp_path, QWEN3_8B, "weight_sync.transport=broadcast", "parallel.pipeline_parallel=2",
+                  "parallel.num_trainer_ranks=2", "weight_sync.stage_senders=false",
+                  pipeline_parallel=2)._senders_route(BOTH_LOADERS, one_node) is None
+    tensor = sender(tmp_path, QWEN3_8B, "weight_sync.transport=tensor", "parallel.pipeline_parallel=2",
+                    "parallel.num_trainer_ranks=2", pipeline_parallel=2)
+    assert tensor._senders_route(WITH_LOADER, one_node) == "stages"
+    assert tensor._senders_route(WITH_LOADER, [*one_node[:1], {"node": "n2", "leader": True, "owner": True}]) is None
+
+    def moe(*overrides: str, pipeline_parallel: int = 1) -> WeightSender:
+        (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+        cfg = load_config(REPO / "configs" / "quickstart_cpu.yaml", [f"model.hf_path={tmp_path}", *overrides],
+                          files=False)
+        return WeightSender(cfg, architecture_from_hf(QWEN3_30B_A3B), rank=0, pipeline_parallel=pipeline_parallel,
+                            expert_parallel=2)
+
+    slots = (SHARD_LOADER, SHARD_RECEIVER, SHARD_DIRECT)
+    cpu_ep1, cpu_ep2 = EngineSharding(tp=2, loaders=slots), EngineSharding(tp=2, ep=2, loaders=slots)
+    cuda_ep1 = EngineSharding(tp=2, loaders=slots, device="cuda")
+    assert moe("weight_sync.transport=disk")._senders_route(cpu_ep2, one_node) == "owned"
+    assert moe("weight_sync.transport=disk")._senders_route(cpu_ep1, one_node) is None  # SHA-256: through rank 0
+    assert moe("weight_sync.transport=disk")._senders_route(cuda_ep1, one_node) == "owned"  # the tile hash combines
+    assert moe("weight_sync.transport=disk", "weight_sync.verify=false")._senders_route(cpu_ep1, one_node) == "owned"
+    pp2_moe = ["weight_sync.transport=disk", "parallel.pipeline_parallel=2", "parallel.num_trainer_ranks=4"]
+    assert moe(*pp2_moe, pipeline_parallel=2)._senders_route(cpu_ep2, one_node) == "owned"
+    assert moe(*pp2_moe, pipeline_parallel=2)._senders_route(cpu_ep1, one_node) == "stages"
+    assert moe(*pp2_moe, "weight_sync.stage_senders=false",
+               pipeline_parallel=2)._senders_route(cpu_ep2, one_node) is None
+    monkeypatch.setattr("slimish.weight_sync.sender.resolve_backend", lambda backend: "nccl")
+    assert pp2._senders_route(BOTH_LOADERS, one_node) is None  # full-route stage senders
+
+
 def test_auto_keeps_broadcast_on_the_full_path_with_stage_senders_or_over_nccl(tmp_path, monkeypatch):
     """Stage senders send the whole model (each stage its own layers), and over NCCL the per-rank groups'
     communicators are set up lazily inside the first broadcast's host call, out of reach of any release (issue 44,
