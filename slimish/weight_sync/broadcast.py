@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
@@ -39,7 +39,7 @@ from slimish.engines.client import EngineClient, EngineError
 from slimish.network import free_port
 from slimish.weight_sync.buckets import Bucket, FlatBuffers, ShardedBucket
 from slimish.weight_sync.process_group import abort_group, destroy_group, new_weight_update_group
-from slimish.weight_sync.transport import LET_GO_S, Owned, Transport, keep_until_done, tensor_meta
+from slimish.weight_sync.transport import LET_GO_S, Owned, SyncReleased, Transport, keep_until_done, tensor_meta
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +188,24 @@ class BroadcastTransport(Transport):
             raise
 
     def _wire_own(self, placed: list, deadline: float) -> None:
-        """Broadcast each rank's part over its group, every group at once, waited for until `deadline`."""
+        """Broadcast each rank's part over its group, every group at once, waited for until `deadline`. A broadcast
+        that fails because a peer went away (an engine rank died mid-bucket) raises the engines' own failure where
+        one answers within LET_GO_S: it names the engine, where gloo's names only an address."""
         with self.phase("wire"):
             works = [collectives.broadcast(flat, src=0, group=group, async_op=True)
                      for (flat, _), group in zip(placed, self.rank_groups)]
-            for work in works:
-                self.wait_work(work, deadline=deadline, what="the broadcast of a rank's part of a bucket")
+            try:
+                for work in works:
+                    self.wait_work(work, deadline=deadline, what="the broadcast of a rank's part of a bucket")
+            except SyncReleased:
+                raise
+            except Exception as exc:
+                failed = wait_futures(self._loading, timeout=LET_GO_S, return_when=FIRST_EXCEPTION).done
+                cause = next((call.exception() for call in self._loading if call in failed and call.exception()),
+                             None)
+                if cause is None:
+                    raise
+                raise cause from exc
 
     def _join_rank_groups(self, tp: int, timeout=None, deadline: float = float("inf")) -> list:
         """Group r with rank r of every engine (which joins it in its first `receive_shard`), all at once; the

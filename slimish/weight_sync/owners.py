@@ -20,9 +20,9 @@ weight-update requests one at a time, in arrival order: one poster keeps every e
 round at once (`BroadcastTransport.push_round`). Which senders it may wait for: a stage's export gathers the
 parameters outside the experts first, over TP groups its owners may share with the stage's leader (rank 0 for the
 first stage), and a sender waiting for rank 0's answer must not hold up one of those gathers that another sender,
-which rank 0 waits for, is in. So the first stage's owners are waited for once rank 0's own export has ended, a
-later stage's owners once their leader's export has passed those gathers (`OwnedExport.dense_over`, in its
-messages), a later stage's leader from the start.
+which rank 0 waits for, is in. So an owner is waited for once its stage's leader has passed those gathers
+(`OwnedExport.dense_over`: rank 0's own export for the first stage, a later leader's in its messages), a later
+stage's leader from the start.
 
 Messages over the control group, between rank 0 and a sender (the stage senders' exchange, `StageLink`):
   owner -> rank 0   {"shards": what names the bucket, "nbytes": n, "rank_bytes": [per engine rank],
@@ -82,8 +82,8 @@ def owners_fit(layout: EngineLayout | None, trainer_ep: int, *, predicted: bool 
 class OwnerLink(StageLink):
     """Rank 0's side of one sender: a later stage's leader (`leader`, none: takes turns with rank 0 from the start)
     or an owner of experts, taken once what its gathers share is over: an owner of the first stage once rank 0's own
-    export has ended (`after_own`), one of a later stage once its stage's leader has passed the stage's parameters
-    outside the experts (`leader.dense_over`)."""
+    export has passed the parameters outside the experts (`after_own`), one of a later stage once its stage's leader
+    has (`leader.dense_over`)."""
     sends_shards = True
 
     def __init__(self, *, stage: int, rank: int, group, group_name: str = "", after_own: bool = False,
@@ -100,8 +100,8 @@ class OwnerLink(StageLink):
         self.wiring = False  # broadcast: the owner was told to send the bucket and awaits the engines' verdict
         self.dense_over = False  # its export has passed its stage's parameters outside the experts
 
-    def ready(self, own_left: bool) -> bool:
-        return super().ready(own_left) and (self.leader is None or self.leader.dense_over)
+    def ready(self, own_past_dense: bool) -> bool:
+        return super().ready(own_past_dense) and (self.leader is None or self.leader.dense_over)
 
     def next(self) -> dict:
         message = super().next()

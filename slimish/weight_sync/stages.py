@@ -51,17 +51,17 @@ class StageLink:
         self.stage, self.rank, self.group, self.group_name = stage, rank, group, group_name
         self.start()
 
-    #: Rank 0 takes this link's buckets only once its own export has ended (stage 0's expert owners', see
-    #: `slimish.weight_sync.owners`); a stage's take turns with rank 0's.
+    #: Rank 0 takes this link's buckets only once its own export has passed the parameters outside the experts
+    #: (stage 0's expert owners', see `slimish.weight_sync.owners`); a stage's take turns with rank 0's.
     after_own = False
     #: Whether the sender sends each engine rank only its own part (`OwnerLink`); a stage's sends the whole stage.
     sends_shards = False
 
-    def ready(self, own_left: bool) -> bool:
-        """Whether rank 0 may wait for this sender's next bucket now (`own_left`: rank 0's own export goes on): a
-        sender whose next bucket may wait on a gather rank 0 or another sender still holds up must not be waited for
-        (see `slimish.weight_sync.owners`)."""
-        return not (self.after_own and own_left)
+    def ready(self, own_past_dense: bool) -> bool:
+        """Whether rank 0 may wait for this sender's next bucket now (`own_past_dense`: rank 0's own export has passed
+        the parameters outside the experts, or ended): a sender whose next bucket may wait on a gather rank 0 or
+        another sender still holds up must not be waited for (see `slimish.weight_sync.owners`)."""
+        return own_past_dense or not self.after_own
 
     @property
     def label(self) -> str:

@@ -118,8 +118,9 @@ class WeightSync:
             self.transport.abort()
             self.hung += [url for url in self.transport.hung if url not in self.hung]
             if any(link.after_own for link in stages):
-                # The owners send their first bucket only once this rank's export has ended (their gathers of the
-                # parameters outside the experts need it): finish it, so that each can be told to give up.
+                # The first stage's owners send their first bucket only once this rank's export has passed its
+                # gathers of the parameters outside the experts, which theirs need: finish it, so that each can be
+                # told to give up.
                 drain(named_tensors)
             # In list order: a stage's leader before the stage's other senders, whose next bucket may wait on one of
             # the leader's gathers, which it finishes once told to give up.
@@ -188,7 +189,8 @@ class WeightSync:
                         own_now = pending
                     pending = bucket
             for link in list(remote):
-                if not link.ready(own_left):  # its next bucket may wait on a gather that others hold up
+                # Its next bucket may wait on a gather that others hold up: see `slimish.weight_sync.owners`.
+                if not link.ready(not own_left or getattr(named_tensors, "dense_over", False)):
                     continue
                 message = link.next()
                 if "bucket" in message:
