@@ -41,6 +41,24 @@ other jobs left that sync), bytes per engine rank and CPU-seconds, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
     ... load_average_1min=<l> cores=<the CPUs left to the syncs, over all of them> (all syncs)
+
+    python bench/weight_sync.py --engine-tp 2 --senders 2 [--layers 8] [--rounds 3] [--bucket-mb 64]
+    (the second run of make bench-sync-sharded)
+
+The sharded route from two senders: the same TP2 engine, and two processes standing in for a PP2 trainer's stage
+leaders (as the PP2 case splits the model). Per transport (`disk`, `tensor`, `broadcast`) the sharded sync from
+both (`owned`: stage 1 is an `OwnerSender`, as the trainer's "stages" route makes it, cutting its stage into the
+engine ranks' parts and staging them itself while rank 0 posts every request), against the sharded sync from rank 0
+alone (`funnel`: stage 1's tensors sent to rank 0 first), and over broadcast against the same two senders posted
+one request per bucket (`per_bucket`: `one_request_per_bucket`, a bench emulation; the production default is one
+request per round, `BroadcastTransport.push_round`). Per case: seconds (best of `--rounds`), `sync_requests`,
+`sync_buckets`, MiB per sender and per engine rank; then per transport, broadcast last:
+
+    transport=<t> two_senders_vs_funnel_ratio=<funnel s / two senders s> ... [rounds_vs_per_bucket_ratio=<per
+    bucket s / rounds s> ...] [wire_model_ratio=<the cluster wire model's funnel / two senders>] load_average_1min=<l>
+
+`wire_model_ratio` is what `slimish.weight_sync.estimate.sync_seconds` predicts for one NIC per sender (a GPU
+cluster); the CPU model (`cpu_sync_seconds`) has no several senders, so this run is not checked against it.
 """
 
 from __future__ import annotations
