@@ -51,8 +51,9 @@ both (`owned`: stage 1 is an `OwnerSender`, as the trainer's "stages" route make
 engine ranks' parts and staging them itself while rank 0 posts every request), against the sharded sync from rank 0
 alone (`funnel`: stage 1's tensors sent to rank 0 first), and over broadcast against the same two senders posted
 one request per bucket (`per_bucket`: `one_request_per_bucket`, a bench emulation; the production default is one
-request per round, `BroadcastTransport.push_round`). Per case: seconds (best of `--rounds`), `sync_requests`,
-`sync_buckets`, MiB per sender and per engine rank; then per transport, broadcast last:
+request per round, `BroadcastTransport.push_round`). Per case: seconds (best of `--rounds`), the CPU-seconds of
+every process of that sync (`cpu_s`), `sync_requests`, `sync_buckets`, MiB per sender and per engine rank;
+then per transport, broadcast last:
 
     transport=<t> two_senders_vs_funnel_ratio=<funnel s / two senders s> ... [rounds_vs_per_bucket_ratio=<per
     bucket s / rounds s> ...] [wire_model_ratio=<the cluster wire model's funnel / two senders>] load_average_1min=<l>
@@ -371,7 +372,7 @@ def two_sender_rounds(mode: str, transport: str, urls: list[str], model: Path, t
     standing in for a PP2 trainer's stage leaders: `owned` = stage 1 stages and sends its own parts (`OwnerSender`,
     rank 0 posting the requests: over broadcast one per round), `per_bucket` = the same posted one request per
     bucket (`one_request_per_bucket`; broadcast only), `funnel` = stage 1's tensors reach rank 0 first, which sends
-    everything."""
+    everything. `cpu_s`: the CPU-seconds of the sync's every process (both senders and the engine's tree)."""
     import functools
 
     from slimish.weight_sync.checksums import ExpectedChecksums
@@ -408,9 +409,11 @@ def two_sender_rounds(mode: str, transport: str, urls: list[str], model: Path, t
             links = [] if mode == "funnel" else [OwnerLink(stage=1, rank=1, group=dist.group.WORLD)]
             own = funnel() if mode == "funnel" else ((name, by_name[name]) for name in stage0)
             dist.barrier()
+            cpu = _tree_cpu_s(os.getpid())  # this process, stage 1's and the engine's (all its descendants)
             t0 = time.perf_counter()
             metrics = sync.send(own, version=f"two-{transport}-{mode}-{round_}", stages=links)
             metrics["sync_s"] = time.perf_counter() - t0
+            metrics["cpu_s"] = _tree_cpu_s(os.getpid()) - cpu
             if best is None or metrics["sync_s"] < best["sync_s"]:
                 best = metrics
     finally:
@@ -467,7 +470,7 @@ def senders_main(args) -> None:
             sent = {k.removeprefix("sync_sent_").removesuffix("_mib"): round(v) for k, v in sorted(best.items())
                     if k.startswith("sync_sent_rank")}
             ranks = [round(best[f"sync_engine_rank{r}_mib"]) for r in range(tp)]
-            print(f"two-senders {transport} {mode} bucket_mb={size:g}: {best['sync_s']:.2f}s "
+            print(f"two-senders {transport} {mode} bucket_mb={size:g}: {best['sync_s']:.2f}s cpu_s={best['cpu_s']:.2f} "
                   f"requests={best['sync_requests']} buckets={best['sync_buckets']} senders={best['sync_senders']} "
                   f"MiB sent {sent} MiB per engine rank {ranks} load_average_1min={os.getloadavg()[0]:.1f} | "
                   f"{phase_line(best)}", flush=True)
