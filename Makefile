@@ -90,6 +90,7 @@ bench-sync: venv
 
 bench-sync-sharded: venv
 	$(BIN)/python bench/weight_sync.py --engine-tp 2 --layers 8
+	$(BIN)/python bench/weight_sync.py --engine-tp 2 --layers 8 --senders 2
 
 bench-flatten: venv
 	$(BIN)/python bench/flatten.py

@@ -41,6 +41,25 @@ other jobs left that sync), bytes per engine rank and CPU-seconds, and last:
 
     calibration_worst_abs_error=<max |estimated / measured - 1| of the six> ... sharded_vs_full_ratio=<tensor's>
     ... load_average_1min=<l> cores=<the CPUs left to the syncs, over all of them> (all syncs)
+
+    python bench/weight_sync.py --engine-tp 2 --senders 2 [--layers 8] [--rounds 3] [--bucket-mb 64]
+    (the second run of make bench-sync-sharded)
+
+The sharded route from two senders: the same TP2 engine, and two processes standing in for a PP2 trainer's stage
+leaders (as the PP2 case splits the model). Per transport (`disk`, `tensor`, `broadcast`) the sharded sync from
+both (`owned`: stage 1 is an `OwnerSender`, as the trainer's "stages" route makes it, cutting its stage into the
+engine ranks' parts and staging them itself while rank 0 posts every request), against the sharded sync from rank 0
+alone (`funnel`: stage 1's tensors sent to rank 0 first), and over broadcast against the same two senders posted
+one request per bucket (`per_bucket`: `one_request_per_bucket`, a bench emulation; the production default is one
+request per round, `BroadcastTransport.push_round`). Per case: seconds (best of `--rounds`), the CPU-seconds of
+every process of that sync (`cpu_s`), `sync_requests`, `sync_buckets`, MiB per sender and per engine rank;
+then per transport, broadcast last:
+
+    transport=<t> two_senders_vs_funnel_ratio=<funnel s / two senders s> ... [rounds_vs_per_bucket_ratio=<per
+    bucket s / rounds s> ...] [wire_model_ratio=<the cluster wire model's funnel / two senders>] load_average_1min=<l>
+
+`wire_model_ratio` is what `slimish.weight_sync.estimate.sync_seconds` predicts for one NIC per sender (a GPU
+cluster); the CPU model (`cpu_sync_seconds`) has no several senders, so this run is not checked against it.
 """
 
 from __future__ import annotations
@@ -291,6 +310,190 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
         dist.destroy_process_group()
         child.join(timeout=120)
     return best
+
+
+def _owner_process(port: int, model: str, names: list[str], urls: list[str], bucket_mb: float, rounds: int,
+                   mode: str, transport: str, sharding, group_name: str, disk_dir: str) -> None:
+    """Pipeline stage 1's sender on the sharded route: with mode 'owned' or 'per_bucket' its own `OwnerSender` (as
+    `WeightSender._connect_senders` makes it on the "stages" route: it cuts its stage into the engine ranks' parts,
+    stages and hashes them itself), with mode 'funnel' it sends each tensor to rank 0 instead. A barrier before each
+    sync starts both senders together."""
+    import functools
+
+    from slimish.megatron_bridge.hf_config import architecture_from_hf, read_hf_config
+    from slimish.megatron_bridge.hf_io import HFCheckpoint
+    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.owners import OwnerSender
+    from slimish.weight_sync.sender import local_context
+    from slimish.weight_sync.sharding import EngineLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    ckpt = HFCheckpoint(Path(model))
+    tensors = [(name, ckpt.get(name)) for name in names]
+    sender = None
+    if mode != "funnel":
+        arch = architecture_from_hf(read_hf_config(Path(model)))
+        sender = OwnerSender(rank=1, transport=transport, layout=EngineLayout(arch, sharding), engines=len(urls),
+                             bucket_bytes=int(bucket_mb * 2**20), coordinator=0, group=dist.group.WORLD,
+                             disk_dir=disk_dir,
+                             expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32, sharding),
+                             context=local_context(group_name, engine_tp=sharding.tp, disk_dir=disk_dir))
+    for _ in range(rounds):
+        dist.barrier()
+        if sender is not None:
+            sender.send(iter(tensors))
+        else:
+            for _, tensor in tensors:
+                dist.send(tensor, dst=0)
+    if sender is not None:
+        sender.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def one_request_per_bucket(transport) -> None:
+    """Bench knob (emulation, no production switch): make a `BroadcastTransport` post each sender's bucket in a
+    request of its own, rank 0's first, instead of one request per round naming every sender's next bucket
+    (`push_round`): the round's buckets then cross the wire one after the other."""
+    from slimish.weight_sync.broadcast import BroadcastTransport
+
+    def push_round(own, owned):
+        nbytes = transport.push_shards(own, version=None) if own is not None else 0
+        for bucket in owned:
+            BroadcastTransport.push_round(transport, None, [bucket])
+        return nbytes
+
+    transport.push_round = push_round
+
+
+def two_sender_rounds(mode: str, transport: str, urls: list[str], model: Path, tensors: list, layers: int, *,
+                      bucket_mb: float, rounds: int, arch, sharding, disk_dir: Path) -> dict:
+    """The fastest of `rounds` sharded syncs (each engine rank only its own parameters) from two sender processes
+    standing in for a PP2 trainer's stage leaders: `owned` = stage 1 stages and sends its own parts (`OwnerSender`,
+    rank 0 posting the requests: over broadcast one per round), `per_bucket` = the same posted one request per
+    bucket (`one_request_per_bucket`; broadcast only), `funnel` = stage 1's tensors reach rank 0 first, which sends
+    everything. `cpu_s`: the CPU-seconds of the sync's every process (both senders and the engine's tree)."""
+    import functools
+
+    from slimish.weight_sync.checksums import ExpectedChecksums
+    from slimish.weight_sync.owners import OwnerLink
+    from slimish.weight_sync.sender import sync_to
+    from slimish.weight_sync.sharding import EngineLayout
+
+    by_name = dict(tensors)
+    stage0, stage1 = split_stages([name for name, _ in tensors], layers)
+    port, group_name = free_port(), f"bench_two_{transport}_{mode}"
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    child = mp.get_context("spawn").Process(
+        target=_owner_process,
+        args=(port, str(model), stage1, urls, bucket_mb, rounds, mode, transport, sharding, group_name, str(disk_dir)))
+    child.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    sync = sync_to(urls, transport=transport, group_name=group_name, bucket_bytes=int(bucket_mb * 2**20),
+                   disk_dir=str(disk_dir), engine_tp=sharding.tp, layout=EngineLayout(arch, sharding),
+                   expected_checksums=functools.partial(ExpectedChecksums, arch, torch.float32, sharding))
+    if mode == "per_bucket":
+        one_request_per_bucket(sync.transport)
+    sync.connect()
+
+    def funnel():
+        yield from ((name, by_name[name]) for name in stage0)
+        for name in stage1:
+            tensor = torch.empty_like(by_name[name])
+            dist.recv(tensor, src=1)
+            yield name, tensor
+
+    best = None
+    try:
+        for round_ in range(rounds):
+            links = [] if mode == "funnel" else [OwnerLink(stage=1, rank=1, group=dist.group.WORLD)]
+            own = funnel() if mode == "funnel" else ((name, by_name[name]) for name in stage0)
+            dist.barrier()
+            cpu = _tree_cpu_s(os.getpid())  # this process, stage 1's and the engine's (all its descendants)
+            t0 = time.perf_counter()
+            metrics = sync.send(own, version=f"two-{transport}-{mode}-{round_}", stages=links)
+            metrics["sync_s"] = time.perf_counter() - t0
+            metrics["cpu_s"] = _tree_cpu_s(os.getpid()) - cpu
+            if best is None or metrics["sync_s"] < best["sync_s"]:
+                best = metrics
+    finally:
+        sync.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        # No timeout: its sentinel pipe outlives it in the torch_shm_manager it started (tensor), and join(timeout)
+        # waits on that pipe; the child has passed the last barrier and exits.
+        child.join()
+    return best
+
+
+def wire_model_ratio(transport: str, stage_bytes: list[float], *, tp: int, replicated: float) -> float:
+    """What `slimish.weight_sync.estimate.sync_seconds` predicts for funnel s / two senders s on a cluster (one NIC
+    per sender): the sharded sync from rank 0 with stage 1 funnelled to it, against the "stages" route from both
+    stages' leaders with these bytes. Not this machine's model (`cpu_sync_seconds` has no several senders)."""
+    from slimish.weight_sync.estimate import StageBytes, sync_seconds
+
+    model = sum(stage_bytes)
+    one = sync_seconds(model, transport=transport, pipeline_parallel=2, stage_senders=False, engine_shards=tp,
+                       replicated_bytes=replicated)
+    two = sync_seconds(model, transport=transport, engine_shards=tp, replicated_bytes=replicated, route="stages",
+                       stages=[StageBytes(dense=b) for b in stage_bytes])
+    return one / two
+
+
+def senders_main(args) -> None:
+    """One engine of `args.engine_tp` ranks; the sharded sync from two senders against the funnel through rank 0
+    (and, over broadcast, against one request per bucket) per transport (see the module docstring)."""
+    from slimish.weight_sync.checksums import sharding_of
+
+    tp, size = args.engine_tp, args.bucket_mb[0]
+    root = Path(tempfile.mkdtemp(prefix="bench-sync-senders-", dir=args.workdir))
+    engines = []
+    try:
+        model, arch, tensors, nbytes = load_model(root, args.layers)
+        t0 = time.monotonic()
+        engines = start_engines(model, root, count=1, tp=tp)
+        urls = [url for _, url in engines]
+        sharding = sharding_of(urls[0], api_key=None)
+        print(f"1 engine of {tp} tensor-parallel ranks up in {time.monotonic() - t0:.0f}s; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        stage0, _ = split_stages([name for name, _ in tensors], args.layers)
+        stage_bytes = [float(sum(t.numel() * t.element_size() for n, t in tensors if (n in stage0) == first))
+                       for first in (True, False)]
+        replicated = float(sum(t.numel() * t.element_size() for n, t in tensors if "norm" in n))
+        results = {}
+        cases = [(t, m) for t in ("disk", "tensor", "broadcast")
+                 for m in ("funnel", "owned", *(("per_bucket",) if t == "broadcast" else ()))]
+        for transport, mode in cases:  # broadcast last: its line is the figure
+            best = two_sender_rounds(mode, transport, urls, model, tensors, args.layers, bucket_mb=size,
+                                     rounds=args.rounds, arch=arch, sharding=sharding, disk_dir=root / "disk")
+            results[transport, mode] = best
+            sent = {k.removeprefix("sync_sent_").removesuffix("_mib"): round(v) for k, v in sorted(best.items())
+                    if k.startswith("sync_sent_rank")}
+            ranks = [round(best[f"sync_engine_rank{r}_mib"]) for r in range(tp)]
+            print(f"two-senders {transport} {mode} bucket_mb={size:g}: {best['sync_s']:.2f}s cpu_s={best['cpu_s']:.2f} "
+                  f"requests={best['sync_requests']} buckets={best['sync_buckets']} senders={best['sync_senders']} "
+                  f"MiB sent {sent} MiB per engine rank {ranks} load_average_1min={os.getloadavg()[0]:.1f} | "
+                  f"{phase_line(best)}", flush=True)
+        for transport in ("disk", "tensor", "broadcast"):
+            funnel, owned = results[transport, "funnel"], results[transport, "owned"]
+            model_ratio = "" if transport == "tensor" else \
+                f" wire_model_ratio={wire_model_ratio(transport, stage_bytes, tp=tp, replicated=replicated):.2f}"
+            rounds_part = ""
+            if (transport, "per_bucket") in results:
+                per_bucket = results[transport, "per_bucket"]
+                rounds_part = (f" rounds_vs_per_bucket_ratio={per_bucket['sync_s'] / owned['sync_s']:.2f} "
+                               f"per_bucket_s={per_bucket['sync_s']:.2f} "
+                               f"requests_rounds={owned['sync_requests']} "
+                               f"requests_per_bucket={per_bucket['sync_requests']}")
+            print(f"transport={transport} two_senders_vs_funnel_ratio={funnel['sync_s'] / owned['sync_s']:.2f} "
+                  f"funnel_s={funnel['sync_s']:.2f} two_senders_s={owned['sync_s']:.2f}{rounds_part} "
+                  f"buckets={owned['sync_buckets']} rank0_mib={owned['sync_sent_rank0_mib']:.0f} "
+                  f"rank1_mib={owned['sync_sent_rank1_mib']:.0f}{model_ratio} "
+                  f"load_average_1min={os.getloadavg()[0]:.1f} engine_tp={tp} bucket_mb={size:g}", flush=True)
+    finally:
+        for proc, _ in engines:
+            proc.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def best_s(fn, rounds: int, *, clock=time.perf_counter, after=None) -> float:
@@ -554,7 +757,12 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--engine-tp", type=int, default=1,
                         help="> 1: one engine of this many ranks, full vs sharded sync per transport")
+    parser.add_argument("--senders", type=int, choices=(1, 2), default=1,
+                        help="2 (with --engine-tp > 1): only the sharded sync from two senders against the funnel")
     args = parser.parse_args()
+    if args.engine_tp > 1 and args.senders == 2:
+        senders_main(args)
+        return
     if args.engine_tp > 1:
         sharded_main(args)
         return
