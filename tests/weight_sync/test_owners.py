@@ -124,20 +124,21 @@ def test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers(tiny_mo
 
 
 @pytest.mark.parametrize(("tp", "ep", "transport", "senders"), [
-    (1, 1, "tensor", {0, 1}), (1, 2, "disk", {0, 1, 2, 3}), (2, 2, "broadcast", {0, 1, 2, 3})],
-    ids=["pp2-stages-tensor", "pp2-ep2-disk", "pp2-tp2-ep2-broadcast"])
+    (1, 1, "disk", {0, 1}), (1, 2, "broadcast", {0, 1, 2, 3}), (2, 2, "tensor", {0, 1, 2, 3})],
+    ids=["pp2-stages-disk", "pp2-ep2-broadcast", "pp2-tp2-ep2-tensor"])
 def test_each_stage_sends_its_own_layers_and_each_owner_its_experts(tiny_moe_models, tmp_path, tp, ep, transport,
                                                                      senders):
     """Pipeline parallelism 2 (a tiny Qwen3-MoE of two layers, one per stage): without expert parallelism the
     second stage's only rank sends its whole stage (the "stages" route, its experts included); with EP2 each stage's
     leader sends its stage outside the experts and each EP rank its own experts (four senders), nothing crossing the
-    pipeline group. At TP2 the second stage's owner (rank 3) shares its leader's (rank 2) TP gathers, and with
-    0.02 MiB buckets the leader sends several buckets of them: rank 0 waits for rank 3's first bucket only once rank 2
-    has passed them (`OwnerLink.ready`), else the three would wait on each other. The engine ranks end with what the
-    route through rank 0 gives them, verified against the trainer's checksums. broadcast also fails one of rank 0's
-    buckets and then one of an owner's: the senders of both stages give up (a later stage's leader before its owner),
-    and the next sync on a new connection delivers."""
-    faults = ("first", "owner") if transport == "broadcast" else ()
+    pipeline group; over broadcast in rounds (fewer requests than buckets). At TP2 the second stage's owner (rank 3)
+    shares its leader's (rank 2) TP gathers, and with 0.02 MiB buckets the leader sends several buckets of them: rank
+    0 waits for rank 3's first bucket only once rank 2 has passed them (`OwnerLink.ready`), else the three would wait
+    on each other (with 4 KiB buckets they did). The engine ranks end with what the route through rank 0 gives them,
+    verified against the trainer's checksums. At TP2 one of rank 0's buckets fails, then one of an owner's: the
+    senders of both stages give up (a later stage's leader before its owner), and the next sync on a new connection
+    delivers. (The broadcast's failures are test_a_sync_that_fails_releases_the_owners_and_the_next_one_delivers's.)"""
+    faults = ("first", "owner") if tp == 2 else ()
     result = run(tiny_moe_models, tmp_path, tp, transport, *faults, ep=ep, pp=2)
     assert_same_held(result, "owners")
     f, o = result["funnel"]["metrics"], result["owners"]["metrics"]
