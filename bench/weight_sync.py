@@ -261,6 +261,15 @@ def _stage1_process(port: int, model: str, names: list[str], urls: list[str], bu
     dist.destroy_process_group()
 
 
+def funnel(by_name: dict, stage0: list[str], stage1: list[str]):
+    """Rank 0's stream through the funnel: its own stage's tensors, then stage 1's as they arrive from rank 1."""
+    yield from ((name, by_name[name]) for name in stage0)
+    for name in stage1:
+        tensor = torch.empty_like(by_name[name])
+        dist.recv(tensor, src=1)
+        yield name, tensor
+
+
 def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: int, *, bucket_mb: float,
                rounds: int, arch) -> dict:
     """The fastest of `rounds` syncs from two sender processes standing in for a PP2 trainer's stage leaders:
@@ -288,17 +297,10 @@ def pp2_rounds(mode: str, urls: list[str], model: Path, tensors: list, layers: i
         dist.barrier()
         dist.barrier()  # stage 1 has connected
 
-    def funnel():
-        yield from ((name, by_name[name]) for name in stage0)
-        for name in stage1:
-            tensor = torch.empty_like(by_name[name])
-            dist.recv(tensor, src=1)
-            yield name, tensor
-
     best = None
     try:
         for round_ in range(rounds):
-            own = funnel() if mode == "funnel" else ((name, by_name[name]) for name in stage0)
+            own = funnel(by_name, stage0, stage1) if mode == "funnel" else ((name, by_name[name]) for name in stage0)
             t0 = time.perf_counter()
             metrics = sync.send(own, version=f"pp2-{mode}-{round_}", stages=links)
             metrics["sync_s"] = time.perf_counter() - t0
@@ -396,18 +398,11 @@ def two_sender_rounds(mode: str, transport: str, urls: list[str], model: Path, t
         one_request_per_bucket(sync.transport)
     sync.connect()
 
-    def funnel():
-        yield from ((name, by_name[name]) for name in stage0)
-        for name in stage1:
-            tensor = torch.empty_like(by_name[name])
-            dist.recv(tensor, src=1)
-            yield name, tensor
-
     best = None
     try:
         for round_ in range(rounds):
             links = [] if mode == "funnel" else [OwnerLink(stage=1, rank=1, group=dist.group.WORLD)]
-            own = funnel() if mode == "funnel" else ((name, by_name[name]) for name in stage0)
+            own = funnel(by_name, stage0, stage1) if mode == "funnel" else ((name, by_name[name]) for name in stage0)
             dist.barrier()
             cpu = _tree_cpu_s(os.getpid())  # this process, stage 1's and the engine's (all its descendants)
             t0 = time.perf_counter()

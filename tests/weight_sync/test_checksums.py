@@ -64,12 +64,18 @@ def engine_params(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, tor
     }
 
 
-@pytest.mark.parametrize("shuffled", [False, True])
-def test_fused_parameters_hash_as_their_concatenation_in_any_arrival_order(shuffled):
+def moe_layer_items(shuffled: bool) -> tuple[dict, list]:
+    """A three-expert MoE layer's tensors, and their (name, tensor) items in model order or shuffled."""
     tensors = moe_layer(num_experts=3)
     items = list(tensors.items())
     if shuffled:
         random.Random(1).shuffle(items)
+    return tensors, items
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_fused_parameters_hash_as_their_concatenation_in_any_arrival_order(shuffled):
+    tensors, items = moe_layer_items(shuffled)
     expected = ExpectedChecksums(arch(3), torch.float32)
     for name, tensor in items:
         expected.add(name, tensor)
@@ -257,10 +263,7 @@ def test_the_hash_kind_is_the_engines_device():
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_the_tile_hash_of_fused_parameters_from_parts_hashed_at_their_offsets(shuffled):
     """Parts of unequal sizes (q, k, v), in any arrival order, each hashed where it lies: no fused tensor."""
-    tensors = moe_layer(num_experts=3)
-    items = list(tensors.items())
-    if shuffled:
-        random.Random(1).shuffle(items)
+    tensors, items = moe_layer_items(shuffled)
     expected = ExpectedChecksums(arch(3), torch.bfloat16, kind=TILE)
     for name, tensor in items:
         expected.add(name, tensor)
